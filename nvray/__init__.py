@@ -1,0 +1,24 @@
+"""nvray: an LLM inference engine and serving framework on Ray.
+
+``from nvray import LLM, SamplingParams`` is the offline API; importing nvray needs neither
+CUDA, Triton, flash-attn nor Ray (heavy parts are imported when used).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvray.config import EngineConfig
+from nvray.outputs import RequestOutput
+from nvray.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from nvray.llm import LLM  # noqa: PLC0415 - torch is imported only when LLM is used
+
+        return LLM
+    raise AttributeError(f"module 'nvray' has no attribute {name!r}")

@@ -1,0 +1,93 @@
+"""EngineConfig: every engine setting in one frozen dataclass, validated on construction.
+
+Values only known at run time (the KV block count, EOS ids, the model's HF config) are not
+kept here: they live in the objects that discover them. A bad value raises ``ValueError``
+naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULING_POLICIES = ("fcfs", "sjf", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. ``model`` is a path to an HF-format checkpoint or ``"tiny"``."""
+
+    model: str = "tiny"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kvcache_block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kvcache_blocks: int | None = None  # override the block count computed from memory
+    cpu_kvcache_space_gib: float = 0.5  # KV cache budget per rank when running on the CPU
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    sjf_aging_s: float = 10.0  # SJF: a request waiting this long goes ahead of shorter ones
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._validate_sizes()
+        self._validate_choices()
+        if self.extra:
+            raise ValueError(f"unknown engine option(s): {sorted(self.extra)}")
+
+    def _validate_sizes(self) -> None:
+        _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+                 "a checkpoint directory or 'tiny'")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 self.max_num_batched_tokens, "must be >= 1")
+        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                 self.max_model_len, "must be >= 1 or None")
+        bs = self.kvcache_block_size
+        _require(bs >= 1 and bs & (bs - 1) == 0, "kvcache_block_size", bs,
+                 "must be a power of two")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 self.gpu_memory_utilization, "must be in (0, 1]")
+        _require(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
+                 "num_kvcache_blocks", self.num_kvcache_blocks, "must be >= 1 or None")
+        _require(self.cpu_kvcache_space_gib > 0, "cpu_kvcache_space_gib",
+                 self.cpu_kvcache_space_gib, "must be > 0")
+        _require(self.sjf_aging_s > 0, "sjf_aging_s", self.sjf_aging_s, "must be > 0")
+        _require(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
+                 self.tensor_parallel_size, "must be in [1, 64]")
+
+    def _validate_choices(self) -> None:
+        for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
+                              ("device", DEVICES),
+                              ("attention_backend", ATTENTION_BACKENDS),
+                              ("dtype", DTYPES)):
+            value = getattr(self, name)
+            _require(value in allowed, name, value, f"must be one of {list(allowed)}")
+
+    @classmethod
+    def from_kwargs(cls, model: str = "tiny", **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments; unknown names are an error that lists them."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in kwargs.items() if k in names}
+        unknown = {k: v for k, v in kwargs.items() if k not in names}
+        return cls(model=model, extra=unknown, **known)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,161 @@
+"""BlockManager: paged KV blocks with reference counts and a prefix cache.
+
+Contract:
+- A block is owned by every running sequence whose block table lists it (``ref_count``).
+- Prefix caching: a block that is full *and whose KV has been written* gets a chained hash
+  (xxh64 of the previous block's hash and its token ids) and goes into ``hash_to_block``.
+  A lookup also compares token ids, so a hash collision can never serve the wrong KV.
+- A freed block keeps its hash and content; free blocks are evicted least recently freed first
+  (blocks holding no cached content go first of all). Reusing a block drops its stale hash.
+- At most ``(num_tokens - 1) // block_size`` blocks of a sequence are served from the cache,
+  so the model always has at least one token to compute (never a zero-length query).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nvray.engine.sequence import Sequence
+
+_ROOT_HASH = 0
+
+
+def hash_block(prev_hash: int, token_ids: list[int]) -> int:
+    """Chained hash of one full block: depends on every token before it."""
+    h = xxhash.xxh64()
+    h.update(prev_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks >= 1 and block_size >= 1, "need at least one block of one slot"
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # LRU order of free blocks: the first entry is evicted first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its cached blocks
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq`` (read-only lookup)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, tokens = self.block_size, seq.token_ids
+        found: list[int] = []
+        prev = _ROOT_HASH
+        for i in range((len(tokens) - 1) // bs):
+            block_tokens = tokens[i * bs:(i + 1) * bs]
+            prev = hash_block(prev, block_tokens)
+            block_id = self.hash_to_block.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(block_tokens):
+                break
+            found.append(block_id)
+        return found
+
+    def can_allocate(self, cached: list[int], num_tokens: int) -> bool:
+        """Can a waiting sequence get ``cached`` blocks plus slots up to ``num_tokens`` tokens?"""
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        new = self.num_blocks_for(num_tokens) - len(cached)
+        return revived + new <= len(self.free_blocks)
+
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= len(self.free_blocks)
+
+    # ----------------------------------------------------------------- changes
+    def allocate_prefix(self, seq: Sequence, cached: list[int]) -> None:
+        """Give a waiting sequence its cached prefix blocks; count the lookup."""
+        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self.seq_block_hashes[seq.seq_id] = [self.blocks[b].hash for b in cached]  # type: ignore[misc]
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_computed_tokens
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make sure the block table covers ``num_computed_tokens + num_new_tokens`` tokens."""
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks of ``seq`` that became full with written KV (call after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.seq_block_hashes.setdefault(seq.seq_id, [])
+        num_full = seq.num_computed_tokens // self.block_size
+        bs, tokens = self.block_size, seq.token_ids
+        for i in range(len(hashes), num_full):
+            block_tokens = tokens[i * bs:(i + 1) * bs]
+            h = hash_block(hashes[-1] if hashes else _ROOT_HASH, block_tokens)
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, tuple(block_tokens)
+                self.hash_to_block.setdefault(h, block.block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``; cached content stays until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.seq_block_hashes.pop(seq.seq_id, None)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0, f"free block {block_id} is referenced"
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+        block.ref_count = 1
+        return block_id

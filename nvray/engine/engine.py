@@ -1,0 +1,259 @@
+"""LLMEngine: the step loop — admit requests, schedule, run the ranks, apply stop rules.
+
+Pure Python: the model runs behind an ``Executor`` (in-process or Ray actors), the tokenizer
+is passed in. ``add_request`` validates and raises ``ValueError`` for a request that can never
+run (empty, out-of-vocabulary ids, longer than ``max_model_len``, bigger than the KV cache), so
+nothing that is accepted can stall the queue. ``step`` returns one ``RequestOutput`` per request
+that produced tokens or finished in that step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from nvray.engine.block_manager import BlockManager
+from nvray.engine.detokenizer import IncrementalDetokenizer
+from nvray.engine.scheduler import Scheduler, SchedulerOutput
+from nvray.engine.sequence import Sequence
+from nvray.engine.step_input import StepInput, build_step_input
+from nvray.outputs import RequestOutput
+from nvray.sampling_params import SamplingParams
+
+
+class Executor(Protocol):
+    def execute(self, step: StepInput) -> list[int]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class ModelLimits:
+    """Facts about the loaded model and cache that the control plane needs."""
+
+    max_model_len: int
+    vocab_size: int
+    num_kvcache_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stop_ids: tuple[int, ...]
+    prompt: str | None
+    prompt_token_ids: list[int]
+    stream: bool = False  # emit an output every step, not only the final one
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    timestamps: list[float] = field(default_factory=list)  # one per generated token
+
+
+class LLMEngine:
+    def __init__(self, tokenizer: Any, executor: Executor, limits: ModelLimits,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, sjf_aging_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.limits = limits
+        self.clock = clock
+        self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
+                                          enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                   scheduling_policy, enable_chunked_prefill, sjf_aging_s, clock)
+        self.requests: dict[str, RequestState] = {}
+        self.stop_ids_of: dict[int, tuple[int, ...]] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the latest step
+
+    # --------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        return list(prompt)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        lim = self.limits
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < lim.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {lim.vocab_size})")
+        total = len(token_ids) + params.max_tokens
+        if total > lim.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds max_model_len={lim.max_model_len}")
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and total > sched.max_num_batched_tokens:
+            raise ValueError(f"prompt + max_tokens = {total} exceeds max_num_batched_tokens="
+                             f"{sched.max_num_batched_tokens} and chunked prefill is disabled")
+        blocks = self.block_manager.num_blocks_for(total)
+        if blocks > lim.num_kvcache_blocks:
+            raise ValueError(f"request needs {blocks} KV cache blocks but the cache has only "
+                             f"{lim.num_kvcache_blocks}")
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    stream: bool = False) -> list[int]:
+        """Queue a request; returns its prompt token ids. Raises ValueError if it can't run.
+
+        A ``stream`` request gets an output every step it makes progress; others get only their
+        final output.
+        """
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        seq = Sequence(request_id, token_ids, params, self.clock(), priority)
+        eos = () if params.ignore_eos else self.limits.eos_token_ids
+        stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.requests[request_id] = RequestState(seq, detok, stop_ids,
+                                                 prompt if isinstance(prompt, str) else None,
+                                                 token_ids, stream)
+        self.stop_ids_of[seq.seq_id] = stop_ids
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += len(token_ids)
+        return token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        return self._finish(state, "abort")
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (the ranks are gone); the engine holds nothing after."""
+        outputs = []
+        for state in list(self.requests.values()):
+            state.error = message
+            outputs.append(self._finish(state, "error"))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        num_decode = sum(1 for seq, n in out.scheduled
+                         if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
+        step_input = build_step_input(out, self.stop_ids_of)
+        sampled = self.executor.execute(step_input)
+        assert len(sampled) == step_input.num_samples, "ranks returned the wrong number of tokens"
+        return self._postprocess(out, step_input, sampled)
+
+    def _postprocess(self, out: SchedulerOutput, step_input: StepInput,
+                     sampled: list[int]) -> list[RequestOutput]:
+        tokens = iter(sampled)
+        outputs, finished = [], []
+        now = self.clock()
+        for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq)
+            if seq_step.sample is None:
+                continue
+            state = self.requests[seq.request_id]
+            self._append_token(state, next(tokens), now)
+            if state.finish_reason is not None:
+                finished.append(state)
+                outputs.append(self._make_output(state))
+            elif state.stream:
+                outputs.append(self._make_output(state))
+        if finished:
+            self.scheduler.finish_many([s.seq for s in finished], lambda s: s.finish_reason)
+            for state in finished:
+                self._forget(state)
+        return outputs
+
+    def _append_token(self, state: RequestState, token: int, now: float) -> None:
+        seq, params = state.seq, state.seq.params
+        seq.append_token(token)
+        state.timestamps.append(now)
+        self.num_generation_tokens += 1
+        can_stop = seq.num_output_tokens >= params.min_tokens
+        if can_stop and token in state.stop_ids:
+            state.finish_reason = "stop"  # the stop token stays in token_ids, not in text
+        else:
+            prev_len = len(state.text)
+            state.text += state.detokenizer.add_tokens([token])
+            if can_stop and params.stop and self._apply_stop_strings(state, prev_len):
+                state.finish_reason = "stop"
+                return  # text is cut at the stop string: nothing held back matters
+        if state.finish_reason is None and (seq.num_output_tokens >= params.max_tokens
+                                            or seq.num_tokens >= self.limits.max_model_len):
+            state.finish_reason = "length"
+        if state.finish_reason is not None:
+            state.text += state.detokenizer.flush()
+
+    @staticmethod
+    def _apply_stop_strings(state: RequestState, prev_len: int) -> bool:
+        """Cut ``state.text`` at the first stop string that the new text completed."""
+        params = state.seq.params
+        start = max(0, prev_len - params.max_stop_len + 1)
+        hits = [(at, stop) for stop in params.stop if (at := state.text.find(stop, start)) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        state.text = state.text[:at + len(stop) if params.include_stop_str_in_output else at]
+        return True
+
+    # ---------------------------------------------------------------- outputs
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        seq = state.seq
+        finished = state.finish_reason is not None
+        hold = 0 if finished else max(0, seq.params.max_stop_len - 1)
+        visible = max(state.num_emitted_chars, len(state.text) - hold)
+        num_tokens = seq.num_output_tokens
+        out = RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=state.prompt_token_ids,
+            text=state.text if finished else "",
+            token_ids=seq.output_token_ids if finished else [],
+            delta_text=state.text[state.num_emitted_chars:visible],
+            delta_token_ids=seq.token_ids[seq.num_prompt_tokens + state.num_emitted_tokens:],
+            finished=finished, finish_reason=state.finish_reason, error=state.error,
+            num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt)
+        state.num_emitted_chars = visible
+        state.num_emitted_tokens = num_tokens
+        return out
+
+    def _finish(self, state: RequestState, reason: str) -> RequestOutput:
+        state.finish_reason = reason
+        if not state.seq.is_finished:
+            self.scheduler.finish(state.seq, reason)
+        self._forget(state)
+        return self._make_output(state)
+
+    def _forget(self, state: RequestState) -> None:
+        self.requests.pop(state.seq.request_id, None)
+        self.stop_ids_of.pop(state.seq.seq_id, None)
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": bm.usage,
+                "prefix_cache_hit_rate": bm.prefix_hit_rate,
+                "prefix_cache_queried_tokens": bm.num_queried_tokens,
+                "prefix_cache_hit_tokens": bm.num_hit_tokens,
+                "prompt_tokens": self.num_prompt_tokens,
+                "generation_tokens": self.num_generation_tokens,
+                "num_preemptions": self.scheduler.num_preemptions}

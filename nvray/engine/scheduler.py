@@ -1,0 +1,159 @@
+"""Scheduler: continuous batching with chunked prefill under one token budget.
+
+Each ``schedule()`` call builds one batch:
+1. running sequences first (decodes and unfinished prefill chunks), each taking what it needs
+   from the token budget; when KV blocks run out, the lowest-ranked running sequence is
+   preempted by recompute (blocks freed, back to the waiting queue, re-prefilled later);
+2. then, if nothing was preempted, waiting sequences in policy order (``fcfs``; ``sjf``:
+   shortest first, but a request waiting longer than ``aging_s`` goes first, in arrival order,
+   so none waits forever; ``priority``: lower value first), prefix-cache hits included, their
+   prompt split into chunks when it exceeds the remaining budget.
+A long prompt therefore never stalls running decodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from nvray.engine.block_manager import BlockManager
+from nvray.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs", enable_chunked_prefill: bool = True, aging_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        assert policy in ("fcfs", "sjf", "priority"), f"unknown policy {policy}"
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.aging_s = aging_s
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and release its blocks (it leaves its queue)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def finish_many(self, seqs: list[Sequence], reason_of: Callable[[Sequence], str]) -> None:
+        """Finish several running sequences at once (one pass over the running list)."""
+        done = {s.seq_id for s in seqs}
+        self.running = [s for s in self.running if s.seq_id not in done]
+        for seq in seqs:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason_of(seq)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(n for _, n in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i, bs = 0, self.block_manager.block_size
+        scheduled = out.scheduled
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_computed_tokens + num_new > len(seq.block_table) * bs:  # needs blocks
+                if not self._make_room(seq, num_new, i, out):
+                    continue  # seq itself was preempted; the next one moved into slot i
+                self.block_manager.append_slots(seq, num_new)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, index: int, out: SchedulerOutput) -> bool:
+        """Preempt lower-ranked running sequences until ``seq`` fits; False if ``seq`` went."""
+        while not self.block_manager.can_append_slots(seq, num_new):
+            candidates = self.running[index + 1:]
+            victim = max(candidates, key=self._victim_key) if candidates else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _victim_key(self, seq: Sequence) -> tuple[float, ...]:
+        if self.policy == "priority":
+            return (seq.priority, seq.arrival_time)
+        return (seq.arrival_time,)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        for seq in self._waiting_in_policy_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            cached = bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - len(cached) * bm.block_size
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.enable_chunked_prefill:
+                break
+            if not bm.can_allocate(cached, len(cached) * bm.block_size + num_new):
+                break
+            self.waiting.remove(seq)
+            bm.allocate_prefix(seq, cached)
+            bm.append_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+
+    def _waiting_in_policy_order(self) -> list[Sequence]:
+        if self.policy == "fcfs":
+            return list(self.waiting)
+        if self.policy == "priority":
+            return sorted(self.waiting, key=lambda s: (s.priority, s.arrival_time))
+        now = self.clock()
+        return sorted(self.waiting, key=lambda s: self._sjf_key(s, now))
+
+    def _sjf_key(self, seq: Sequence, now: float) -> tuple[int, float, float]:
+        aged = now - seq.arrival_time >= self.aging_s
+        if aged:
+            return (0, seq.arrival_time, 0.0)
+        return (1, float(seq.num_tokens - seq.num_computed_tokens), seq.arrival_time)

@@ -1,0 +1,76 @@
+"""Sequence: one request's tokens, KV block table and progress through prefill and decode.
+
+``num_computed_tokens`` counts the tokens whose KV is in the cache; the scheduler advances it
+chunk by chunk, so prefill can be split over steps and resumed after preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+from nvray.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
+                 "status", "block_table", "num_computed_tokens", "num_cached_tokens",
+                 "arrival_time", "priority", "finish_reason", "num_preemptions",
+                 "user_data")
+
+    _counter = itertools.count()
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float = 0.0, priority: int = 0) -> None:
+        assert prompt_token_ids, "a sequence needs at least one prompt token"
+        self.seq_id = next(Sequence._counter)
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.user_data: Any = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,1 @@
+"""Model building blocks: tensor-parallel linear layers, embeddings, norms, rotary, attention."""

@@ -1,0 +1,126 @@
+"""Tensor-parallel linear layers; each parameter carries a ``weight_loader`` that shards a full
+checkpoint tensor onto this rank.
+
+- ColumnParallelLinear: output features split across ranks (no communication).
+- MergedColumnParallelLinear: several column layers fused (gate_proj + up_proj).
+- QKVParallelLinear: q, k, v fused; heads split across ranks, KV heads replicated when there are
+  fewer KV heads than ranks.
+- RowParallelLinear: input features split; outputs summed with an all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nvray.layers.tp import all_reduce, divide, tp_rank, tp_size
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        _check_shape(param, loaded, tuple(param.shape))
+        param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.full_out = out_features
+        super().__init__(in_features, divide(out_features, tp_size(), "output features"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        shard = param.shape[0]
+        _check_shape(param, loaded, (self.full_out, *param.shape[1:]))
+        param.data.copy_(loaded.narrow(0, tp_rank() * shard, shard))
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Fused column layers; ``shard_id`` picks which of ``output_sizes`` a tensor fills."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        local = [divide(n, tp_size(), "output features") for n in output_sizes]
+        self.offsets = [sum(local[:i]) for i in range(len(local))]
+        self.local_sizes = local
+        super().__init__(in_features, sum(local), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        shard_id = int(args[0])  # type: ignore[arg-type]
+        size, offset = self.local_sizes[shard_id], self.offsets[shard_id]
+        _check_shape(param, loaded, (self.output_sizes[shard_id], *param.shape[1:]))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(LinearBase):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        world = tp_size()
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads = divide(num_heads, world, "num_attention_heads")
+        if num_kv_heads >= world:
+            self.num_kv_heads = divide(num_kv_heads, world, "num_key_value_heads")
+        else:
+            divide(world, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
+            self.num_kv_heads = 1  # each KV head replicated on world // num_kv_heads ranks
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, out, bias)
+
+    def _kv_head_start(self) -> int:
+        if self.total_num_kv_heads >= tp_size():
+            return tp_rank() * self.num_kv_heads
+        return tp_rank() * self.total_num_kv_heads // tp_size()
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        shard_id = str(args[0])
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            full, size, offset, start = self.total_num_heads * d, q_size, 0, tp_rank() * q_size
+        else:
+            full, size = self.total_num_kv_heads * d, kv_size
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            start = self._kv_head_start() * d
+        _check_shape(param, loaded, (full, *param.shape[1:]))
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.full_in = in_features
+        super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        if param.dim() == 1:  # bias: not sharded, added once after the reduce
+            _check_shape(param, loaded, tuple(param.shape))
+            param.data.copy_(loaded)
+            return
+        shard = param.shape[1]
+        _check_shape(param, loaded, (param.shape[0], self.full_in))
+        param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,100 @@
+"""Load safetensors checkpoints into a (sharded) nvray model.
+
+Each checkpoint tensor is routed to its parameter — through ``packed_modules_mapping`` for
+fused parameters — and that parameter's ``weight_loader`` copies this rank's shard. A tensor
+the model does not have, a parameter the checkpoint lacks, or a shape mismatch is a
+``ValueError`` that names the tensor.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Tensors checkpoints may carry that the model computes itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _route(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object | None]:
+    """Checkpoint name -> (parameter name, shard id or None)."""
+    for ckpt_part, (param_part, shard_id) in packed.items():
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
+    return name, None
+
+
+def checkpoint_files(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}")
+    return files
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    """Fill every parameter of ``model`` from the safetensors files in ``path``."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    expected_shards = _expected_shards(params, packed)
+    loaded: dict[str, set[object]] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                param_name, shard_id = _route(name, packed)
+                _load_one(params, param_name, shard_id, name, f.get_tensor(name))
+                loaded.setdefault(param_name, set()).add(shard_id)
+    _check_complete(expected_shards, loaded, tied, packed)
+
+
+def _load_one(params: dict[str, nn.Parameter], param_name: str, shard_id: object | None,
+              ckpt_name: str, tensor: torch.Tensor) -> None:
+    param = params.get(param_name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r} does not match any model parameter")
+    loader = getattr(param, "weight_loader", None)
+    try:
+        if loader is None:
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"expected shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}")
+            param.data.copy_(tensor)
+        elif shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
+
+
+def _expected_shards(params: dict[str, nn.Parameter], packed: dict[str, tuple[str, object]]
+                     ) -> dict[str, set[object]]:
+    fused: dict[str, set[object]] = {}
+    for param_part, shard_id in packed.values():
+        fused.setdefault(param_part, set()).add(shard_id)
+    expected = {}
+    for name in params:
+        parts = [p for p in fused if f".{p}." in name]
+        expected[name] = fused[parts[0]] if parts else {None}
+    return expected
+
+
+def _checkpoint_name(param_name: str, shard_id: object | None,
+                     packed: dict[str, tuple[str, object]]) -> str:
+    for ckpt_part, (param_part, sid) in packed.items():
+        if sid == shard_id and f".{param_part}." in param_name:
+            return param_name.replace(f".{param_part}.", f".{ckpt_part}.")
+    return param_name
+
+
+def _check_complete(expected: dict[str, set[object]], loaded: dict[str, set[object]],
+                    tied: bool, packed: dict[str, tuple[str, object]]) -> None:
+    for name, shards in expected.items():
+        if tied and name == "lm_head.weight":
+            continue
+        for shard_id in shards - loaded.get(name, set()):
+            raise ValueError(f"checkpoint is missing tensor {_checkpoint_name(name, shard_id, packed)!r}")

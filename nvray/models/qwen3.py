@@ -1,0 +1,127 @@
+"""Qwen3 (and Qwen2: qkv bias, no q/k norm) built from tensor-parallel layers.
+
+``packed_modules_mapping`` tells the loader which checkpoint tensors are fused into which
+parameters. ``forward`` returns hidden states of every token; ``compute_logits`` takes the rows
+to sample and returns their full-vocabulary logits on rank 0 (None elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nvray.layers.activation import SiluAndMul
+from nvray.layers.attention import Attention, AttentionMetadata
+from nvray.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nvray.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nvray.layers.norm import RMSNorm
+from nvray.layers.rotary import RotaryEmbedding, rope_theta_of
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size,
+                                        bias=False)
+        self.rotary_emb = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_theta_of(cfg))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5)
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)  # [T, H, D]
+        return self.o_proj(o.flatten(1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, qk_norm, qkv_bias)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, qk_norm, qkv_bias)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3ForCausalLM(nn.Module):
+    qk_norm, qkv_bias = True, False
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.model = Qwen3Model(cfg, self.qk_norm, self.qkv_bias)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class Qwen2ForCausalLM(Qwen3ForCausalLM):
+    qk_norm, qkv_bias = False, True

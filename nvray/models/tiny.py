@@ -1,0 +1,170 @@
+"""The embedded default model: a tiny random Qwen3 checkpoint built locally, no download.
+
+``build_checkpoint`` writes a complete HF-format checkpoint — config.json, model.safetensors
+(random weights from a fixed seed), generation_config.json and a byte-level BPE tokenizer with
+special tokens and a ChatML chat template — for any Qwen3/Qwen2 shape; tests use it for other
+random configs too. ``resolve_model("tiny")`` builds the default once into a cache directory
+(``$NVRAY_CACHE_DIR``, default ``~/.cache/nvray``) and returns its path; the engine then loads it
+with exactly the code that loads a real model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+TINY_NAME = "tiny"
+_TINY_VERSION = "tiny-qwen3-v1"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+_CORPUS = """\
+Ray is a unified framework for scaling AI and Python applications. An inference engine keeps
+the weights of a language model on the accelerator and serves many requests at once. Each
+request is a prompt: a list of tokens. The engine runs a prefill over the prompt and then
+decodes one token at a time, keeping the keys and values of every token in a paged cache.
+Blocks of the cache are shared between requests that start with the same text, so a system
+prompt is computed once. The scheduler builds a batch every step, mixing decodes with chunks
+of new prompts under a token budget. When memory runs out a request is preempted and
+recomputed later. Hello world! The quick brown fox jumps over the lazy dog. 0123456789.
+Héllo wörld, naïve café, 你好，世界。こんにちは。Привет, мир! 🙂 ✨
+def main(): print("hello, world") # code, too: for i in range(10): yield i * i
+"""
+
+
+def _train_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    return tok
+
+
+def _save_tokenizer(path: str, vocab_size: int) -> int:
+    """Write tokenizer files; returns the tokenizer's vocabulary size."""
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=_train_tokenizer(vocab_size),
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=SPECIAL_TOKENS[1:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return len(fast)
+
+
+def _hf_config(arch: str, shape: dict[str, Any], vocab_size: int, eos_ids: list[int]) -> dict[str, Any]:
+    qwen2 = arch == "Qwen2ForCausalLM"
+    cfg = {"architectures": [arch], "model_type": "qwen2" if qwen2 else "qwen3",
+           "vocab_size": vocab_size, "hidden_act": "silu", "dtype": "float32",
+           "bos_token_id": eos_ids[0], "eos_token_id": eos_ids[-1], "attention_bias": qwen2,
+           "use_sliding_window": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+           "use_cache": True, **shape}
+    if qwen2:
+        cfg.pop("head_dim", None)
+    return cfg
+
+
+def _random_weights(cfg: dict[str, Any], seed: int, std: float) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    nh, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    qwen2 = cfg["model_type"] == "qwen2"
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm_weight(n: int) -> torch.Tensor:
+        return 1.0 + torch.randn(n, generator=gen) * 0.1
+
+    w = {"model.embed_tokens.weight": normal(v, h), "model.norm.weight": norm_weight(h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_weight(h)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(h)
+        for name, rows in (("q_proj", nh * d), ("k_proj", kvh * d), ("v_proj", kvh * d)):
+            w[p + f"self_attn.{name}.weight"] = normal(rows, h)
+            if qwen2:
+                w[p + f"self_attn.{name}.bias"] = normal(rows)
+        w[p + "self_attn.o_proj.weight"] = normal(h, nh * d)
+        if not qwen2:
+            w[p + "self_attn.q_norm.weight"] = norm_weight(d)
+            w[p + "self_attn.k_norm.weight"] = norm_weight(d)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, h)
+        w[p + "mlp.up_proj.weight"] = normal(inter, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, inter)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(v, h)
+    return w
+
+
+def build_checkpoint(path: str, shape: dict[str, Any] | None = None, seed: int = 0,
+                     architecture: str = "Qwen3ForCausalLM", tokenizer_vocab_size: int = 512,
+                     std: float = 0.2) -> str:
+    """Write a random HF checkpoint of the given shape (defaults: the tiny model) to ``path``."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    os.makedirs(path, exist_ok=True)
+    vocab = _save_tokenizer(path, tokenizer_vocab_size)
+    eos_ids = [SPECIAL_TOKENS.index("<|endoftext|>"), SPECIAL_TOKENS.index("<|im_end|>")]
+    cfg = _hf_config(architecture, {**TINY_CONFIG, **(shape or {})}, vocab, eos_ids)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": eos_ids[0], "eos_token_id": eos_ids, "do_sample": False}, f)
+    weights = {k: t.contiguous() for k, t in _random_weights(cfg, seed, std).items()}
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def cache_dir() -> str:
+    return os.environ.get("NVRAY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nvray")
+
+
+def tiny_model_path() -> str:
+    """Path of the embedded tiny model, built on first use (atomically: safe across processes)."""
+    final = os.path.join(cache_dir(), _TINY_VERSION)
+    if os.path.exists(os.path.join(final, "model.safetensors")):
+        return final
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".building-")
+    try:
+        build_checkpoint(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first
+            if not os.path.exists(os.path.join(final, "model.safetensors")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model(model: str) -> str:
+    """``"tiny"`` -> the embedded model's path; otherwise a local checkpoint directory."""
+    if model == TINY_NAME:
+        return tiny_model_path()
+    if not os.path.isdir(model) or not os.path.exists(os.path.join(model, "config.json")):
+        raise ValueError(f"model={model!r} is not a local checkpoint directory with a config.json "
+                         "(nvray never downloads weights; pass a path or 'tiny')")
+    return model

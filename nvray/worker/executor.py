@@ -1,0 +1,28 @@
+"""InProcessExecutor: runs one ModelRunner (TP=1) in the calling process.
+
+It is the yardstick the Ray executor is measured against, and what a worker actor wraps.
+"""
+
+from __future__ import annotations
+
+from nvray.config import EngineConfig
+from nvray.engine.step_input import StepInput
+from nvray.worker.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        if config.tensor_parallel_size != 1:
+            raise ValueError("the in-process executor runs tensor_parallel_size=1 only; "
+                             "use the Ray runtime for tensor parallelism")
+        self.runner = ModelRunner(config, model_path)
+        self.num_blocks = self.runner.num_kvcache_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.hf_config.vocab_size
+
+    def execute(self, step: StepInput) -> list[int]:
+        return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        self.runner = None  # type: ignore[assignment]

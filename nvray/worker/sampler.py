@@ -1,0 +1,71 @@
+"""Sampler: logits of the rows to sample -> one token id per row.
+
+Per row: banned ids (EOS/stop ids before ``min_tokens``) get -inf; temperature 0 is greedy
+argmax; otherwise logits / temperature, then top-k, top-p and min-p filtering (a filtered token
+gets probability exactly 0, so it can never be drawn), then an exponential-race draw
+(argmax of p / E with E ~ Exp(1), equivalent to sampling from p). A row with a seed draws its
+noise from a generator seeded by (seed, index of the token in the output), so its tokens do not
+depend on which other requests share the batch, nor on preemption.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nvray.engine.step_input import SampleSpec
+
+_MASK64 = (1 << 63) - 1
+
+
+def _row_seed(seed: int, step_index: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + step_index * 0xBF58476D1CE4E5B9 + 1) & _MASK64
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """Mask (to -inf) what top-k/top-p/min-p remove; input sorted descending per row."""
+    rows, vocab = sorted_logits.shape
+    device = sorted_logits.device
+    top_k = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=device)
+    top_p = torch.tensor([s.top_p for s in specs], device=device, dtype=torch.float32)
+    min_p = torch.tensor([s.min_p for s in specs], device=device, dtype=torch.float32)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
+    masked = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = masked.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove = mass_before >= top_p.unsqueeze(1)
+    remove |= probs < (min_p * probs[:, :1].squeeze(1)).unsqueeze(1)
+    remove[:, 0] = False  # the most likely token always survives
+    return masked.masked_fill(remove, float("-inf"))
+
+
+def _needs_filtering(specs: list[SampleSpec]) -> bool:
+    return any(s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0 for s in specs)
+
+
+def _exponential_noise(shape: tuple[int, int], specs: list[SampleSpec], device: torch.device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_()
+    for i, spec in enumerate(specs):
+        if spec.seed is not None:
+            gen = torch.Generator(device=device).manual_seed(_row_seed(spec.seed, spec.step_index))
+            noise[i].exponential_(generator=gen)
+    return noise
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """logits [S, V] -> token ids [S] (int64)."""
+    logits = logits.float()
+    for i, spec in enumerate(specs):
+        if spec.banned_token_ids:
+            logits[i, list(spec.banned_token_ids)] = float("-inf")
+    greedy = logits.argmax(dim=-1)
+    if all(s.temperature == 0.0 for s in specs):
+        return greedy
+    temps = torch.tensor([s.temperature or 1.0 for s in specs], device=logits.device)
+    scaled = logits / temps.unsqueeze(1)
+    if _needs_filtering(specs):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, _filter_sorted(sorted_logits, specs))
+    probs = scaled.softmax(dim=-1)
+    sampled = (probs / _exponential_noise(tuple(probs.shape), specs, logits.device)).argmax(dim=-1)
+    is_greedy = torch.tensor([s.temperature == 0.0 for s in specs], device=logits.device)
+    return torch.where(is_greedy, greedy, sampled)

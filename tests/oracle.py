@@ -1,0 +1,42 @@
+"""Test helpers: the HF transformers oracle (greedy tokens, model) and random prompts."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: HF transformers' forward, argmax token by token (no EOS stop)."""
+    return list(_hf_greedy_cached(path, tuple(prompt_ids), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy_cached(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    import torch
+
+    model = hf_model(path)
+    ids = torch.tensor([list(prompt_ids)])
+    out: list[int] = []
+    with torch.no_grad():
+        result = model(ids, use_cache=True)
+        for _ in range(max_new_tokens):
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values,
+                           use_cache=True)
+    return tuple(out)
+
+
+def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 500) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]

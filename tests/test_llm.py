@@ -1,0 +1,118 @@
+"""The offline LLM API as a user sees it: outputs, stop rules, seeds, chat, rejections, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from oracle import hf_greedy, random_prompts
+from nvray import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", max_model_len=256)
+
+
+def test_default_model_generates_text_and_token_ids(llm):
+    out = llm.generate("Hello, nvray.", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode("Hello, nvray.", add_special_tokens=False)
+    assert out.usage == {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": 8,
+                         "total_tokens": len(out.prompt_token_ids) + 8}
+
+
+def test_stop_string_is_trimmed_from_the_output(llm):
+    base = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    stop = base.text[6:9]
+    assert stop and stop in base.text
+    out = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                     stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == base.text[:base.text.index(stop)]
+    kept = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                      stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.text == base.text[:base.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = random_prompts(1, 10, 10, seed=21)[0]
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    first = greedy.token_ids[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[first]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == [first]
+    held = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3,
+                                               stop_token_ids=[first]))[0]
+    assert first not in held.token_ids[:3]
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=42, ignore_eos=True)
+    alone = llm.generate("seeded prompt", params)[0]
+    others = [SamplingParams(temperature=0.8, max_tokens=5), SamplingParams(temperature=0.0, max_tokens=9)]
+    mixed = llm.generate(["one other", "seeded prompt", "and a third"],
+                         [others[0], params, others[1]])[1]
+    assert mixed.token_ids == alone.token_ids
+    unseeded = {tuple(llm.generate("seeded prompt", SamplingParams(temperature=1.0, max_tokens=16,
+                                                                   ignore_eos=True))[0].token_ids)
+                for _ in range(3)}
+    assert len(unseeded) > 1  # without a seed, sampling really is random
+
+
+def test_chat_uses_the_chat_template(llm, tiny_path):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    out = llm.chat(messages, params)[0]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == hf_greedy(tiny_path, ids, 5)
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", None, "prompt is empty"),
+    ([[]], None, "prompt is empty"),
+    ([1, 2, 10**6], None, "outside the vocabulary"),
+    ("x " * 300, SamplingParams(max_tokens=16), "exceeds max_model_len=256"),
+    ("hi", SamplingParams(max_tokens=300), "exceeds max_model_len=256"),
+])
+def test_bad_requests_are_rejected_and_the_engine_keeps_working(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("still fine", SamplingParams(max_tokens=2))[0].finish_reason in ("length", "stop")
+
+
+def test_request_that_can_never_fit_the_kv_cache_is_rejected():
+    small = LLM("tiny", num_kvcache_blocks=4, kvcache_block_size=16, max_model_len=128)
+    with pytest.raises(ValueError, match="needs 5 KV cache blocks but the cache has only 4"):
+        small.generate([5] * 60, SamplingParams(max_tokens=14))
+    assert small.generate([5] * 30, SamplingParams(max_tokens=4))[0].token_ids
+
+
+def test_unknown_engine_option_is_rejected():
+    with pytest.raises(ValueError, match="unknown engine option.*max_batch"):
+        LLM("tiny", max_batch=3)
+    with pytest.raises(ValueError, match="scheduling_policy='lifo'"):
+        LLM("tiny", scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="not a local checkpoint directory"):
+        LLM("/no/such/model")
+
+
+def test_abort_frees_blocks_and_nothing_leaks(llm):
+    engine = llm.engine
+    total = engine.block_manager.num_blocks
+    engine.add_request("keep", "a prompt to finish", SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("drop", "a prompt to abort " * 5, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.block_manager.num_free_blocks < total
+    aborted = engine.abort_request("drop")
+    assert aborted.finished and aborted.finish_reason == "abort"
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == total
+    assert engine.abort_request("drop") is None  # unknown ids are ignored

@@ -1,0 +1,78 @@
+"""Sampler: filtered tokens are never drawn; seeded draws do not depend on the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvray.engine.step_input import SampleSpec
+from nvray.worker.sampler import sample
+
+
+def spec(**kw) -> SampleSpec:
+    base = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, step_index=0)
+    return SampleSpec(**{**base, **kw})
+
+
+LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
+
+
+def draws(s: SampleSpec, n: int = 400) -> set[int]:
+    return set(sample(LOGITS.repeat(n, 1), [s] * n).tolist())
+
+
+def test_top_k_never_emits_a_token_outside_the_k_best():
+    assert draws(spec(top_k=3, temperature=5.0)) <= {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = LOGITS.softmax(-1)
+    p = float(probs[0] + probs[1]) - 1e-4  # the two best reach p; the third is not needed
+    assert draws(spec(top_p=p)) <= {0, 1}
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_best():
+    probs = LOGITS.softmax(-1)
+    allowed = {i for i, q in enumerate(probs.tolist()) if q >= 0.3 * float(probs.max())}
+    assert draws(spec(min_p=0.3, temperature=1.0)) <= allowed
+
+
+def test_temperature_zero_is_argmax_and_banned_ids_are_never_drawn():
+    assert sample(LOGITS.unsqueeze(0), [spec(temperature=0.0)]).tolist() == [0]
+    banned = spec(temperature=0.0, banned_token_ids=(0, 1))
+    assert sample(LOGITS.unsqueeze(0), [banned]).tolist() == [2]
+    assert 0 not in draws(spec(banned_token_ids=(0,)))
+
+
+def test_unfiltered_sampling_reaches_many_tokens():
+    assert len(draws(spec(temperature=3.0), n=2000)) >= 6
+
+
+def test_seeded_rows_do_not_depend_on_batch_composition():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    seeded = spec(seed=1234, step_index=7, top_k=20, top_p=0.9)
+    alone = sample(logits[2:3], [seeded]).item()
+    mixed = sample(logits, [spec(), spec(temperature=0.0), seeded, spec(seed=5), spec()])
+    assert mixed[2].item() == alone
+    other_step = [sample(logits[2:3], [spec(seed=1234, step_index=k)]).item() for k in range(20)]
+    assert len(set(other_step)) > 1  # the step index changes the noise
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_k=-5),
+                                 dict(min_p=1.5), dict(max_tokens=0), dict(seed=-1),
+                                 dict(min_tokens=20, max_tokens=10), dict(stop=[""]),
+                                 dict(temperature=float("nan")), dict(stop_token_ids=[-3])])
+def test_bad_sampling_params_are_rejected_naming_the_field(bad):
+    from nvray import SamplingParams
+
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_unknown_sampling_param_is_rejected():
+    from nvray import SamplingParams
+
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams.from_dict({"presence_penalty": 1.0})
