@@ -15,6 +15,9 @@ SCHEDULING_POLICIES = ("fcfs", "sjf", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+RUNTIMES = ("ray", "inprocess")
+RAY_DISPATCH = ("compiled", "actor_calls")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -44,6 +47,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    runtime: str = "ray"  # "ray": driver + rank actors; "inprocess": TP=1 in the calling process
+    ray_dispatch: str = "compiled"  # per-step calls to the ranks: a Ray compiled graph or plain calls
+    placement_strategy: str = "STRICT_PACK"
+    num_cpus_per_rank: float = 1.0  # CPU requested by each rank actor
+    step_timeout_s: float = 600.0  # a step taking longer means a hung rank: the engine fails
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -72,12 +80,20 @@ class EngineConfig:
         _require(self.sjf_aging_s > 0, "sjf_aging_s", self.sjf_aging_s, "must be > 0")
         _require(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
                  self.tensor_parallel_size, "must be in [1, 64]")
+        _require(self.num_cpus_per_rank > 0, "num_cpus_per_rank", self.num_cpus_per_rank,
+                 "must be > 0")
+        _require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
+        _require(self.runtime == "ray" or self.tensor_parallel_size == 1, "runtime", self.runtime,
+                 "tensor_parallel_size > 1 needs runtime='ray'")
 
     def _validate_choices(self) -> None:
         for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
                               ("device", DEVICES),
                               ("attention_backend", ATTENTION_BACKENDS),
-                              ("dtype", DTYPES)):
+                              ("dtype", DTYPES),
+                              ("runtime", RUNTIMES),
+                              ("ray_dispatch", RAY_DISPATCH),
+                              ("placement_strategy", PLACEMENT_STRATEGIES)):
             value = getattr(self, name)
             _require(value in allowed, name, value, f"must be one of {list(allowed)}")
 

@@ -1,34 +1,57 @@
 """LLM: the offline API (nano-vllm's and vLLM's): ``generate`` and ``chat`` over a list of prompts.
 
-Requests are queued together and run with continuous batching until all finish; outputs come
-back in prompt order. A tqdm bar shows requests done and prefill/decode throughput.
+With ``runtime="ray"`` (the default) the engine runs on Ray — an EngineDriver actor and one
+RankWorker actor per tensor-parallel rank, in one placement group — on the running cluster if
+there is one, else on a local one. ``runtime="inprocess"`` runs TP=1 in this process (the
+yardstick for Ray's overhead). Requests are queued together and run with continuous batching;
+outputs come back in prompt order. A tqdm bar shows requests done and prefill/decode throughput.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
 from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from nvray.bootstrap import create_engine
 from nvray.config import EngineConfig
-from nvray.engine.engine import LLMEngine
 from nvray.outputs import RequestOutput
 from nvray.sampling_params import SamplingParams
-from nvray.worker.executor import InProcessExecutor
 
 Prompt = str | list[int]
 Message = dict[str, str]
+_POLL_S = 0.5
 
 
 class LLM:
     def __init__(self, model: str = "tiny", **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, **engine_kwargs)
-        self.engine: LLMEngine = create_engine(self.config, InProcessExecutor)
-        self.tokenizer = self.engine.tokenizer
+        self.engine = None
+        self.client = None
+        self._tokenizer = None
         self._ids = itertools.count()
+        if self.config.runtime == "inprocess":
+            from nvray.bootstrap import create_engine  # noqa: PLC0415
+            from nvray.worker.executor import InProcessExecutor  # noqa: PLC0415
+
+            self.engine = create_engine(self.config, InProcessExecutor)
+            self._tokenizer = self.engine.tokenizer
+        else:
+            from nvray.runtime import start_engine  # noqa: PLC0415
+
+            self.client = start_engine(self.config)
+            atexit.register(self.shutdown)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from nvray.bootstrap import load_tokenizer  # noqa: PLC0415
+            from nvray.models.tiny import resolve_model  # noqa: PLC0415
+
+            self._tokenizer = load_tokenizer(resolve_model(self.config.model))
+        return self._tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -36,19 +59,7 @@ class LLM:
         """Generate for each prompt (a string or token ids); one output per prompt, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        params = self._params_list(sampling_params, len(prompts))
-        priorities = list(priorities) if priorities is not None else [0] * len(prompts)
-        ids: list[str] = []
-        try:
-            for prompt, p, prio in zip(prompts, params, priorities):
-                ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p, prio)
-        except ValueError:
-            for request_id in ids:  # all or nothing: drop the ones queued before the bad one
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(ids, use_tqdm)
+        return self._generate(list(prompts), sampling_params, use_tqdm, priorities)  # type: ignore[arg-type]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -56,13 +67,26 @@ class LLM:
         """Generate a reply to each conversation, formatted with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm, None)
 
     def apply_chat_template(self, conversation: list[Message]) -> list[int]:
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                   add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats() if self.engine is not None else self.client.stats()
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+            self.client = None
+            atexit.unregister(self.shutdown)
+        if self.engine is not None:
+            self.engine.executor.shutdown()
+            self.engine = None
+
+    # -------------------------------------------------------------- internals
     @staticmethod
     def _params_list(sampling_params: Any, n: int) -> list[SamplingParams]:
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
@@ -72,21 +96,69 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
         return params
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool,
+                  priorities: Seq[int] | None) -> list[RequestOutput]:
+        params = self._params_list(sampling_params, len(prompts))
+        prios = list(priorities) if priorities is not None else [0] * len(prompts)
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            if self.engine is not None:
+                return self._run_inprocess(ids, prompts, params, prios, bar)
+            return self._run_on_ray(ids, prompts, params, prios, bar)
+        finally:
+            bar.close()
+
+    def _run_inprocess(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],
+                       prios: list[int], bar: tqdm) -> list[RequestOutput]:
+        engine = self.engine
+        try:
+            for rid, prompt, p, prio in zip(ids, prompts, params, prios):
+                engine.add_request(rid, prompt, p, prio)
+        except ValueError:
+            for rid in ids:  # all or nothing: drop the ones queued before the bad one
+                engine.abort_request(rid)
+            raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
+        while engine.has_unfinished_requests():
             start = time.perf_counter()
-            outputs = self.engine.step()
+            outputs = engine.step()
             elapsed = max(time.perf_counter() - start, 1e-9)
-            prefill, decode = self.engine.last_step_tokens
+            prefill, decode = engine.last_step_tokens
             bar.set_postfix(prefill=f"{prefill / elapsed:.0f} tok/s", decode=f"{decode / elapsed:.0f} tok/s")
             for out in outputs:
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)
-        bar.close()
-        return [results[i] for i in request_ids]
+        return [results[i] for i in ids]
 
-    def shutdown(self) -> None:
-        self.engine.executor.shutdown()
+    def _run_on_ray(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],
+                    prios: list[int], bar: tqdm) -> list[RequestOutput]:
+        import ray  # noqa: PLC0415
+
+        driver = self.client.driver
+        refs = [driver.generate.remote(p, sp, rid, prio)
+                for rid, p, sp, prio in zip(ids, prompts, params, prios)]
+        pending, last = list(refs), (time.perf_counter(), self.client.stats())
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+                ray.get(done)  # raise the first failure (a bad prompt) right away
+                bar.update(len(done))
+                last = self._show_throughput(bar, last)
+            return ray.get(refs)
+        except BaseException:
+            for rid in ids:
+                driver.abort.remote(rid)
+            raise
+
+    def _show_throughput(self, bar: tqdm, last: tuple[float, dict]) -> tuple[float, dict]:
+        if bar.disable:
+            return last
+        now, stats = time.perf_counter(), self.client.stats()
+        dt = max(now - last[0], 1e-9)
+        if stats.get("healthy"):
+            prefill = (stats["prompt_tokens"] - last[1].get("prompt_tokens", 0)) / dt
+            decode = (stats["generation_tokens"] - last[1].get("generation_tokens", 0)) / dt
+            bar.set_postfix(prefill=f"{prefill:.0f} tok/s", decode=f"{decode:.0f} tok/s")
+        return now, stats

@@ -11,6 +11,9 @@ import pytest
 _SESSION_CACHE = tempfile.mkdtemp(prefix="nvray-test-cache-")
 os.environ.setdefault("NVRAY_CACHE_DIR", _SESSION_CACHE)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Single-machine Ray: nodes, GCS and every rendezvous stay on 127.0.0.1 (Ray otherwise
+# rewrites loopback to the machine's interface address). Set before Ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 # Another Qwen3 shape: untied head, wider heads, 3 layers, GQA 3:1.
 OTHER_QWEN3 = {"hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
@@ -42,3 +45,34 @@ def qwen2_path(tmp_path_factory) -> str:
                             architecture="Qwen2ForCausalLM")
 
 
+
+
+# Uneven sharding for TP=2: 6 query heads (3 per rank) over ONE KV head (replicated on both
+# ranks), and a vocabulary of 501 that leaves the second vocab shard padded.
+UNEVEN_QWEN3 = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
+                "num_attention_heads": 6, "num_key_value_heads": 1, "head_dim": 8,
+                "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="session")
+def uneven_qwen3_path(tmp_path_factory) -> str:
+    from nvray.models.tiny import build_checkpoint
+
+    return build_checkpoint(str(tmp_path_factory.mktemp("uneven-qwen3")), UNEVEN_QWEN3, seed=3,
+                            tokenizer_vocab_size=501)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster on 127.0.0.1 for the whole test session."""
+    import ray
+
+    assert not os.environ.get("RAY_ADDRESS"), "tests start their own local cluster"
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
+                 log_to_driver=False, runtime_env={"env_vars": {
+                     "NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"],
+                     "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()

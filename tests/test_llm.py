@@ -1,4 +1,7 @@
-"""The offline LLM API as a user sees it: outputs, stop rules, seeds, chat, rejections, aborts."""
+"""The offline LLM API as a user sees it: outputs, stop rules, seeds, chat, rejections, aborts.
+
+These run the engine in-process so they can look inside it; tests/runtime runs the same API on
+Ray actors."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from nvray import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", max_model_len=256)
+    return LLM("tiny", runtime="inprocess", max_model_len=256)
 
 
 def test_default_model_generates_text_and_token_ids(llm):
@@ -85,7 +88,8 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_working(llm, prompt, par
 
 
 def test_request_that_can_never_fit_the_kv_cache_is_rejected():
-    small = LLM("tiny", num_kvcache_blocks=4, kvcache_block_size=16, max_model_len=128)
+    small = LLM("tiny", runtime="inprocess", num_kvcache_blocks=4, kvcache_block_size=16,
+                max_model_len=128)
     with pytest.raises(ValueError, match="needs 5 KV cache blocks but the cache has only 4"):
         small.generate([5] * 60, SamplingParams(max_tokens=14))
     assert small.generate([5] * 30, SamplingParams(max_tokens=4))[0].token_ids
@@ -93,11 +97,11 @@ def test_request_that_can_never_fit_the_kv_cache_is_rejected():
 
 def test_unknown_engine_option_is_rejected():
     with pytest.raises(ValueError, match="unknown engine option.*max_batch"):
-        LLM("tiny", max_batch=3)
+        LLM("tiny", runtime="inprocess", max_batch=3)
     with pytest.raises(ValueError, match="scheduling_policy='lifo'"):
-        LLM("tiny", scheduling_policy="lifo")
+        LLM("tiny", runtime="inprocess", scheduling_policy="lifo")
     with pytest.raises(ValueError, match="not a local checkpoint directory"):
-        LLM("/no/such/model")
+        LLM("/no/such/model", runtime="inprocess")
 
 
 def test_abort_frees_blocks_and_nothing_leaks(llm):

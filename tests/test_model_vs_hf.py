@@ -18,7 +18,7 @@ _LLMS: dict[tuple, LLM] = {}
 def llm_for(path: str, **kwargs) -> LLM:
     key = (path, tuple(sorted(kwargs.items())))
     if key not in _LLMS:
-        _LLMS[key] = LLM(path, **kwargs)
+        _LLMS[key] = LLM(path, runtime="inprocess", **kwargs)
     return _LLMS[key]
 
 

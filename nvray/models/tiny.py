@@ -17,7 +17,7 @@ import tempfile
 from typing import Any
 
 TINY_NAME = "tiny"
-_TINY_VERSION = "tiny-qwen3-v1"
+_TINY_VERSION = "tiny-qwen3-v2"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

@@ -1,0 +1,60 @@
+"""Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention.
+
+Each launcher validates its arguments (``ValueError`` naming the argument) and
+has a pure-torch reference ``*_ref`` with the same signature. See each module's
+docstring for the exact contract. To run the kernels on CPU tensors (tests),
+set ``TRITON_INTERPRET=1`` before this package is first imported.
+"""
+
+from __future__ import annotations
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Make Triton's interpreter work with numpy >= 2.4 (interpreter mode only).
+
+    Triton 3.6's interpreter converts scalar tensors (1-element arrays) to
+    Python ints with ``int(array)``, which numpy >= 2.4 rejects; that breaks
+    ``range(tensor_start, tensor_end, ...)`` loops. Upstream fixed it by
+    squeezing the array first (triton-lang/triton#9171); this applies the same
+    one-line change to the installed interpreter. No effect on compiled kernels.
+    """
+    import triton
+
+    try:
+        interpreting = bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # pragma: no cover - other triton layouts
+        import os
+
+        interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not interpreting:
+        return
+    try:
+        from triton.runtime import interpreter as _interp
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(_interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_nvray_numpy_fix", False):
+        return
+
+    def _patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    _patched._nvray_numpy_fix = True
+    _interp._patch_lang_tensor = _patched
+
+
+_patch_interpreter_for_numpy_2_4()
+
+from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
+from .store_kv import store_kvcache, store_kvcache_ref  # noqa: E402
+
+__all__ = [
+    "store_kvcache",
+    "store_kvcache_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+]

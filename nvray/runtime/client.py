@@ -1,0 +1,85 @@
+"""start_engine / EngineClient: place an engine on the Ray cluster and call its driver.
+
+An EngineClient is a small picklable handle (the driver actor and the placement group), so it
+can be passed to other Ray tasks and actors, which then call the same engine concurrently.
+``shutdown`` kills the driver (its rank actors die with it) and removes the placement group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+from nvray.config import EngineConfig
+from nvray.models.tiny import TINY_NAME, resolve_model
+from nvray.outputs import RequestOutput
+from nvray.runtime.cluster import cluster_has_gpus, ensure_ray
+from nvray.runtime.driver import EngineDriver
+from nvray.runtime.placement import DRIVER_CPUS, create_engine_placement_group, in_bundle
+
+_SHUTDOWN_TIMEOUT_S = 30.0
+_DRIVER_MAX_CONCURRENCY = 10_000
+
+
+def resolve_device(config: EngineConfig) -> EngineConfig:
+    """Pin device 'auto' to what the cluster has: 'cuda' if it has GPUs, else 'cpu'."""
+    if config.device != "auto":
+        return config
+    return config.replace(device="cuda" if cluster_has_gpus() else "cpu")
+
+
+def start_engine(config: EngineConfig) -> "EngineClient":
+    """Start one engine (driver + ranks in one placement group) on the current Ray cluster."""
+    ensure_ray()
+    if config.model != TINY_NAME:
+        resolve_model(config.model)  # fail fast, here, on a path that does not exist
+    config = resolve_device(config)
+    pg = create_engine_placement_group(config, config.device == "cuda")
+    driver = ray.remote(EngineDriver).options(
+        num_cpus=DRIVER_CPUS, scheduling_strategy=in_bundle(pg, 0),
+        max_concurrency=_DRIVER_MAX_CONCURRENCY, max_restarts=0).remote(config, pg)
+    client = EngineClient(driver, pg)
+    try:
+        client.info = ray.get(driver.start.remote())
+    except BaseException:
+        client.shutdown()
+        raise
+    return client
+
+
+class EngineClient:
+    def __init__(self, driver: Any, pg: PlacementGroup) -> None:
+        self.driver = driver
+        self.pg = pg
+        self.info: dict[str, Any] = {}
+
+    def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
+                 priority: int = 0) -> RequestOutput:
+        return ray.get(self.driver.generate.remote(prompt, sampling_params, request_id, priority))
+
+    def stream(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
+               priority: int = 0) -> Iterator[RequestOutput]:
+        gen = self.driver.generate_stream.options(num_returns="streaming").remote(
+            prompt, sampling_params, request_id, priority)
+        for ref in gen:
+            yield ray.get(ref)
+
+    def abort(self, request_id: str) -> None:
+        ray.get(self.driver.abort.remote(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return ray.get(self.driver.stats.remote())
+
+    def check_health(self) -> None:
+        ray.get(self.driver.check_health.remote())
+
+    def shutdown(self) -> None:
+        """Stop the engine: driver and rank actors killed, placement group removed."""
+        try:
+            ray.get(self.driver.shutdown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a dead driver is what shutdown wants anyway
+            pass
+        ray.kill(self.driver, no_restart=True)
+        remove_placement_group(self.pg)

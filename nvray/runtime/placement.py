@@ -1,0 +1,40 @@
+"""Placement of one engine: a placement group with the driver's bundle (index 0) and one
+bundle per tensor-parallel rank (index 1 + rank), so Ray places or refuses the engine whole."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from nvray.config import EngineConfig
+
+DRIVER_CPUS = 0.1  # the driver mostly waits on the ranks
+_READY_TIMEOUT_S = 120.0
+
+
+def rank_resources(config: EngineConfig, use_gpu: bool) -> dict[str, float]:
+    if use_gpu:
+        return {"CPU": 1.0, "GPU": 1.0}
+    return {"CPU": config.num_cpus_per_rank}
+
+
+def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
+    return [{"CPU": DRIVER_CPUS}] + [rank_resources(config, use_gpu)] * config.tensor_parallel_size
+
+
+def create_engine_placement_group(config: EngineConfig, use_gpu: bool) -> PlacementGroup:
+    bundles = engine_bundles(config, use_gpu)
+    pg = placement_group(bundles, strategy=config.placement_strategy, name="")
+    ready, _ = ray.wait([pg.ready()], timeout=_READY_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(f"the cluster cannot place this engine within {_READY_TIMEOUT_S:.0f} s: it "
+                           f"needs bundles {bundles} ({config.placement_strategy}); cluster has "
+                           f"{ray.cluster_resources()}")
+    return pg
+
+
+def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index,
+                                            placement_group_capture_child_tasks=False)

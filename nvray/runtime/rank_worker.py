@@ -1,0 +1,73 @@
+"""RankWorker: the Ray actor of one tensor-parallel rank.
+
+It joins the engine's torch.distributed group (NCCL on GPU, gloo on CPU) at rank 0's node IP
+and a free port rank 0 picked, builds its ModelRunner (model shard + paged KV cache) and runs
+steps. Inside the actor the rank's GPU, if any, is ``cuda:0``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import ray
+import torch
+import torch.distributed as dist
+
+from nvray.config import EngineConfig
+from nvray.engine.step_input import StepInput
+from nvray.worker.model_runner import ModelRunner
+
+_DIST_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class RankWorker:
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.runner: ModelRunner | None = None
+        if config.device != "cuda":
+            torch.set_num_threads(max(1, int(config.num_cpus_per_rank)))
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a port that was free a moment ago."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, host: str, port: int) -> None:
+        world = self.config.tensor_parallel_size
+        if world == 1:
+            return
+        backend = "nccl" if self.config.device == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=world, timeout=_DIST_TIMEOUT)
+
+    def load(self, model_path: str) -> int:
+        """Build the model shard; returns how many KV blocks fit on this rank."""
+        self.runner = ModelRunner(self.config, model_path)
+        return self.runner.num_kvcache_blocks()
+
+    def model_facts(self) -> dict[str, int]:
+        assert self.runner is not None, "load() first"
+        return {"max_model_len": self.runner.max_model_len,
+                "vocab_size": self.runner.hf_config.vocab_size}
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None, "load() first"
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, step: StepInput) -> list[int]:
+        assert self.runner is not None, "load() first"
+        return self.runner.execute(step)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

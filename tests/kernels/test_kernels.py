@@ -1,0 +1,351 @@
+"""Kernels vs. their pure-torch references at small shapes.
+
+Runs under ``TRITON_INTERPRET=1`` on CPU (set by conftest.py when there is no
+GPU), or compiled on CUDA when a GPU is present. The attention kernels are
+tested in fp32 and fp16: Triton 3.6's interpreter computes ``tl.dot`` on
+bfloat16 operands as raw uint16 bits, so bf16 attention is covered by
+tests/gpu/test_kernels_gpu.py instead; the store kernel (no dot) is tested in
+bf16 here too.
+
+Caches are filled with NaN and only positions < seq_len are written, and unused
+block-table entries are -1: a kernel that reads a position past a sequence's
+length, or an unused block-table entry, produces NaN (or faults).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("triton")
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import decode_attention as _dec  # noqa: E402
+
+INTERPRET = _dec._INTERPRET
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip(
+        "kernels were imported without TRITON_INTERPRET=1 and there is no CUDA device",
+        allow_module_level=True,
+    )
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+TOL = {
+    torch.float32: dict(atol=5e-5, rtol=1e-4),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(shape, dtype, g) -> torch.Tensor:
+    return torch.randn(shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+def make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=0, extra_blocks=3):
+    """NaN-filled caches holding random K/V at each sequence's positions < seq_len.
+
+    Blocks are handed out in a random permutation; unused table entries are -1.
+    Returns k_cache, v_cache, block_tables [B, max_blocks + 1] int32.
+    """
+    g = _gen(seed)
+    nblk = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(nblk) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(nblk) + 1  # always at least one unused column
+    block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        blocks = perm[used : used + nblk[b]]
+        used += nblk[b]
+        block_tables[b, : nblk[b]] = blocks.to(torch.int32)
+        for pos in range(n):
+            blk, off = int(blocks[pos // block_size]), pos % block_size
+            k_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+            v_cache[blk, off] = torch.randn(num_kv_heads, head_dim, generator=g).to(dtype)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+
+
+def _i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def _cu(qlens) -> torch.Tensor:
+    cu = [0]
+    for n in qlens:
+        cu.append(cu[-1] + n)
+    return _i32(cu)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == ref.dtype == dtype
+    assert out.shape == ref.shape
+    assert not torch.isnan(out).any(), "kernel output has NaN (read an invalid cache position?)"
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+# ----------------------------------------------------------------------------
+# store_kvcache
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 2, 32), (32, 1, 16), (16, 3, 64)])
+def test_store_kvcache(dtype, slot_dtype, block_size, num_kv_heads, head_dim):
+    g = _gen(1)
+    num_blocks, num_tokens = 6, 11
+    # key/value as strided views of a fused qkv-like buffer (non-contiguous in dim 0)
+    fused = _randn((num_tokens, (2 + 2 * num_kv_heads) * head_dim), dtype, g)
+    key = fused[:, 2 * head_dim : (2 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = fused[:, (2 + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    assert not key.is_contiguous()
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[0, 4, 7]] = -1  # skipped tokens
+    slots[1] = block_size - 1  # last slot of a block
+    slots[2] = num_blocks * block_size - 1  # very last slot
+    slots = slots.to(dtype=slot_dtype, device=DEVICE)
+    k_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, g)
+    v_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, g)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.store_kvcache(key, value, k_cache, v_cache, slots)
+    kernels.store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref)
+    assert torch.equal(v_cache, v_ref)
+    # spot check the contract directly
+    s = int(slots[1])
+    assert torch.equal(k_cache[s // block_size, s % block_size], key[1])
+
+
+def test_store_kvcache_all_skipped_and_empty():
+    k_cache = torch.zeros(2, 16, 1, 16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.ones(3, 1, 16, device=DEVICE)
+    kernels.store_kvcache(key, key, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int64, device=DEVICE))
+    assert k_cache.abs().sum() == 0 and v_cache.abs().sum() == 0
+    kernels.store_kvcache(key[:0], key[:0], k_cache, v_cache, torch.zeros(0, dtype=torch.int32, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------
+# paged_decode_attention
+# ----------------------------------------------------------------------------
+
+HEADS = [(4, 4), (4, 2), (8, 2), (4, 1), (6, 2)]  # GQA 1, 2, 4, single kv head (4), group 3
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_decode_gqa_blocks(block_size, num_heads, num_kv_heads):
+    head_dim, dtype = 32, torch.float32
+    seq_lens = [1, block_size, block_size + 1, 2 * block_size, 3 * block_size - 1, 70]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=2)
+    q = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(3))
+    sl = _i32(seq_lens)
+    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 5, 64])
+def test_decode_splits(dtype, num_splits):
+    head_dim, block_size, num_heads, num_kv_heads = 64, 16, 4, 2
+    seq_lens = [1, 16, 33, 96, 131]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=4)
+    q = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(5))
+    sl = _i32(seq_lens)
+    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.125)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.125, num_splits=num_splits)
+    _assert_close(out, ref, dtype)
+    # an explicit, tight max_seq_len gives the same answer
+    out2 = kernels.paged_decode_attention(
+        q, k_cache, v_cache, bt, sl, 0.125, num_splits=num_splits, max_seq_len=max(seq_lens)
+    )
+    _assert_close(out2, ref, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_decode_head_dims_and_strided_q(head_dim):
+    dtype, block_size, num_heads, num_kv_heads = torch.float16, 32, 4, 2
+    seq_lens = [32, 5, 64]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=6)
+    # q as a strided view (as sliced out of a fused qkv projection)
+    fused = _randn((len(seq_lens), num_heads + 2 * num_kv_heads, head_dim), dtype, _gen(7))
+    q = fused[:, :num_heads]
+    assert not q.is_contiguous()
+    sl = _i32(seq_lens)
+    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, head_dim**-0.5, num_splits=2)
+    _assert_close(out, ref, dtype)
+
+
+def test_decode_zero_length_padding_rows_are_zero():
+    # CUDA-graph style padding: seq_len 0 rows produce zeros, not NaN
+    head_dim, block_size = 32, 16
+    k_cache, v_cache, bt = make_paged_kv([20, 1], block_size, 2, head_dim, torch.float32, seed=8)
+    bt = torch.cat([bt, torch.full_like(bt[:1], -1)])
+    sl = _i32([20, 1, 0])
+    q = _randn((3, 4, head_dim), torch.float32, _gen(9))
+    for ns in (1, 2):
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.2, num_splits=ns)
+        ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.2)
+        _assert_close(out, ref, torch.float32)
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_choose_splits():
+    for max_ctx in (1, 15, 16, 17, 100, 1024, 4096, 100000):
+        for batch, hkv in ((1, 1), (3, 2), (64, 8), (256, 8)):
+            for forced in (None, 1, 3, 1000):
+                n, tps = _dec._choose_splits(batch, hkv, max_ctx, 64, 132, forced)
+                assert 1 <= n <= max(_dec._MAX_SPLITS, forced or 0)
+                assert tps % 64 == 0 and tps > 0
+                assert n * tps >= max_ctx and (n - 1) * tps < max_ctx  # covers, no empty split
+    assert _dec._choose_splits(256, 8, 1024, 64, 132, None)[0] == 1  # big batch: no split
+    assert _dec._choose_splits(1, 8, 32768, 64, 132, None)[0] > 8  # long single sequence: split
+
+
+# ----------------------------------------------------------------------------
+# paged_prefill_attention
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_prefill_gqa_blocks(block_size, num_heads, num_kv_heads):
+    head_dim, dtype = 32, torch.float32
+    # (seq_len, qlen): full prefill, prefix-cache hit with short query, qlen 1,
+    # chunk ending exactly on a block boundary, tiny sequence
+    cases = [(45, 45), (3 * block_size + 5, 4), (2 * block_size, 1), (2 * block_size, block_size), (1, 1)]
+    seq_lens = [n for n, _ in cases]
+    qlens = [m for _, m in cases]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=10)
+    q = _randn((sum(qlens), num_heads, head_dim), dtype, _gen(11))
+    args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), max(qlens), head_dim**-0.5)
+    ref = kernels.paged_prefill_attention_ref(*args)
+    out = kernels.paged_prefill_attention(*args)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_chunked_ragged(dtype):
+    head_dim, block_size, num_heads, num_kv_heads = 64, 16, 8, 2
+    cases = [(64, 64), (100, 36), (17, 1), (48, 16), (33, 0), (5, 5)]  # includes an empty query chunk
+    seq_lens = [n for n, _ in cases]
+    qlens = [m for _, m in cases]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=12)
+    fused = _randn((sum(qlens), num_heads + 2 * num_kv_heads, head_dim), dtype, _gen(13))
+    q = fused[:, :num_heads]  # strided view
+    cu, sl = _cu(qlens), _i32(seq_lens)
+    ref = kernels.paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, sl, max(qlens), 0.1)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, bt, cu, sl, max(qlens), 0.1)
+    _assert_close(out, ref, dtype)
+    # a loose (larger) max_seqlen_q is fine too
+    out2 = kernels.paged_prefill_attention(q, k_cache, v_cache, bt, cu, sl, max(qlens) + 40, 0.1)
+    _assert_close(out2, ref, dtype)
+
+
+def test_prefill_prefix_lengths_around_tile_edges():
+    # cached-prefix lengths on both sides of every multiple of 16 up to 70, query
+    # chunks of 3: exercises the unmasked/diagonal tile split at every offset
+    head_dim, block_size = 16, 16
+    prefixes = [p for p in range(0, 70)]
+    qlens = [3] * len(prefixes)
+    seq_lens = [p + 3 for p in prefixes]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, 1, head_dim, torch.float32, seed=19)
+    q = _randn((sum(qlens), 2, head_dim), torch.float32, _gen(20))
+    args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), 3, 0.25)
+    _assert_close(kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args), torch.float32)
+
+
+def test_prefill_qlen1_matches_decode():
+    head_dim, block_size = 32, 16
+    seq_lens = [1, 16, 17, 50]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, 2, head_dim, torch.float32, seed=14)
+    q = _randn((len(seq_lens), 8, head_dim), torch.float32, _gen(15))
+    sl = _i32(seq_lens)
+    dec = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.3, num_splits=2)
+    pre = kernels.paged_prefill_attention(q, k_cache, v_cache, bt, _cu([1] * len(seq_lens)), sl, 1, 0.3)
+    torch.testing.assert_close(dec, pre, atol=1e-5, rtol=1e-5)
+
+
+def test_store_then_attend_roundtrip():
+    # store this step's K/V with the kernel, then prefill over the cache == dense causal attention
+    g = _gen(16)
+    block_size, hkv, h, d, n = 16, 2, 4, 32, 40
+    num_blocks = 5
+    k_cache = torch.zeros(num_blocks, block_size, hkv, d, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    blocks = torch.randperm(num_blocks, generator=g)[:3].to(torch.int32)
+    pos = torch.arange(n)
+    slots = (blocks[pos // block_size].long() * block_size + pos % block_size).to(DEVICE)
+    k, v, q = _randn((n, hkv, d), torch.float32, g), _randn((n, hkv, d), torch.float32, g), _randn((n, h, d), torch.float32, g)
+    kernels.store_kvcache(k, v, k_cache, v_cache, slots)
+    bt = blocks[None].to(DEVICE)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, bt, _cu([n]), _i32([n]), n, d**-0.5)
+    kk, vv = k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1)
+    dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=True, scale=d**-0.5)
+    torch.testing.assert_close(out, dense.transpose(0, 1), atol=5e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# argument validation
+# ----------------------------------------------------------------------------
+
+
+def _small_decode_args():
+    k_cache, v_cache, bt = make_paged_kv([5, 9], 16, 2, 32, torch.float32, seed=17)
+    q = _randn((2, 4, 32), torch.float32, _gen(18))
+    return [q, k_cache, v_cache, bt, _i32([5, 9]), 0.2]
+
+
+@pytest.mark.parametrize(
+    "index,bad,name",
+    [
+        (0, lambda a: a[0].half(), "k_cache"),  # q dtype != cache dtype
+        (0, lambda a: a[0][:, :3], "q"),  # 3 heads not a multiple of 2 kv heads
+        (0, lambda a: a[0][..., ::2], "q"),  # non-contiguous last dim / wrong head_dim
+        (1, lambda a: a[1].transpose(0, 1), "k_cache"),  # non-contiguous cache
+        (2, lambda a: a[2][:, :, :1], "v_cache"),  # shape mismatch
+        (3, lambda a: a[3].long(), "block_tables"),
+        (3, lambda a: a[3][:1], "block_tables"),
+        (4, lambda a: a[4].long(), "seq_lens"),
+        (4, lambda a: a[4][:1], "seq_lens"),
+    ],
+)
+def test_decode_validation(index, bad, name):
+    args = _small_decode_args()
+    args[index] = bad(args)
+    with pytest.raises(ValueError, match=name):
+        kernels.paged_decode_attention(*args)
+
+
+def test_prefill_and_store_validation():
+    q, k_cache, v_cache, bt, sl, scale = _small_decode_args()
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        kernels.paged_prefill_attention(q, k_cache, v_cache, bt, _i32([0, 1]), sl, 1, scale)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        kernels.paged_prefill_attention(q, k_cache, v_cache, bt, _i32([0, 1, 2]), sl, -1, scale)
+    key = torch.zeros(3, 2, 32, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.store_kvcache(key, key, k_cache, v_cache, slots.float())
+    with pytest.raises(ValueError, match="key"):
+        kernels.store_kvcache(key.half(), key, k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="value"):
+        kernels.store_kvcache(key, key[:2], k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="key"):
+        kernels.store_kvcache(torch.zeros(3, 2, 64, device=DEVICE)[..., ::2], key, k_cache, v_cache, slots)

@@ -1,0 +1,149 @@
+"""The Ray runtime: TP=2 over gloo against TP=1 and HF, streaming through the driver, abort,
+calls from several Ray tasks, a rank killed mid-generation, and a clean shutdown."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nvray import LLM, EngineConfig, SamplingParams
+from nvray.runtime import EngineDeadError, start_engine
+from oracle import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+NVRAY_CLASSES = ("EngineDriver", "RankWorker")
+
+
+def live_nvray_actors() -> set[str]:
+    from ray.util.state import list_actors
+
+    return {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name in NVRAY_CLASSES}
+
+
+def live_placement_groups() -> set[str]:
+    from ray.util.state import list_placement_groups
+
+    return {p.placement_group_id for p in list_placement_groups(limit=1000) if p.state != "REMOVED"}
+
+
+@pytest.fixture(scope="module")
+def tp2(ray_cluster, tiny_path):
+    llm = LLM("tiny", tensor_parallel_size=2, max_model_len=512)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("dispatch", ["compiled", "actor_calls"])
+def test_tp2_matches_tp1_and_hf_on_a_model_with_uneven_heads(ray_cluster, uneven_qwen3_path, dispatch):
+    prompts = random_prompts(4, 3, 70, seed=31, vocab=490)
+    tp2 = LLM(uneven_qwen3_path, tensor_parallel_size=2, ray_dispatch=dispatch)
+    try:
+        outs2 = tp2.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        tp2.shutdown()
+    outs1 = LLM(uneven_qwen3_path, runtime="inprocess").generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, a, b in zip(prompts, outs1, outs2):
+        assert b.token_ids == a.token_ids == hf_greedy(uneven_qwen3_path, prompt, 10)
+
+
+def test_tp2_on_the_tiny_model_matches_hf_with_prefix_hits_and_chunks(tp2, tiny_path):
+    prompts = random_prompts(5, 20, 150, seed=32)
+    prompts += [prompts[0], prompts[1][:40] + [7, 8, 9]]  # repeated / shared prefixes
+    outs = tp2.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_path, prompt, 10)
+    assert tp2.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_streaming_deltas_concatenate_to_the_final_text(tp2):
+    params = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
+    chunks = list(tp2.client.stream("Stream me, please.", params))
+    final = chunks[-1]
+    assert final.finished and final.finish_reason == "length"
+    assert len(chunks) >= 2 and not any(c.finished for c in chunks[:-1])
+    assert "".join(c.delta_text for c in chunks) == final.text
+    assert sum((c.delta_token_ids for c in chunks), []) == final.token_ids
+    assert final.text == tp2.client.generate("Stream me, please.", params).text
+
+
+def test_chat_messages_as_prompt(tp2, tiny_path):
+    messages = [{"role": "user", "content": "Hi there"}]
+    out = tp2.client.generate(messages, {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True})
+    assert out.token_ids == tp2.chat(messages, GREEDY.__class__(temperature=0.0, max_tokens=4,
+                                                                 ignore_eos=True), use_tqdm=False)[0].token_ids
+    with pytest.raises(ValueError, match="messages\\[0\\]"):
+        tp2.client.generate([{"role": "user"}], None)
+
+
+def test_abort_frees_the_requests_blocks(tp2):
+    client = tp2.client
+    stream = client.driver.generate_stream.options(num_returns="streaming").remote(
+        "abort me " * 10, {"max_tokens": 400, "ignore_eos": True}, "to-abort", 0)
+    import ray
+
+    ray.get(next(stream))  # it is running
+    assert client.stats()["kv_cache_usage"] > 0
+    client.abort("to-abort")
+    last = [ray.get(ref) for ref in stream][-1]
+    assert last.finish_reason == "abort"
+    stats = client.stats()
+    assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_concurrent_requests_from_several_ray_tasks(tp2, ray_cluster):
+    ray = ray_cluster
+    client = tp2.client
+
+    @ray.remote(num_cpus=0.1)
+    def ask(client, i: int) -> list[int]:
+        return client.generate(f"task {i} asks", {"temperature": 0.0, "max_tokens": 6,
+                                                  "ignore_eos": True}).token_ids
+
+    results = ray.get([ask.remote(client, i) for i in range(6)], timeout=120)
+    expected = [o.token_ids for o in tp2.generate([f"task {i} asks" for i in range(6)],
+                                                  SamplingParams(temperature=0.0, max_tokens=6,
+                                                                 ignore_eos=True), use_tqdm=False)]
+    assert results == expected
+
+
+def test_bad_request_fails_alone(tp2):
+    with pytest.raises(ValueError, match="exceeds max_model_len=512"):
+        tp2.client.generate("x " * 600, {"max_tokens": 8})
+    tp2.client.check_health()
+    assert tp2.client.generate("fine", {"max_tokens": 2}).finished
+
+
+def test_killing_a_rank_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(ray_cluster):
+    ray = ray_cluster
+    before_actors, before_pgs = live_nvray_actors(), live_placement_groups()
+    client = start_engine(EngineConfig(model="tiny", tensor_parallel_size=2, max_model_len=2048))
+    assert len(live_nvray_actors() - before_actors) == 3  # a driver and two ranks
+    refs = [client.driver.generate.remote(f"long request {i}", {"max_tokens": 1500, "ignore_eos": True})
+            for i in range(3)]
+    time.sleep(1.0)
+    worker_handles = ray.get(client.driver.__ray_call__.remote(
+        lambda self: self.engine.executor.workers))
+    ray.kill(worker_handles[1])
+    start = time.monotonic()
+    for ref in refs:
+        with pytest.raises(EngineDeadError, match="rank"):
+            ray.get(ref, timeout=30)
+    assert time.monotonic() - start < 30
+    with pytest.raises(EngineDeadError):
+        client.check_health()
+    with pytest.raises(EngineDeadError):
+        client.generate("after the failure", {"max_tokens": 2})
+    client.shutdown()
+    deadline = time.monotonic() + 20
+    while (live_nvray_actors() - before_actors or live_placement_groups() - before_pgs) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert live_nvray_actors() - before_actors == set()
+    assert live_placement_groups() - before_pgs == set()
+    fresh = LLM("tiny", max_model_len=256)  # the cluster still takes a new engine
+    try:
+        assert fresh.generate("new engine", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
+    finally:
+        fresh.shutdown()
