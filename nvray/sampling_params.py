@@ -35,7 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as max_model_len leaves room for
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -82,9 +82,10 @@ class SamplingParams:
                "must be a number in [0, 1]")
 
     def _validate_lengths(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               self.max_tokens, "must be an integer >= 1")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "must be an integer >= 1 (or None: up to max_model_len)")
+        upper = self.max_tokens if self.max_tokens is not None else 2**31
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= upper,
                "min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
 
     @property

@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Single-machine Ray: nodes, GCS and every rendezvous stay on 127.0.0.1 (Ray otherwise
 # rewrites loopback to the machine's interface address). Set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Serve's autoscaler sees load within a second instead of ten (autoscaling test).
+os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
 # Another Qwen3 shape: untied head, wider heads, 3 layers, GQA 3:1.
 OTHER_QWEN3 = {"hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
@@ -70,9 +73,32 @@ def ray_cluster():
     assert not os.environ.get("RAY_ADDRESS"), "tests start their own local cluster"
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
+        ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
                  log_to_driver=False, runtime_env={"env_vars": {
                      "NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"],
                      "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
-    ray.shutdown()
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_http(ray_cluster) -> str:
+    """Ray Serve's HTTP proxy on 127.0.0.1 (one per test session); returns its base URL."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"

@@ -9,12 +9,14 @@ that produced tokens or finished in that step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from nvray.engine.block_manager import BlockManager
 from nvray.engine.detokenizer import IncrementalDetokenizer
+from nvray.engine.metrics import RequestMetrics
 from nvray.engine.scheduler import Scheduler, SchedulerOutput
 from nvray.engine.sequence import Sequence
 from nvray.engine.step_input import StepInput, build_step_input
@@ -74,6 +76,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the latest step
+        self.metrics = RequestMetrics()
+        self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
 
     # --------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -86,13 +90,19 @@ class LLMEngine:
             raise ValueError("prompt must be a string or a list of token ids")
         return list(prompt)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check that the request can run; returns params with max_tokens resolved."""
         lim = self.limits
         if not token_ids:
             raise ValueError("prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < lim.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {lim.vocab_size})")
+        if params.max_tokens is None:
+            if len(token_ids) >= lim.max_model_len:
+                raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room to generate "
+                                 f"within max_model_len={lim.max_model_len}")
+            params = dataclasses.replace(params, max_tokens=lim.max_model_len - len(token_ids))
         total = len(token_ids) + params.max_tokens
         if total > lim.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
@@ -105,6 +115,7 @@ class LLMEngine:
         if blocks > lim.num_kvcache_blocks:
             raise ValueError(f"request needs {blocks} KV cache blocks but the cache has only "
                              f"{lim.num_kvcache_blocks}")
+        return params
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
@@ -118,7 +129,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
+        params = self.validate(token_ids, params)
         seq = Sequence(request_id, token_ids, params, self.clock(), priority)
         eos = () if params.ignore_eos else self.limits.eos_token_ids
         stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
@@ -182,6 +193,7 @@ class LLMEngine:
             self.scheduler.finish_many([s.seq for s in finished], lambda s: s.finish_reason)
             for state in finished:
                 self._forget(state)
+                self._record(state)
         return outputs
 
     def _append_token(self, state: RequestState, token: int, now: float) -> None:
@@ -240,7 +252,13 @@ class LLMEngine:
         if not state.seq.is_finished:
             self.scheduler.finish(state.seq, reason)
         self._forget(state)
+        self._record(state)
         return self._make_output(state)
+
+    def _record(self, state: RequestState) -> None:
+        self.metrics.observe_request(state.seq.arrival_time, state.timestamps)
+        reason = state.finish_reason or "abort"
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
     def _forget(self, state: RequestState) -> None:
         self.requests.pop(state.seq.request_id, None)
@@ -256,4 +274,6 @@ class LLMEngine:
                 "prefix_cache_hit_tokens": bm.num_hit_tokens,
                 "prompt_tokens": self.num_prompt_tokens,
                 "generation_tokens": self.num_generation_tokens,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_finished": dict(self.num_finished),
+                **self.metrics.snapshot()}

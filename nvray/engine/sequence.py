@@ -68,9 +68,5 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.params.max_tokens
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -30,17 +30,24 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     return config.replace(device="cuda" if cluster_has_gpus() else "cpu")
 
 
-def start_engine(config: EngineConfig) -> "EngineClient":
-    """Start one engine (driver + ranks in one placement group) on the current Ray cluster."""
+def start_engine(config: EngineConfig, pg: PlacementGroup | None = None) -> "EngineClient":
+    """Start one engine (driver + ranks in one placement group) on the current Ray cluster.
+
+    With ``pg`` (bundles laid out as ``placement.engine_bundles``: driver in bundle 0, rank r in
+    bundle 1 + r), the engine lives in that placement group and its owner removes it — this is
+    how a Serve replica hosts its engine in the replica's own placement group.
+    """
     ensure_ray()
     if config.model != TINY_NAME:
         resolve_model(config.model)  # fail fast, here, on a path that does not exist
     config = resolve_device(config)
-    pg = create_engine_placement_group(config, config.device == "cuda")
+    owns_pg = pg is None
+    if pg is None:
+        pg = create_engine_placement_group(config, config.device == "cuda")
     driver = ray.remote(EngineDriver).options(
         num_cpus=DRIVER_CPUS, scheduling_strategy=in_bundle(pg, 0),
         max_concurrency=_DRIVER_MAX_CONCURRENCY, max_restarts=0).remote(config, pg)
-    client = EngineClient(driver, pg)
+    client = EngineClient(driver, pg, owns_pg)
     try:
         client.info = ray.get(driver.start.remote())
     except BaseException:
@@ -50,9 +57,10 @@ def start_engine(config: EngineConfig) -> "EngineClient":
 
 
 class EngineClient:
-    def __init__(self, driver: Any, pg: PlacementGroup) -> None:
+    def __init__(self, driver: Any, pg: PlacementGroup, owns_pg: bool = True) -> None:
         self.driver = driver
         self.pg = pg
+        self.owns_pg = owns_pg
         self.info: dict[str, Any] = {}
 
     def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
@@ -82,4 +90,5 @@ class EngineClient:
         except Exception:  # noqa: BLE001 - a dead driver is what shutdown wants anyway
             pass
         ray.kill(self.driver, no_restart=True)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)

@@ -1,0 +1,95 @@
+"""AppArgs: the arguments of ``serve run deployments:build_app key=value ...`` (and of a Serve
+config file's ``args``), validated by pydantic; every field has a description.
+
+Unknown or invalid arguments fail at start-up with a message naming them. ``engine_config()``
+turns the args into the engine's EngineConfig; ``deployment_options()`` into Serve's
+autoscaling, queueing and placement options.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nvray.config import EngineConfig
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field("tiny", description="HF checkpoint directory, or 'tiny' for the embedded "
+                                           "random-weight Qwen3 (no download)")
+    served_model_name: str | None = Field(None, description="name clients pass as 'model'; "
+                                                            "default: 'tiny' or the directory name")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (rank actors) per engine")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto': cuda when a GPU "
+                                                                       "is visible, else cpu")
+    max_model_len: int | None = Field(None, ge=1, description="prompt + completion limit; "
+                                                              "default: the model's")
+    max_num_seqs: int = Field(256, ge=1, description="sequences per engine batch")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget per engine step")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory "
+                                                                       "for weights + KV cache")
+    kvcache_block_size: int = Field(16, ge=1, description="tokens per KV cache block")
+    enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
+    enforce_eager: bool = Field(False, description="disable CUDA graphs")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="weights "
+                                                                                        "and KV dtype")
+    scheduling_policy: Literal["fcfs", "sjf", "priority"] = Field("fcfs", description="admission "
+                                                                                      "order")
+    num_cpus_per_rank: float = Field(1.0, gt=0, description="CPUs per rank actor (CPU engines)")
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
+                                           "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1}")
+    min_replicas: int = Field(1, ge=0, description="autoscaling: fewest engine replicas")
+    max_replicas: int = Field(1, ge=1, description="autoscaling: most engine replicas")
+    target_ongoing_requests: float = Field(16, gt=0, description="autoscaling: ongoing requests "
+                                                                 "per replica to aim for")
+    upscale_delay_s: float = Field(30.0, ge=0, description="autoscaling: sustained load before "
+                                                           "adding a replica")
+    downscale_delay_s: float = Field(600.0, ge=0, description="autoscaling: sustained low load "
+                                                              "before removing a replica")
+    max_ongoing_requests: int = Field(256, ge=1, description="requests a replica takes at once")
+    max_queued_requests: int = Field(-1, ge=-1, description="requests queued per caller before "
+                                                            "503; -1: no limit")
+    api_key: str | None = Field(None, description="if set, /v1 requests need 'Authorization: "
+                                                  "Bearer <key>' (env NVRAY_API_KEY also works)")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is "
+                                                              "aborted (HTTP 504)")
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("NVRAY_API_KEY") or None
+
+    def name_to_serve(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model)) or self.model
+
+    def engine_config(self) -> EngineConfig:
+        fields = {k: getattr(self, k) for k in (
+            "tensor_parallel_size", "device", "max_model_len", "max_num_seqs",
+            "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
+            "enable_prefix_caching", "enforce_eager", "dtype", "scheduling_policy",
+            "num_cpus_per_rank")}
+        return EngineConfig.from_kwargs(self.model, **fields, **self.engine_options)
+
+
+def parse_args(args: dict[str, Any] | AppArgs | None) -> AppArgs:
+    """Validate app args; the error lists every bad or unknown argument by name."""
+    if isinstance(args, AppArgs):
+        return args
+    try:
+        parsed = AppArgs.model_validate(dict(args or {}))
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'args'}: {err['msg']}"
+                             for err in e.errors())
+        raise ValueError(f"invalid nvray app arguments: {problems}") from None
+    if parsed.min_replicas > parsed.max_replicas:
+        raise ValueError(f"invalid nvray app arguments: min_replicas={parsed.min_replicas} > "
+                         f"max_replicas={parsed.max_replicas}")
+    try:
+        parsed.engine_config()  # engine option errors surface at start-up too
+    except ValueError as e:
+        raise ValueError(f"invalid nvray app arguments: {e}") from None
+    return parsed

@@ -1,0 +1,101 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure reaching a client goes through here, with a short message: validation failures
+are 400 (never 422 or 500), a missing or wrong API key 401, an unknown model 404, an unhealthy
+or overloaded engine 503, a time-out 504. Exceptions raised in Ray actors are unwrapped to their
+cause so no traceback or file path leaks into a response.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nvray.runtime.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+_PARAM_IN_MESSAGE = re.compile(r"^(\w+)=")
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 503: "service_unavailable", 504: "timeout",
+          500: "internal_error"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+    def sse(self) -> str:
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The user-level exception behind a Ray task error."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
+
+
+def to_openai_error(e: BaseException) -> OpenAIError:
+    """Map any exception from request handling to the error a client should see."""
+    e = root_cause(e)
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, "the engine is unavailable; retry shortly", code="engine_unavailable")
+    if isinstance(e, TimeoutError):
+        return OpenAIError(504, "the request timed out", code="timeout")
+    if isinstance(e, ValueError):
+        message = str(e).splitlines()[0] if str(e) else "invalid request"
+        param = getattr(e, "param", None)
+        match = _PARAM_IN_MESSAGE.match(message)
+        return OpenAIError(400, message, param or (match.group(1) if match else None))
+    logger.exception("unexpected error while serving a request")
+    return OpenAIError(500, "internal server error", code="internal_error")
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(400, "request body is not valid JSON", code="json_invalid")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return OpenAIError(400, "request body must be a JSON object")
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid")
+    return OpenAIError(400, message, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return OpenAIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def on_any_error(_: Request, exc: Exception) -> JSONResponse:
+        return to_openai_error(exc).response()

@@ -1,0 +1,57 @@
+"""/metrics: the engine's stats in Prometheus text format (version 0.0.4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_GAUGES = (
+    ("num_requests_running", "num_running", "Requests running in the engine"),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled"),
+    ("kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache blocks in use"),
+    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
+)
+_COUNTERS = (
+    ("prompt_tokens_total", "prompt_tokens", "Prompt tokens accepted"),
+    ("generation_tokens_total", "generation_tokens", "Tokens generated"),
+    ("num_preemptions_total", "num_preemptions", "Sequences preempted for lack of KV blocks"),
+    ("prefix_cache_queries_total", "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits_total", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+)
+_HISTOGRAMS = (
+    ("time_to_first_token_seconds", "Time from arrival to first generated token"),
+    ("inter_token_latency_seconds", "Time between consecutive generated tokens"),
+)
+
+
+def _fmt_labels(labels: dict[str, str]) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return "{" + inner + "}" if inner else ""
+
+
+def _histogram(name: str, snap: dict[str, Any], labels: dict[str, str]) -> list[str]:
+    lines = []
+    bounds = [str(b) for b in snap["buckets"]] + ["+Inf"]
+    for bound, count in zip(bounds, snap["cumulative_counts"]):
+        lines.append(f"{name}_bucket{_fmt_labels({**labels, 'le': bound})} {count}")
+    lines.append(f"{name}_sum{_fmt_labels(labels)} {snap['sum']}")
+    lines.append(f"{name}_count{_fmt_labels(labels)} {snap['count']}")
+    return lines
+
+
+def render_metrics(stats: dict[str, Any], model: str, prefix: str = "nvray") -> str:
+    labels = {"model_name": model}
+    lines = [f"# HELP {prefix}_engine_healthy 1 if the engine is healthy",
+             f"# TYPE {prefix}_engine_healthy gauge",
+             f"{prefix}_engine_healthy{_fmt_labels(labels)} {1 if stats.get('healthy') else 0}"]
+    if not stats.get("healthy"):
+        return "\n".join(lines) + "\n"
+    for kind, table in (("gauge", _GAUGES), ("counter", _COUNTERS)):
+        for name, key, help_text in table:
+            full = f"{prefix}_{name}"
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}",
+                      f"{full}{_fmt_labels(labels)} {stats[key]}"]
+    for name, help_text in _HISTOGRAMS:
+        full = f"{prefix}_{name}"
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]
+        lines += _histogram(full, stats[name], labels)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,76 @@
+"""App options end to end: API keys, autoscaling whole engines, and start-up argument errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import requests
+from ray import serve
+
+from deployments import build_app
+
+COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+
+
+def test_unknown_or_invalid_args_fail_at_start_up_naming_them():
+    with pytest.raises(ValueError, match="tensor_parallel_size.*modle|modle.*tensor_parallel_size"):
+        build_app({"modle": "x", "tensor_parallel_size": "two"})
+    with pytest.raises(ValueError, match="unknown engine option.*bogus"):
+        build_app({"engine_options": {"bogus": 1}})
+    with pytest.raises(ValueError, match="min_replicas=3 > max_replicas=2"):
+        build_app({"min_replicas": 3, "max_replicas": 2})
+
+
+def test_api_key_is_required_on_v1_but_health_stays_open(serve_http):
+    serve.run(build_app({"api_key": "s3cret", "max_model_len": 256}), name="secure",
+              route_prefix="/secure")
+    base = f"{serve_http}/secure"
+    try:
+        missing = requests.post(f"{base}/v1/completions", json=COMPLETION, timeout=60)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["type"] == "authentication_error"
+        wrong = requests.post(f"{base}/v1/completions", json=COMPLETION, timeout=60,
+                              headers={"Authorization": "Bearer s3cre7"})
+        assert wrong.status_code == 401
+        assert requests.get(f"{base}/v1/models", timeout=60).status_code == 401
+        ok = requests.post(f"{base}/v1/completions", json=COMPLETION, timeout=60,
+                           headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        assert requests.get(f"{base}/health", timeout=60).status_code == 200
+    finally:
+        serve.delete("secure")
+
+
+def running_replicas(app: str) -> int:
+    status = serve.status().applications[app].deployments["NvrayServer"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_a_burst_scales_to_a_second_engine_and_every_request_succeeds(serve_http, ray_cluster):
+    serve.run(build_app({"max_model_len": 256, "min_replicas": 1, "max_replicas": 2,
+                         "target_ongoing_requests": 1, "upscale_delay_s": 0,
+                         "downscale_delay_s": 600, "num_cpus_per_rank": 0.5}),
+              name="scaled", route_prefix="/scaled")
+    url = f"{serve_http}/scaled/v1/completions"
+    body = {"model": "tiny", "prompt": "burst", "max_tokens": 48, "ignore_eos": True}
+    deadline = time.monotonic() + 150
+    statuses: list[int] = []
+
+    def keep_asking() -> None:
+        while time.monotonic() < deadline and running_replicas("scaled") < 2:
+            statuses.append(requests.post(url, json=body, timeout=120).status_code)
+
+    try:
+        assert running_replicas("scaled") == 1
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            for f in [pool.submit(keep_asking) for _ in range(6)]:
+                f.result()
+        assert running_replicas("scaled") == 2
+        assert statuses and set(statuses) == {200}
+        # both engines answer
+        after = [requests.post(url, json=body, timeout=120).status_code for _ in range(4)]
+        assert set(after) == {200}
+    finally:
+        serve.delete("scaled")
