@@ -74,3 +74,19 @@ def test_a_burst_scales_to_a_second_engine_and_every_request_succeeds(serve_http
         assert set(after) == {200}
     finally:
         serve.delete("scaled")
+
+
+def test_a_full_replica_queue_answers_503_and_the_rest_succeed(serve_http):
+    serve.run(build_app({"max_model_len": 256, "max_ongoing_requests": 1, "max_queued_requests": 1}),
+              name="tight", route_prefix="/tight")
+    url = f"{serve_http}/tight/v1/completions"
+    body = {"model": "tiny", "prompt": "queue", "max_tokens": 120, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            statuses = list(pool.map(lambda _: requests.post(url, json=body, timeout=120).status_code,
+                                     range(6)))
+        assert 503 in statuses and 200 in statuses
+        assert set(statuses) <= {200, 503}
+        assert requests.get(f"{serve_http}/tight/health", timeout=60).status_code == 200
+    finally:
+        serve.delete("tight")
