@@ -45,9 +45,11 @@ class EngineDriver:
         self.loop: EngineLoop | None = None
         self.started_at = time.time()
 
-    def start(self) -> dict[str, Any]:
+    async def start(self) -> dict[str, Any]:
         """Start the ranks and the step loop; returns model facts. Errors surface here."""
-        engine = create_engine(self.config, lambda cfg, path: RayExecutor(cfg, path, self.pg))
+        # starting the ranks blocks on ray.get: keep it off the actor's event loop
+        engine = await asyncio.to_thread(
+            create_engine, self.config, lambda cfg, path: RayExecutor(cfg, path, self.pg))
         self.engine = engine
         self.loop = EngineLoop(engine)
         lim = engine.limits

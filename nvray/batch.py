@@ -1,0 +1,244 @@
+"""``python -m nvray.batch --input IN --output OUT``: offline batch inference as a Ray job.
+
+Contract:
+
+- The input (JSON Lines or Parquet, a file or a directory; see ``nvray.batch_io``) has rows
+  with an ``id`` and a ``prompt`` string or chat ``messages``. It is validated in one plain
+  pass before anything starts on Ray: a malformed file, a row without an id or a prompt, or a
+  duplicate id ends the run at once with exit status 2 and a message naming the file and row.
+- Ray Data reads the rows and streams them, ``--batch-size`` at a time, through a pool of
+  ``--concurrency`` actors, each owning one whole nvray engine (driver + tensor-parallel ranks
+  in their own placement group; see ``nvray.batch_udf``).
+- Every input row yields exactly one output row (``id``, ``text``, ``finish_reason``,
+  ``prompt_tokens``, ``completion_tokens``, ``error``), in input order. A request that fails
+  (say, a prompt longer than ``--max-model-len``) gets an ``error`` and the job goes on. The
+  output file (JSON Lines or Parquet, by extension) appears only when the job succeeded.
+- Ray Data shows progress while it runs; a summary (rows, errors, tokens, wall time, output
+  tokens/s) is printed at the end.
+- It runs the same directly (joining the running cluster, ``RAY_ADDRESS``, or a new local one)
+  and as a submitted job: ``ray job submit --working-dir . -- python -m nvray.batch ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nvray.batch_io import InputSpec, OutputWriter, check_output_path, output_schema, \
+    validate_input
+from nvray.config import EngineConfig
+from nvray.sampling_params import SamplingParams
+
+EXIT_BAD_INPUT = 2
+_SUBMITTED_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for `ray job submit` drivers
+
+
+@dataclass
+class BatchPlan:
+    """Everything a run needs, checked before Ray starts."""
+
+    input: InputSpec
+    output: str
+    output_format: str
+    engine_kwargs: dict[str, Any]
+    sampling_params: dict[str, Any]
+    concurrency: int = 1
+    batch_size: int = 64
+    batches_per_engine: int = 2
+    max_engine_restarts: int = 1
+
+
+@dataclass
+class Summary:
+    """Totals over the output rows; also checks that each input id comes back exactly once."""
+
+    pending: set[Any]
+    rows: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, table: Any) -> None:
+        cols = table.to_pydict()
+        for row_id in cols["id"]:
+            if row_id not in self.pending:
+                raise RuntimeError(f"output id {row_id!r} is not a pending input id; "
+                                   "no output written")
+            self.pending.discard(row_id)
+        self.rows += table.num_rows
+        self.errors += sum(e is not None for e in cols["error"])
+        self.prompt_tokens += sum(t or 0 for t in cols["prompt_tokens"])
+        self.completion_tokens += sum(t or 0 for t in cols["completion_tokens"])
+
+    def check_complete(self) -> None:
+        if self.pending:
+            raise RuntimeError(f"{len(self.pending)} input rows got no output row (e.g. id "
+                               f"{next(iter(self.pending))!r}); no output written")
+
+    def format(self, wall_s: float, output: str) -> str:
+        rate = self.completion_tokens / wall_s if wall_s > 0 else 0.0
+        return (f"nvray.batch: {self.rows} rows, {self.errors} errors -> {output}\n"
+                f"  prompt tokens {self.prompt_tokens}, completion tokens "
+                f"{self.completion_tokens}, wall time {wall_s:.1f} s, "
+                f"{rate:.1f} output tokens/s")
+
+
+# ------------------------------------------------------------------------------ arguments
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m nvray.batch",
+                                description="Batch inference on Ray Data with nvray engines.")
+    p.add_argument("--input", required=True, help="JSON Lines / Parquet file or directory")
+    p.add_argument("--output", required=True, help="output file: .jsonl or .parquet")
+    p.add_argument("--model", default="tiny", help="checkpoint directory or 'tiny' (default)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--concurrency", type=_positive_int, default=1,
+                   help="engines in the pool (one Ray Data actor each)")
+    p.add_argument("--batch-size", type=_positive_int, default=64,
+                   help="rows per Ray Data batch; one batch's requests go to an engine at once")
+    p.add_argument("--batches-per-engine", type=_positive_int, default=2,
+                   help="batches an engine works on at the same time")
+    p.add_argument("--max-engine-restarts", type=int, default=1,
+                   help="new engines an actor may start after its engine died")
+    p.add_argument("--max-tokens", type=_positive_int, default=256)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--num-cpus-per-rank", type=float, default=1.0,
+                   help="CPUs per rank when running on CPU")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto")
+    return p.parse_args(argv)
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling parameters as a dict, validated (ValueError names a bad one)."""
+    params = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "seed": args.seed,
+              "stop": list(args.stop or ()), "ignore_eos": args.ignore_eos}
+    SamplingParams(**params)
+    return params
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options as EngineConfig keyword arguments, validated."""
+    kwargs = {"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+              "num_cpus_per_rank": args.num_cpus_per_rank, "device": args.device,
+              "dtype": args.dtype}
+    EngineConfig.from_kwargs(**kwargs)
+    return kwargs
+
+
+def build_plan(args: argparse.Namespace) -> BatchPlan:
+    """Check the options and the whole input; raises ValueError naming the first problem."""
+    if args.max_engine_restarts < 0:
+        raise ValueError(f"--max-engine-restarts={args.max_engine_restarts} must be >= 0")
+    engine_kwargs = engine_kwargs_from_args(args)
+    sampling = sampling_params_from_args(args)
+    if os.environ.get(_SUBMITTED_JOB_ENV) and not os.path.isabs(args.output):
+        raise ValueError(f"--output {args.output!r}: give an absolute path in a submitted job "
+                         "(its working directory is a temporary copy, deleted afterwards)")
+    spec = validate_input(args.input)
+    output, output_format = check_output_path(args.output, spec.files)
+    return BatchPlan(input=spec, output=output, output_format=output_format,
+                     engine_kwargs=engine_kwargs, sampling_params=sampling,
+                     concurrency=args.concurrency, batch_size=args.batch_size,
+                     batches_per_engine=args.batches_per_engine,
+                     max_engine_restarts=args.max_engine_restarts)
+
+
+# ------------------------------------------------------------------------------ running
+def check_cluster_fits(plan: BatchPlan) -> None:
+    """Fail fast if the cluster cannot hold ``concurrency`` engines at once."""
+    import ray  # noqa: PLC0415
+
+    from nvray.runtime.cluster import cluster_has_gpus  # noqa: PLC0415
+    from nvray.runtime.placement import engine_bundles  # noqa: PLC0415
+
+    config = EngineConfig.from_kwargs(**plan.engine_kwargs)
+    use_gpu = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
+    need: dict[str, float] = {}
+    for bundle in engine_bundles(config, use_gpu):
+        for name, amount in bundle.items():
+            need[name] = round(need.get(name, 0.0) + amount * plan.concurrency, 6)
+    total = ray.cluster_resources()
+    have = {k: total.get(k, 0.0) for k in need}
+    if any(have[k] + 1e-9 < v for k, v in need.items()):
+        raise ValueError(f"{plan.concurrency} engine(s) need {need} but the cluster has only "
+                         f"{have}; lower --concurrency, --tensor-parallel-size or "
+                         "--num-cpus-per-rank")
+
+
+def build_dataset(plan: BatchPlan) -> Any:
+    """Read the input and map it through the pool of engine actors."""
+    from ray.data import ActorPoolStrategy, DataContext  # noqa: PLC0415
+
+    from nvray.batch_read import read_dataset  # noqa: PLC0415
+    from nvray.batch_udf import GenerateBatch  # noqa: PLC0415
+
+    DataContext.get_current().execution_options.preserve_order = True
+    pool = ActorPoolStrategy(size=plan.concurrency,
+                             max_concurrent_calls_per_actor=plan.batches_per_engine,
+                             enable_true_multi_threading=True)
+    return read_dataset(plan.input, plan.batch_size).map_batches(
+        GenerateBatch, batch_size=plan.batch_size, batch_format="pyarrow", compute=pool,
+        num_cpus=0, fn_constructor_kwargs={"engine_kwargs": plan.engine_kwargs,
+                                           "sampling_params": plan.sampling_params,
+                                           "max_engine_restarts": plan.max_engine_restarts})
+
+
+def connect(plan: BatchPlan) -> None:
+    """Join (or start) Ray and check that the engines fit; ValueError if they cannot."""
+    from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
+
+    ensure_ray()
+    check_cluster_fits(plan)
+
+
+def run(plan: BatchPlan) -> Summary:
+    """Run the job and write the output; every input id must come back exactly once."""
+    summary = Summary(pending=plan.input.ids)  # consumed: ids are checked off as rows arrive
+    with OutputWriter(plan.output, plan.output_format, output_schema(plan.input.id_type)) as out:
+        for table in build_dataset(plan).iter_batches(batch_format="pyarrow", batch_size=None):
+            summary.add(table)
+            out.write(table)
+        summary.check_complete()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.perf_counter()
+    args = parse_args(argv)
+    try:
+        plan = build_plan(args)
+        print(f"nvray.batch: {plan.input.num_rows} rows from {len(plan.input.files)} "
+              f"{plan.input.format} file(s); {plan.concurrency} engine(s) of {args.model!r}",
+              flush=True)
+        connect(plan)
+    except ValueError as e:
+        print(f"nvray.batch: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    summary = run(plan)
+    print(summary.format(time.perf_counter() - start, plan.output), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

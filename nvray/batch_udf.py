@@ -1,0 +1,139 @@
+"""GenerateBatch: the Ray Data callable class of ``python -m nvray.batch``; one engine per actor.
+
+Contract:
+
+- Each pool actor starts one whole nvray engine with ``start_engine(config)`` — an
+  EngineDriver and its rank actors in their own placement group — and owns its EngineClient.
+  The actor itself asks Ray Data for no CPU, so it never competes with its engine's bundles.
+- ``__call__`` takes a pyarrow batch of input rows (``id``, ``prompt``, ``messages``), sends all
+  its requests to the driver at once (so the engine batches them), and returns one output row
+  per input row, in order: ``id``, ``text``, ``finish_reason``, ``prompt_tokens``,
+  ``completion_tokens``, ``error``.
+- A request the engine rejects (``ValueError``: prompt too long, empty, ...) or that fails in
+  any other way gives a row with a short ``error`` and null text/token counts; the job goes
+  on. If the engine itself dies (a rank or the driver lost), the actor starts a new engine — at
+  most ``max_engine_restarts`` times — and retries the failed rows once on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import pyarrow as pa
+import ray
+
+from nvray.batch_io import output_schema
+from nvray.config import EngineConfig
+from nvray.runtime import EngineDeadError, start_engine
+
+_MAX_ERROR_CHARS = 300
+
+
+def row_prompt(row: dict[str, Any]) -> str | list[dict[str, str]]:
+    """The driver prompt of an input row: its string, or its chat messages without nulls."""
+    if row.get("prompt") is not None:
+        return row["prompt"]
+    return [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]
+
+
+def short_error(exc: BaseException) -> str:
+    """``Type: message`` of the original exception (unwrapping Ray's), first line, capped."""
+    cause = getattr(exc, "cause", None)  # RayTaskError keeps the exception raised remotely
+    exc = cause if isinstance(cause, BaseException) else exc
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS - 3] + "..."
+
+
+def is_engine_failure(exc: BaseException) -> bool:
+    """True when the engine (not the request) failed: retrying on a new engine may help."""
+    return isinstance(exc, (EngineDeadError, ray.exceptions.RayActorError))
+
+
+def result_row(row_id: Any, result: Any) -> dict[str, Any]:
+    """An output row from a RequestOutput or the exception its request raised."""
+    if isinstance(result, BaseException):
+        return {"id": row_id, "text": None, "finish_reason": None, "prompt_tokens": None,
+                "completion_tokens": None, "error": short_error(result)}
+    usage = result.usage
+    return {"id": row_id, "text": result.text, "finish_reason": result.finish_reason,
+            "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"], "error": None}
+
+
+def resolve(ref: Any) -> Any:
+    """The value of one request's ObjectRef, or the exception it raised."""
+    try:
+        return ray.get(ref)
+    except Exception as e:  # noqa: BLE001 - every failure becomes that row's error
+        return e
+
+
+class GenerateBatch:
+    """Ray Data callable class: one nvray engine per actor of the pool."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], sampling_params: dict[str, Any],
+                 max_engine_restarts: int = 1,
+                 engine_factory: Callable[[EngineConfig], Any] = start_engine) -> None:
+        self.config = EngineConfig.from_kwargs(**engine_kwargs)
+        self.sampling_params = sampling_params
+        self.restarts_left = max_engine_restarts
+        self.engine_factory = engine_factory
+        self.lock = threading.Lock()  # Ray Data may run two batches at once in this actor
+        self.client: Any = engine_factory(self.config)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        prompts = [row_prompt(r) for r in rows]
+        results = self.generate(prompts)
+        out = [result_row(r["id"], res) for r, res in zip(rows, results, strict=True)]
+        return pa.Table.from_pylist(out, schema=output_schema(batch.schema.field("id").type))
+
+    def generate(self, prompts: list[Any]) -> list[Any]:
+        """One RequestOutput or exception per prompt; engine failures retried on a new engine."""
+        client = self.client
+        results = self._run(client, prompts)
+        failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)
+                  and is_engine_failure(r)]
+        if failed and self._replace_engine(client):
+            retried = self._run(self.client, [prompts[i] for i in failed])
+            for i, r in zip(failed, retried, strict=True):
+                results[i] = r
+        return results
+
+    def _run(self, client: Any, prompts: list[Any]) -> list[Any]:
+        refs = []
+        for prompt in prompts:
+            try:
+                refs.append(client.driver.generate.remote(prompt, self.sampling_params, None, 0))
+            except Exception as e:  # noqa: BLE001 - e.g. an argument that cannot be serialized
+                refs.append(e)
+        return [r if isinstance(r, BaseException) else resolve(r) for r in refs]
+
+    def _replace_engine(self, failed: Any) -> bool:
+        """Start a new engine in place of ``failed`` (once, whichever thread gets here first)."""
+        with self.lock:
+            if self.client is not failed:
+                return True  # another batch of this actor already replaced it
+            if self.restarts_left <= 0:
+                return False
+            self.restarts_left -= 1
+            _shutdown_quietly(failed)
+            try:
+                self.client = self.engine_factory(self.config)
+            except Exception:  # noqa: BLE001 - the rows keep their engine-failure errors
+                return False
+            return True
+
+    def __del__(self) -> None:
+        _shutdown_quietly(getattr(self, "client", None))
+
+
+def _shutdown_quietly(client: Any) -> None:
+    if client is None:
+        return
+    try:
+        client.shutdown()
+    except Exception:  # noqa: BLE001 - shutting down a dead engine may fail; nothing to do
+        pass

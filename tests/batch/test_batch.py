@@ -1,0 +1,474 @@
+"""Batch inference as a Ray job (``python -m nvray.batch``).
+
+A real head is started with ``ray start --head`` (its own ports and temp dir, so it never meets
+the session's ``ray_cluster``); the job is submitted with the real ``ray job submit`` CLI and
+its greedy outputs are compared with the offline in-process LLM. The same input as Parquet,
+run directly against that head with two engines, must give the same rows. Malformed inputs
+fail before anything runs, naming the row; engine failures inside a pool actor are retried on
+a new engine (checked with a fake engine, no Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nvray.batch_io import input_schema
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON_BIN = os.path.dirname(sys.executable)
+RAY_CLI = os.path.join(PYTHON_BIN, "ray")
+MAX_TOKENS, MAX_MODEL_LEN = 8, 96
+HEAD_START_TIMEOUT_S = 180
+JOB_TIMEOUT_S = 420
+GOOD_ROWS = [
+    {"id": "p0", "prompt": "Hello, nvray"},
+    {"id": "p1", "prompt": "The quick brown fox jumps over the lazy dog."},
+    {"id": "c0", "messages": [{"role": "user", "content": "Hi!"}]},
+    {"id": "p2", "prompt": "Ray is a unified framework for scaling AI and Python applications."},
+    {"id": "c1", "messages": [{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "What is a paged KV cache?"}]},
+    {"id": "p3", "prompt": "def main(): print('hello, world')"},
+]
+BAD_ROWS = [  # valid input, but the engine rejects them: error rows, the job goes on
+    {"id": "too-long", "prompt": "Hello world! " * 200},
+    {"id": "empty", "prompt": ""},
+]
+ROWS = GOOD_ROWS[:3] + BAD_ROWS[:1] + GOOD_ROWS[3:] + BAD_ROWS[1:]
+COMMON_ARGS = ["--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--temperature", "0",
+               "--max-model-len", str(MAX_MODEL_LEN), "--batch-size", "3"]
+
+
+# ------------------------------------------------------------------------------ helpers
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_output(path: Path) -> list[dict[str, Any]]:
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Loopback only; the head, the job CLI and direct runs agree on no token auth (Ray turns
+    # it on for `ray start` when ~/.ray/auth_token exists, but its CLIs need RAY_AUTH_MODE).
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false",
+               PATH=PYTHON_BIN + os.pathsep + env.get("PATH", ""), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_batch(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nvray.batch", *args], cwd=REPO,
+                          env=child_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process descended from it, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        kids = [c for c, p in parents.items() if p == pid and c not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    return tree
+
+
+def processes_using(marker: str) -> set[int]:
+    """Processes whose command line mentions ``marker`` (this head's unique temp dir)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if marker in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                    found.add(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def alive(pids: set[int]) -> set[int]:
+    """The pids still running (zombies count as gone)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+@dataclass
+class Head:
+    gcs_address: str
+    dashboard_url: str
+    temp_dir: str
+
+
+def wait_for_job_api(url: str, proc: subprocess.Popen, log: Path) -> None:
+    """Until ``ray job list`` answers: the dashboard and its job agent are up."""
+    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            probe = subprocess.run([RAY_CLI, "job", "list", "--address", url], env=child_env(),
+                                   capture_output=True, timeout=60)
+            if probe.returncode == 0:
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"the head's job API did not come up in {HEAD_START_TIMEOUT_S} s:\n"
+                       f"{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A real head (4 logical CPUs) on 127.0.0.1, with its own ports and temp dir."""
+    temp_dir = tempfile.mkdtemp(prefix="nvb-", dir="/tmp")  # short: Unix socket paths
+    gcs, dash, client, agent, agent_grpc, metrics, node, obj, rtenv = free_ports(9)
+    log = tmp_path_factory.mktemp("head") / "ray-start.log"
+    cmd = [RAY_CLI, "start", "--head", "--block",
+           "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
+           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--metrics-export-port={metrics}", f"--node-manager-port={node}",
+           f"--object-manager-port={obj}", f"--runtime-env-agent-port={rtenv}",
+           "--num-cpus=4", "--num-gpus=0", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        wait_for_job_api(url, proc, log)
+        yield Head(f"127.0.0.1:{gcs}", url, temp_dir)
+    finally:
+        stop_head(proc, temp_dir)
+
+
+def stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
+    """Stop only this head's processes, by pid (``ray stop`` would stop every Ray here)."""
+    pids = process_tree(proc.pid) | processes_using(temp_dir)
+    signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and alive(pids):
+        time.sleep(0.5)
+        pids |= processes_using(temp_dir)
+    signal_all(alive(pids), signal.SIGKILL)
+    proc.wait(timeout=30)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- the oracle
+@pytest.fixture(scope="module")
+def expected(tiny_path) -> dict[str, str]:
+    """Greedy texts of the good rows from the offline in-process LLM."""
+    from nvray import LLM, SamplingParams
+
+    llm = LLM("tiny", runtime="inprocess", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        texts = {}
+        for row in GOOD_ROWS:
+            if "prompt" in row:
+                out = llm.generate([row["prompt"]], params, use_tqdm=False)[0]
+            else:
+                out = llm.chat([row["messages"]], params, use_tqdm=False)[0]
+            texts[row["id"]] = out.text
+        return texts
+    finally:
+        llm.shutdown()
+
+
+def check_rows(rows: list[dict[str, Any]], expected: dict[str, str]) -> None:
+    assert [r["id"] for r in rows] == [r["id"] for r in ROWS]  # one per input row, in order
+    by_id = {r["id"]: r for r in rows}
+    for rid, text in expected.items():
+        row = by_id[rid]
+        assert row["error"] is None, row
+        assert row["text"] == text
+        assert row["finish_reason"] == "length"
+        assert row["completion_tokens"] == MAX_TOKENS and row["prompt_tokens"] > 0
+    assert "max_model_len" in by_id["too-long"]["error"]
+    assert "empty" in by_id["empty"]["error"]
+    for rid in ("too-long", "empty"):
+        assert by_id[rid]["text"] is None and by_id[rid]["completion_tokens"] is None
+
+
+# ------------------------------------------------------------------------- on a real head
+@pytest.fixture(scope="module")
+def submitted(ray_head, tmp_path_factory, tiny_path) -> Path:
+    """The JSON Lines input run as a job with ``ray job submit``, one engine."""
+    work = tmp_path_factory.mktemp("submitted")
+    src, out = write_jsonl(work / "prompts.jsonl", ROWS), work / "out.jsonl"
+    runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", "*.egg-info", "build", "dist"],
+                   "env_vars": {"NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"]}}
+    cmd = [RAY_CLI, "job", "submit", "--address", ray_head.dashboard_url,
+           "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
+           "python", "-m", "nvray.batch", "--input", str(src), "--output", str(out),
+           "--concurrency", "1", *COMMON_ARGS]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "succeeded" in proc.stdout
+    assert "8 rows, 2 errors" in proc.stdout and "output tokens/s" in proc.stdout
+    return out
+
+
+def test_submitted_job_matches_offline_greedy_and_reports_bad_rows(submitted, expected):
+    check_rows(read_output(submitted), expected)
+
+
+def test_parquet_with_two_engines_gives_the_same_rows(ray_head, submitted, expected, tmp_path):
+    src, out = tmp_path / "prompts.parquet", tmp_path / "out.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS, schema=input_schema(pa.string())), src)
+    proc = run_batch(["--input", str(src), "--output", str(out), "--concurrency", "2",
+                      *COMMON_ARGS], timeout=JOB_TIMEOUT_S, RAY_ADDRESS=ray_head.gcs_address)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    rows = read_output(out)
+    check_rows(rows, expected)
+    assert rows == read_output(submitted)  # concurrency 2 == concurrency 1, row for row
+    assert pq.read_schema(out).names == ["id", "text", "finish_reason", "prompt_tokens",
+                                         "completion_tokens", "error"]
+
+
+def test_engines_that_do_not_fit_the_cluster_fail_fast(ray_head, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", GOOD_ROWS[:1])
+    proc = run_batch(["--input", str(src), "--output", str(tmp_path / "out.jsonl"),
+                      "--concurrency", "4"], timeout=120, RAY_ADDRESS=ray_head.gcs_address)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 engine(s) need {'CPU': 4.4} but the cluster has only {'CPU': 4.0}" in proc.stderr
+
+
+# ------------------------------------------------------------------- malformed input, fast
+@pytest.mark.parametrize("lines, message", [
+    ([{"id": 1, "prompt": "a"}, {"id": 2, "prompt": "b"}, '{"id": 3, "prompt": '],
+     "line 3: invalid JSON"),
+    ([{"id": "a", "prompt": "x"}, {"prompt": "no id"}], "line 2: row has no 'id'"),
+    ([{"id": "a", "prompt": "x"}, "", {"id": "b"}], "line 3: row 'b' has neither 'prompt' nor"),
+    ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}],
+     "line 2: duplicate id 'a' (first at"),
+    ([{"id": "a", "prompt": "x"}, {"id": 7, "prompt": "y"}], "line 2: id 7 is a int but"),
+    ([{"id": "a", "prompt": 5}], "line 1: 'prompt' must be a string"),
+    ([{"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}],
+     "line 1: row 'a' has both"),
+    ([{"id": "a", "messages": [{"role": "user"}]}], "line 1: messages[0] must be an object"),
+    (["[1, 2]"], "line 1: expected a JSON object"),
+    ([{"id": True, "prompt": "x"}], "line 1: 'id' must be a string or an integer"),
+])
+def test_malformed_jsonl_is_rejected_with_the_row_number(tmp_path, lines, message):
+    from nvray.batch_io import validate_input
+
+    path = write_jsonl(tmp_path / "in.jsonl", lines)
+    with pytest.raises(ValueError) as err:
+        validate_input(str(path))
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_malformed_parquet_is_rejected_with_the_row_number(tmp_path):
+    from nvray.batch_io import validate_input
+
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", None, "c"], "prompt": ["x", "y", "z"]}), path)
+    with pytest.raises(ValueError, match=r"in.parquet: row 2: row has no 'id'"):
+        validate_input(str(path))
+    pq.write_table(pa.table({"id": ["a"], "text": ["x"]}), path)
+    with pytest.raises(ValueError, match="neither a 'prompt' nor a 'messages' column"):
+        validate_input(str(path))
+    path.write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="not a readable Parquet file"):
+        validate_input(str(path))
+
+
+def test_cli_fails_fast_on_malformed_input_before_starting_ray(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"prompt": "no id"}])
+    start = time.monotonic()
+    proc = run_batch(["--input", str(src), "--output", str(tmp_path / "out.jsonl")], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{src}: line 2: row has no 'id'" in proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr  # no cluster was joined or started
+    assert not (tmp_path / "out.jsonl").exists()
+    bad_json = write_jsonl(tmp_path / "bad.jsonl", [{"id": 1, "prompt": "x"}, "{oops"])
+    proc = run_batch(["--input", str(bad_json), "--output", str(tmp_path / "o.parquet")],
+                     timeout=120)
+    assert proc.returncode == 2 and "bad.jsonl: line 2: invalid JSON" in proc.stderr
+    proc = run_batch(["--input", str(bad_json), "--output", str(tmp_path / "o.jsonl"),
+                      "--temperature", "-1"], timeout=120)
+    assert proc.returncode == 2 and "temperature=-1.0 is invalid" in proc.stderr
+    assert time.monotonic() - start < 100
+
+
+def test_input_directory_and_output_path_checks(tmp_path):
+    from nvray.batch_io import check_output_path, find_input_files, validate_input
+
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "prompt": "1"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"id": "y", "prompt": "2"}, {"id": "x", "prompt": "3"}])
+    (tmp_path / "notes.txt").write_text("ignored")
+    fmt, files = find_input_files(str(tmp_path))
+    assert fmt == "jsonl" and [os.path.basename(f) for f in files] == ["a.jsonl", "b.jsonl"]
+    with pytest.raises(ValueError,
+                       match=r"b.jsonl: line 2: duplicate id 'x' \(first at .*a.jsonl: line 1\)"):
+        validate_input(str(tmp_path))
+    pq.write_table(pa.table({"id": ["z"], "prompt": ["p"]}), tmp_path / "c.parquet")
+    with pytest.raises(ValueError, match="mixes formats"):
+        find_input_files(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown extension '.csv'"):
+        check_output_path(str(tmp_path / "out.csv"), files)
+    with pytest.raises(ValueError, match="does not exist"):
+        check_output_path(str(tmp_path / "missing" / "out.jsonl"), files)
+    with pytest.raises(ValueError, match="is also an input file"):
+        check_output_path(files[0], files)
+
+
+# -------------------------------------------------- the pool actor, with a fake engine (no Ray)
+class FakeEngine:
+    """An EngineClient stand-in: ``generate.remote`` returns a thunk that ``resolve`` runs."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead, self.shut_down, self.driver = dead, False, self
+
+    @property
+    def generate(self) -> "FakeEngine":
+        return self
+
+    def remote(self, prompt: Any, params: dict, request_id: Any, priority: int) -> Any:
+        from nvray.outputs import RequestOutput
+        from nvray.runtime import EngineDeadError
+
+        def result() -> Any:
+            if self.dead:
+                raise EngineDeadError("rank 0 died")
+            if prompt == "":
+                raise ValueError("prompt is empty")
+            text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+            return RequestOutput("r", [1, 2, 3], text=text.upper(), token_ids=[5, 6],
+                                 finished=True, finish_reason="length")
+        return result
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@pytest.fixture
+def fake_resolve(monkeypatch):
+    import nvray.batch_udf as udf
+
+    def resolve(thunk: Any) -> Any:
+        try:
+            return thunk()
+        except Exception as e:  # noqa: BLE001
+            return e
+    monkeypatch.setattr(udf, "resolve", resolve)
+
+
+def fake_batch() -> pa.Table:
+    rows = [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": ""},
+            {"id": "c", "messages": [{"role": "user", "content": "yo"}]}]
+    return pa.Table.from_pylist(rows, schema=input_schema(pa.string()))
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_pool_actor_replaces_a_dead_engine_and_keeps_request_errors(fake_resolve, restarts):
+    from nvray.batch_udf import GenerateBatch
+
+    engines: list[FakeEngine] = []
+
+    def factory(config: Any) -> FakeEngine:
+        engines.append(FakeEngine(dead=not engines))  # the first engine is dead
+        return engines[-1]
+
+    udf = GenerateBatch({"model": "tiny"}, {"max_tokens": 2}, max_engine_restarts=restarts,
+                        engine_factory=factory)
+    out = udf(fake_batch()).to_pylist()
+    assert [r["id"] for r in out] == ["a", "b", "c"]
+    if restarts:
+        assert len(engines) == 2 and engines[0].shut_down
+        assert [r["text"] for r in out] == ["HI", None, "YO"]
+        assert out[0]["prompt_tokens"] == 3 and out[0]["completion_tokens"] == 2
+        assert out[1]["error"] == "ValueError: prompt is empty"
+    else:
+        assert len(engines) == 1
+        assert all(r["error"] == "EngineDeadError: rank 0 died" for r in out)
+
+
+# ---------------------------------------------------------------- reading and writing rows
+def test_parquet_rows_are_normalized_to_the_input_schema():
+    from nvray.batch_read import normalize_rows
+
+    only_messages = pa.Table.from_pylist([
+        {"id": 3, "messages": [{"role": "user", "content": "hi", "name": "x"}], "extra": 1},
+        {"id": 4, "messages": None, "extra": 2}])
+    out = normalize_rows(only_messages, pa.int64())
+    assert out.schema == input_schema(pa.int64())
+    assert out.to_pylist() == [
+        {"id": 3, "prompt": None, "messages": [{"role": "user", "content": "hi"}]},
+        {"id": 4, "prompt": None, "messages": None}]
+    only_prompts = pa.table({"id": pa.array([1], pa.int32()),
+                             "prompt": pa.array(["p"], pa.large_string())})
+    assert normalize_rows(only_prompts, pa.int64()).to_pylist() == [
+        {"id": 1, "prompt": "p", "messages": None}]
+
+
+@pytest.mark.parametrize("name", ["out.jsonl", "out.parquet"])
+def test_output_appears_only_when_the_job_succeeds(tmp_path, name):
+    from nvray.batch_io import OutputWriter, output_schema
+
+    path, fmt = tmp_path / name, name.split(".")[1]
+    schema = output_schema(pa.string())
+    row = {"id": "a", "text": "héllo", "finish_reason": "length", "prompt_tokens": 2,
+           "completion_tokens": 1, "error": None}
+    with pytest.raises(RuntimeError):
+        with OutputWriter(str(path), fmt, schema) as out:
+            out.write(pa.Table.from_pylist([row], schema=schema))
+            raise RuntimeError("the job failed")
+    assert list(tmp_path.iterdir()) == []
+    with OutputWriter(str(path), fmt, schema) as out:
+        out.write(pa.Table.from_pylist([row], schema=schema))
+    assert read_output(path) == [row] and [p.name for p in tmp_path.iterdir()] == [name]
