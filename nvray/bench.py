@@ -6,6 +6,11 @@ Subcommands:
   replaced by an executor that answers instantly, so only the control plane is timed.
 - ``ray-overhead``: the same LLMEngine stepping the model in-process and through Ray rank
   actors (compiled graph, plain actor calls) at TP=1, interleaved in one run; per decode step.
+- ``throughput``: nano-vllm's "bench" workload (256 sequences, seed 0, prompt ids uniform in
+  [0, 10000), prompt length and max_tokens uniform in [100, 1024], ignore_eos, temperature 0.6)
+  through ``LLM``, in-process and on Ray (TP=1), CUDA graphs on and (``--eager``) off; output
+  tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
+  checkpoint with random bf16 weights (throughput does not depend on weight values here).
 """
 
 from __future__ import annotations
@@ -133,6 +138,113 @@ def bench_ray_overhead(model: str = "tiny", num_seqs: int = 32, prompt_len: int 
             "ratio_vs_inprocess": {k: v / base for k, v in medians.items() if k != "inprocess"}}
 
 
+# Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B). As in the real checkpoint, the model's
+# 151936 vocabulary rows are a little more than the tokenizer's 151669 tokens, so the LM head,
+# the sampler and the detokenizer cost what they cost with the real model.
+QWEN3_0_6B_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True}
+QWEN3_0_6B_VOCAB, QWEN3_0_6B_TOKENIZER_VOCAB = 151936, 151669
+
+
+def qwen3_0_6b_checkpoint(path: str, std: float = 0.2) -> str:
+    """A Qwen3-0.6B-shaped checkpoint with random bf16 weights at ``path`` (built once)."""
+    import os  # noqa: PLC0415
+
+    from nvray.models.tiny import build_checkpoint  # noqa: PLC0415
+
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    return build_checkpoint(path, QWEN3_0_6B_SHAPE, seed=0, vocab_size=QWEN3_0_6B_VOCAB,
+                            tokenizer_vocab_size=QWEN3_0_6B_TOKENIZER_VOCAB, dtype="bfloat16",
+                            std=std)
+
+
+def bench_workload(num_seqs: int = 256, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py workload, drawn with the same calls to ``random``."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def _wait_gpu_memory_released(baseline_used: int, timeout_s: float = 60.0) -> None:
+    """A Ray rank's memory goes back when its process exits, a moment after shutdown."""
+    import torch  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free, total = torch.cuda.mem_get_info()
+        if total - free <= baseline_used + (512 << 20):
+            return
+        time.sleep(0.5)
+
+
+def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list[list[int]],
+                    params: list[SamplingParams], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from nvray import LLM  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    llm = LLM(model, runtime=runtime, enforce_eager=enforce_eager, **engine_kwargs)
+    startup_s = time.perf_counter() - t0
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    assert output_tokens == sum(p.max_tokens for p in params), "ignore_eos: every request runs to max_tokens"
+    return {"runtime": runtime, "cuda_graphs": not enforce_eager, "startup_s": round(startup_s, 1),
+            "elapsed_s": round(elapsed, 2), "output_tokens": output_tokens,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "output_tok_per_s": round(output_tokens / elapsed, 1),
+            "total_tok_per_s": round((output_tokens + sum(len(p) for p in prompts)) / elapsed, 1),
+            "num_kvcache_blocks": stats.get("num_kvcache_blocks"),
+            "num_preemptions": stats.get("num_preemptions")}
+
+
+def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inprocess", "ray"),
+                     eager: bool = False, num_seqs: int = 256, max_model_len: int = 4096,
+                     floor_tok_per_s: float | None = None) -> dict[str, Any]:
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    if model is None:
+        model = qwen3_0_6b_checkpoint(os.path.join(tempfile.gettempdir(), "nvray-qwen3-0.6b-random"))
+    prompts, params = bench_workload(num_seqs)
+    if "ray" in runtimes:
+        from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
+
+        ensure_ray()
+    cuda = torch.cuda.is_available()
+    baseline = (lambda f, t: t - f)(*torch.cuda.mem_get_info()) if cuda else 0
+    runs = []
+    for enforce_eager in ((False, True) if eager else (False,)):
+        for runtime in runtimes:
+            runs.append(_throughput_run(model, runtime, enforce_eager, prompts, params,
+                                        {"max_model_len": max_model_len}))
+            print(json.dumps(runs[-1]), flush=True)
+            if cuda:
+                _wait_gpu_memory_released(baseline)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    for run in runs:
+        if floor_tok_per_s:
+            run["pct_of_floor"] = round(100 * run["output_tok_per_s"] / floor_tok_per_s, 1)
+    return {"benchmark": "throughput", "workload": "nano-vllm bench: 256 seqs, seed 0",
+            "model": model, "device": device, "num_seqs": num_seqs,
+            "max_model_len": max_model_len, "floor_output_tok_per_s": floor_tok_per_s,
+            "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m nvray.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,9 +260,22 @@ def main(argv: list[str] | None = None) -> None:
     ro.add_argument("--model", default="tiny")
     ro.add_argument("--num-seqs", type=int, default=32)
     ro.add_argument("--rounds", type=int, default=3)
+    tp = sub.add_parser("throughput", parents=[common],
+                        help="nano-vllm's bench workload: output tok/s, in-process and on Ray")
+    tp.add_argument("--model", default=None,
+                    help="checkpoint directory (default: a random Qwen3-0.6B-shaped bf16 one)")
+    tp.add_argument("--runtimes", default="inprocess,ray")
+    tp.add_argument("--eager", action="store_true", help="also run with enforce_eager=True")
+    tp.add_argument("--num-seqs", type=int, default=256)
+    tp.add_argument("--max-model-len", type=int, default=4096)
+    tp.add_argument("--floor", type=float, default=26600.0,
+                    help="physical floor in output tok/s for the %% column (design.md: H100)")
     args = p.parse_args(argv)
     if args.cmd == "control-plane":
         result = bench_control_plane(args.num_seqs, args.steps, args.block_size)
+    elif args.cmd == "throughput":
+        result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,
+                                  args.num_seqs, args.max_model_len, args.floor)
     else:
         result = bench_ray_overhead(args.model, args.num_seqs, rounds=args.rounds)
     print(json.dumps(result, indent=2))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "sjf", "priority")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 RUNTIMES = ("ray", "inprocess")

@@ -36,9 +36,11 @@ class IncrementalDetokenizer:
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset:])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
-            return ""
-        delta = full_text[len(prefix_text):]
+        if full_text.endswith(_REPLACEMENT):
+            return ""  # a character is still split: wait for its next bytes
+        # tokens that decode to nothing (skipped special tokens) still move the window on,
+        # so it never grows
+        delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         self.text += delta

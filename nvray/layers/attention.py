@@ -7,8 +7,12 @@ q ``[T, H, D]``, k/v ``[T, KVH, D]`` (this step's tokens), caches
 chunk over its whole context read from the cache — which serves prefill, prefill over a cached
 prefix, chunked prefill and decode alike.
 
-Backend choice lives in ``select_backend`` only: ``triton`` on CUDA when importable, else
-``torch``; a forced backend that is not available is an ``ImportError`` saying why.
+Backend choice lives in ``select_backend`` only. ``auto``: ``flash_attn`` when it is importable,
+the engine runs on CUDA and the KV block size is a multiple of 256 (flash-attn's paged-KV
+requirement); else ``triton`` on CUDA; else ``torch``. A forced backend that cannot run is an
+error saying why (``ImportError`` for a missing package, ``ValueError`` for a bad setting).
+``supports_cuda_graphs`` says whether a backend's decode path can be captured in a CUDA graph
+(no host syncs, no host-side per-sequence loops).
 """
 
 from __future__ import annotations
@@ -23,24 +27,36 @@ from torch import nn
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] int32 (or int64), cache slot of each new token; -1: skip
     query_start_loc: torch.Tensor  # [B+1] int32, cu_seqlens of the query chunks
     seq_lens: torch.Tensor  # [B] int32, context length incl. this step's tokens
-    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (only the first ceil(seq_len/block_size) read)
     max_query_len: int
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    _cu_seqlens_k: torch.Tensor | None = None
+
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def cu_seqlens_k(self) -> torch.Tensor:
+        """[B+1] int32 cumulative context lengths (computed once per step, on the device)."""
+        if self._cu_seqlens_k is None:
+            cu = torch.zeros(self.seq_lens.shape[0] + 1, dtype=torch.int32, device=self.seq_lens.device)
+            torch.cumsum(self.seq_lens, 0, out=cu[1:])
+            self._cu_seqlens_k = cu
+        return self._cu_seqlens_k
 
 
 class TorchAttentionBackend:
     """Reference backend: per-sequence SDPA over the gathered context (CPU and tests)."""
 
     name = "torch"
+
+    supports_cuda_graphs = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -81,6 +97,7 @@ class TritonAttentionBackend:
     """Triton kernels from ``kernels/``: paged decode (split-K) and paged varlen prefill."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self) -> None:
         import kernels  # noqa: PLC0415 - GPU-only import, done where it is used
@@ -91,32 +108,80 @@ class TritonAttentionBackend:
         kn = self.kernels
         kn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
+            # max_seq_len bounds the context host-side (sizes the split-K grid, no sync); in a
+            # CUDA graph it is max_model_len, so one graph serves every context length
             return kn.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                             meta.seq_lens, scale)
+                                             meta.seq_lens, scale, max_seq_len=meta.max_seq_len)
         return kn.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.query_start_loc, meta.seq_lens,
                                           meta.max_query_len, scale)
 
 
-def backend_available(name: str, device: torch.device) -> tuple[bool, str]:
+class FlashAttentionBackend:
+    """flash-attn 2's paged-KV kernels (needs a KV block size that is a multiple of 256).
+
+    K/V are written by the Triton store kernel; prefill is ``flash_attn_varlen_func`` over the
+    paged cache (``block_table``), decode ``flash_attn_with_kvcache`` — the calls nano-vllm makes.
+    Not exercised by the test suite: flash-attn is not installed on the machines we test on.
+    """
+
+    name = "flash_attn"
+    supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        import flash_attn  # noqa: PLC0415
+        import kernels  # noqa: PLC0415
+
+        self.varlen = flash_attn.flash_attn_varlen_func
+        self.with_kvcache = flash_attn.flash_attn_with_kvcache
+        self.store = kernels.store_kvcache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                    block_table=meta.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)  # [B, 1, H, D] -> [B, H, D]
+        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
+                           cu_seqlens_k=meta.cu_seqlens_k(), max_seqlen_q=meta.max_query_len,
+                           max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+                           block_table=meta.block_tables)
+
+
+Backend = TorchAttentionBackend | TritonAttentionBackend | FlashAttentionBackend
+_BACKENDS = {"flash_attn": FlashAttentionBackend, "triton": TritonAttentionBackend,
+             "torch": TorchAttentionBackend}
+_FLASH_BLOCK_MULTIPLE = 256
+
+
+def backend_available(name: str, device: torch.device, block_size: int) -> tuple[bool, str]:
     """(available, reason if not)."""
     if name == "torch":
         return True, ""
     if device.type != "cuda":
         return False, f"the {name} attention backend needs a CUDA device, the engine runs on {device}"
-    if importlib.util.find_spec(name) is None:
-        return False, f"the {name} attention backend needs {name}: pip install 'nvray[{name}]'"
+    extra = name.replace("_", "-")
+    for module in ((name, "triton") if name == "flash_attn" else (name,)):
+        if importlib.util.find_spec(module) is None:
+            return False, f"the {name} attention backend needs {module}: pip install 'nvray[{extra}]'"
+    if name == "flash_attn" and block_size % _FLASH_BLOCK_MULTIPLE:
+        return False, (f"the flash_attn attention backend needs kvcache_block_size to be a multiple "
+                       f"of {_FLASH_BLOCK_MULTIPLE} (flash-attn's paged KV cache), got {block_size}")
     return True, ""
 
 
-def select_backend(name: str, device: torch.device) -> TorchAttentionBackend | TritonAttentionBackend:
+def select_backend(name: str, device: torch.device, block_size: int = 16) -> Backend:
     """The one place that picks the attention backend (``auto`` or a forced name)."""
     if name == "auto":
-        name = next(n for n in ("triton", "torch") if backend_available(n, device)[0])
-    ok, reason = backend_available(name, device)
+        name = next(n for n in _BACKENDS if backend_available(n, device, block_size)[0])
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is invalid: must be one of "
+                         f"{['auto', *_BACKENDS]}")
+    ok, reason = backend_available(name, device, block_size)
     if not ok:
-        raise ImportError(reason)
-    return TritonAttentionBackend() if name == "triton" else TorchAttentionBackend()
+        raise (ValueError if "kvcache_block_size" in reason else ImportError)(reason)
+    return _BACKENDS[name]()
 
 
 class Attention(nn.Module):
@@ -128,7 +193,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)  # set by the model runner once the cache is allocated
         self.v_cache = torch.empty(0)
-        self.backend: TorchAttentionBackend | TritonAttentionBackend = TorchAttentionBackend()
+        self.backend: Backend = TorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -1,6 +1,12 @@
-"""Rotary position embedding (NeoX style, as in Qwen) with a precomputed cos/sin cache."""
+"""Rotary position embedding (NeoX style, as in Qwen) with a precomputed cos/sin cache.
+
+``enable_torch_compile()`` (called by the model runner on the GPU) runs the gather and rotation
+of q and k as ``torch.compile``d kernels instead of ~20 small ones per layer.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -20,6 +26,23 @@ def rope_theta_of(hf_config: object) -> float:
     return float(theta)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [T, H, D], k: [T, KVH, D], positions: [T], cos_sin: [max_position, D]
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@functools.cache
+def _compiled(fn):  # noqa: ANN001, ANN202 - one compiled artifact per function, shared
+    return torch.compile(fn, dynamic=True)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
@@ -27,14 +50,11 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)  # [max_position, head_dim]
+        self._apply_rotary = apply_rotary
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    def enable_torch_compile(self) -> None:
+        self._apply_rotary = _compiled(apply_rotary)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, KVH, D], positions: [T]
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self._apply_rotary(positions, q, k, self.cos_sin)

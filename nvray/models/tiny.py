@@ -45,6 +45,16 @@ def main(): print("hello, world") # code, too: for i in range(10): yield i * i
 """
 
 
+def _synthetic_words(vocab_size: int) -> list[str]:
+    """Lines of pseudo-random words, so that BPE can learn a large vocabulary (e.g. Qwen3's)."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    words = ["".join(rng.choices(letters, k=rng.randint(3, 9))) for _ in range(3 * vocab_size)]
+    return [" ".join(words[i:i + 40]) for i in range(0, len(words), 40)]
+
+
 def _train_tokenizer(vocab_size: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
 
@@ -54,7 +64,9 @@ def _train_tokenizer(vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    corpus = _CORPUS.splitlines() * 4
+    tok.train_from_iterator(corpus + (_synthetic_words(vocab_size) if vocab_size > 4096 else []),
+                            trainer)
     return tok
 
 
@@ -120,19 +132,29 @@ def _random_weights(cfg: dict[str, Any], seed: int, std: float) -> dict[str, Any
 
 def build_checkpoint(path: str, shape: dict[str, Any] | None = None, seed: int = 0,
                      architecture: str = "Qwen3ForCausalLM", tokenizer_vocab_size: int = 512,
-                     std: float = 0.2) -> str:
-    """Write a random HF checkpoint of the given shape (defaults: the tiny model) to ``path``."""
+                     std: float = 0.2, vocab_size: int | None = None,
+                     dtype: str = "float32") -> str:
+    """Write a random HF checkpoint of the given shape (defaults: the tiny model) to ``path``.
+
+    ``vocab_size`` pads the model's vocabulary beyond the tokenizer's (as real Qwen3 checkpoints
+    do: 151936 rows for a smaller tokenizer); ``dtype`` is the dtype of the saved weights.
+    """
+    import torch  # noqa: PLC0415
     from safetensors.torch import save_file  # noqa: PLC0415
 
     os.makedirs(path, exist_ok=True)
     vocab = _save_tokenizer(path, tokenizer_vocab_size)
+    if vocab_size is not None and vocab_size < vocab:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {vocab} tokens")
     eos_ids = [SPECIAL_TOKENS.index("<|endoftext|>"), SPECIAL_TOKENS.index("<|im_end|>")]
-    cfg = _hf_config(architecture, {**TINY_CONFIG, **(shape or {})}, vocab, eos_ids)
+    cfg = _hf_config(architecture, {**TINY_CONFIG, **(shape or {})}, vocab_size or vocab, eos_ids)
+    cfg["dtype"] = dtype
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": eos_ids[0], "eos_token_id": eos_ids, "do_sample": False}, f)
-    weights = {k: t.contiguous() for k, t in _random_weights(cfg, seed, std).items()}
+    weights = {k: t.to(getattr(torch, dtype)).contiguous()
+               for k, t in _random_weights(cfg, seed, std).items()}
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 

@@ -43,7 +43,7 @@ class RankWorker:
             return
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(0)
+            torch.cuda.set_device(0)  # the actor sees one GPU
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=world, timeout=_DIST_TIMEOUT)
 
@@ -69,5 +69,8 @@ class RankWorker:
         return os.getpid()
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -25,4 +25,6 @@ class InProcessExecutor:
         return self.runner.execute(step)
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()  # graphs, KV cache and weights: the GPU memory goes back now
         self.runner = None  # type: ignore[assignment]

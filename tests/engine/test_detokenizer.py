@@ -30,3 +30,12 @@ def test_special_tokens_are_skipped(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [5])
     ids = tokenizer.encode("ok", add_special_tokens=False) + [end]
     assert "".join(detok.add_tokens([t]) for t in ids) + detok.flush() == "ok"
+
+
+def test_tokens_that_decode_to_nothing_do_not_grow_the_window(tokenizer):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    detok = IncrementalDetokenizer(tokenizer, [5])
+    for _ in range(50):
+        assert detok.add_tokens([end]) == ""
+    assert detok.read_offset - detok.prefix_offset <= 1
+    assert detok.add_tokens(tokenizer.encode("ok", add_special_tokens=False)) == "ok"

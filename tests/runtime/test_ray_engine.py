@@ -57,11 +57,13 @@ def test_tp2_matches_tp1_and_hf_on_a_model_with_uneven_heads(ray_cluster, uneven
 
 def test_tp2_on_the_tiny_model_matches_hf_with_prefix_hits_and_chunks(tp2, tiny_path):
     prompts = random_prompts(5, 20, 150, seed=32)
-    prompts += [prompts[0], prompts[1][:40] + [7, 8, 9]]  # repeated / shared prefixes
-    outs = tp2.generate(prompts, GREEDY, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
+    again = [prompts[0], prompts[1][:40] + [7, 8, 9]]  # repeated / shared prefixes, cached by now
+    hits_before = tp2.stats()["prefix_cache_hit_tokens"]
+    outs = tp2.generate(prompts, GREEDY, use_tqdm=False) + tp2.generate(again, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts + again, outs):
         assert out.token_ids == hf_greedy(tiny_path, prompt, 10)
-    assert tp2.stats()["prefix_cache_hit_tokens"] > 0
+    assert outs[-2].num_cached_tokens > 0 and outs[-1].num_cached_tokens >= 32
+    assert tp2.stats()["prefix_cache_hit_tokens"] > hits_before
 
 
 def test_streaming_deltas_concatenate_to_the_final_text(tp2):

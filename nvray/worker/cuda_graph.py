@@ -1,0 +1,89 @@
+"""DecodeGraphs: the model's decode forward captured in CUDA graphs, one per batch size.
+
+A decode step of a few hundred sequences of a small model is a few hundred kernel launches
+whose host cost exceeds their GPU time; replaying a graph launches them all at once. Graphs are
+captured for ``graph_batch_sizes(max_num_seqs)`` (1, 2, 4, 8, then multiples of 16 up to
+min(max_num_seqs, 512)), largest first, sharing one memory pool. A decode batch runs in the
+smallest graph that holds it; the padding rows have seq_len 0 (the decode kernel writes zeros)
+and slot -1 (nothing is stored). Larger batches, and any step with a prefill chunk, run eager.
+
+Inputs are the InputBuilder's static buffers; block tables are gathered inside the graph from
+the device block table (``max_model_len`` wide), so the decode kernel's split-K grid is sized
+for ``max_model_len`` and one graph serves every context length. With tensor parallelism the
+row-parallel all-reduces (NCCL) are captured too. Sampling stays outside: the graph ends with
+the hidden states, and the LM head and sampler run eager on the rows to sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from nvray.layers.attention import AttentionMetadata
+from nvray.worker.inputs import InputBuilder
+
+logger = logging.getLogger(__name__)
+_MAX_GRAPH_BS = 512
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Captured batch sizes, ascending: 1, 2, 4, 8, 16, 32, ... up to min(max_num_seqs, 512)."""
+    top = min(max_num_seqs, _MAX_GRAPH_BS)
+    sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top + 1, 16))
+    return sizes if sizes and sizes[-1] == top else sizes + [top]
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, inputs: InputBuilder, sizes: list[int], hidden_size: int,
+                 dtype: torch.dtype, max_model_len: int) -> None:
+        assert sizes and sizes[-1] <= inputs.graph_capacity, "inputs too small for the graphs"
+        self.forward = forward
+        self.inputs = inputs
+        self.sizes = sizes
+        self.max_model_len = max_model_len
+        self.ids, self.pos, self.slots, self.seq_lens, self.rows = inputs.static_views()
+        cap = inputs.graph_capacity
+        self.query_start_loc = torch.arange(cap + 1, dtype=torch.int32, device=inputs.device)
+        self.out = torch.zeros(cap, hidden_size, dtype=dtype, device=inputs.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def _run(self, bs: int) -> None:
+        """The captured region: gather block tables, run the model, keep the hidden states."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.inputs.tables.table.index_select(0, self.rows[:bs]),
+            max_query_len=1, max_seq_len=self.max_model_len, query_lens_cpu=[], seq_lens_cpu=[])
+        self.out[:bs] = self.forward(self.ids[:bs], self.pos[:bs], meta)
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int] | None = None) -> float:
+        """Capture (largest first, one shared pool); returns the seconds it took."""
+        start = time.perf_counter()
+        self.slots.fill_(-1)  # capture runs the model once: write nothing, attend to nothing
+        self.seq_lens.zero_()
+        for bs in sorted(sizes or self.sizes, reverse=True):
+            self._run(bs)  # warm-up outside the graph (allocator, Triton compilation)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._run(bs)
+            self.pool = self.pool or graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def replay(self, bs: int) -> torch.Tensor:
+        """Run the graph of batch size ``bs`` on the static inputs; [bs, hidden] (a static view)."""
+        self.graphs[bs].replay()
+        return self.out[:bs]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.pool = None

@@ -1,0 +1,189 @@
+"""InputBuilder: one StepInput -> the device tensors of one forward, with few host operations.
+
+Every integer a step needs (token ids, positions, KV slots, query offsets, context lengths,
+block-table rows, rows to sample, block-table updates) is written into ONE pinned int32 host
+buffer through numpy and crosses to the device in ONE non-blocking copy; the tensors of the
+forward are views of the device copy. Block tables live on the device (``DeviceBlockTables``),
+so only their new entries travel. On the CPU the host buffer is used directly.
+
+A decode step that fits a captured CUDA graph writes instead into the graph's static inputs:
+``[ids | positions | slots | seq_lens | rows]``, each ``graph_capacity`` long, padded up to the
+graph's batch size with rows that attend to nothing (seq_len 0) and write nowhere (slot -1).
+
+The host buffer is reused every step, so before writing it the builder waits for the previous
+step's copy (an event: free on rank 0, which synchronizes on the sampled tokens anyway).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from nvray.engine.step_input import StepInput
+from nvray.layers.attention import AttentionMetadata
+from nvray.worker.block_tables import DeviceBlockTables
+
+STATIC_FIELDS = 5  # ids, positions, slots, seq_lens, rows
+_ALIGN = 4  # int32 elements: every tensor starts 16-byte aligned (Triton specializes on it)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class StepBatch(NamedTuple):
+    input_ids: torch.Tensor  # [T] int32 (graph: [graph_bs], padded)
+    positions: torch.Tensor  # [T] int32
+    meta: AttentionMetadata | None  # None on the graph path: the graph holds its own
+    sample_idx: torch.Tensor | None  # [S] int32 rows of the hidden states to sample; None: 0..S-1
+    num_samples: int
+    num_seqs: int
+    graph_bs: int  # batch size of the CUDA graph to replay; 0: run eager
+
+
+class _HostLists(NamedTuple):
+    ids: list[int]
+    pos: list[int]
+    slots: list[int]
+    q_lens: list[int]
+    seq_lens: list[int]
+    rows: list[int]
+    sample: list[int]
+    upd_idx: list[int]
+    upd_val: list[int]
+
+
+class InputBuilder:
+    def __init__(self, block_size: int, max_model_len: int, max_num_seqs: int,
+                 graph_capacity: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.tables = DeviceBlockTables(2 * max_num_seqs + 2, -(-max_model_len // block_size), device)
+        self.graph_capacity = _aligned(graph_capacity)
+        self.static = torch.zeros(STATIC_FIELDS * self.graph_capacity, dtype=torch.int32, device=device)
+        self.copy_done = torch.cuda.Event() if self.cuda else None
+        self.host = torch.empty(0, dtype=torch.int32)
+        self._grow(STATIC_FIELDS * self.graph_capacity + 4096)
+
+    def static_views(self) -> list[torch.Tensor]:
+        """The graph's static inputs: ids, positions, slots, seq_lens, rows."""
+        return list(self.static.view(STATIC_FIELDS, -1).unbind(0)) if self.graph_capacity else []
+
+    # ------------------------------------------------------------------ build
+    def prepare(self, step: StepInput, graph_sizes: list[int]) -> StepBatch:
+        """``graph_sizes``: captured batch sizes, ascending (empty: eager only)."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()  # the host buffer is free again
+        lists = self._collect(step)
+        num_seqs = len(lists.rows)
+        if graph_sizes and max(lists.q_lens) == 1 and num_seqs <= graph_sizes[-1]:
+            return self._prepare_graph(lists, graph_sizes[bisect.bisect_left(graph_sizes, num_seqs)])
+        return self._prepare_eager(lists)
+
+    def _collect(self, step: StepInput) -> _HostLists:
+        bs, tables = self.block_size, self.tables
+        tables.begin_step()
+        h = _HostLists([], [], [], [], [], [], [], [], [])
+        for s in step.seqs:
+            n, start, table = len(s.token_ids), s.start_pos, s.block_table
+            end = start + n
+            h.rows.append(tables.sync(s.seq_id, table, h.upd_idx, h.upd_val))
+            h.ids.extend(s.token_ids)
+            if n == 1:
+                h.pos.append(start)
+                h.slots.append(table[start // bs] * bs + start % bs)
+            else:
+                h.pos.extend(range(start, end))
+                for b in range(start // bs, (end - 1) // bs + 1):  # whole runs of slots per block
+                    lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
+                    base = table[b] * bs - b * bs
+                    h.slots.extend(range(base + lo, base + hi))
+            h.q_lens.append(n)
+            h.seq_lens.append(end)
+            if s.sample is not None:
+                h.sample.append(len(h.ids) - 1)
+        return h
+
+    def _prepare_graph(self, h: _HostLists, graph_bs: int) -> StepBatch:
+        cap, n = self.graph_capacity, len(h.rows)
+        a = self.host_np
+        for f, (values, pad) in enumerate(((h.ids, 0), (h.pos, 0), (h.slots, -1), (h.seq_lens, 0),
+                                           (h.rows, 0))):
+            a[f * cap:f * cap + n] = values
+            a[f * cap + n:f * cap + graph_bs] = pad
+        head = STATIC_FIELDS * cap
+        sample_all = len(h.sample) == n
+        tail = self._fill(head, [] if sample_all else h.sample, h.upd_idx, h.upd_val)
+        self.static.copy_(self.host[:head], non_blocking=True)
+        num_idx = 0 if sample_all else len(h.sample)
+        sample, upd_idx, upd_val = self._upload(head, tail, [num_idx, len(h.upd_idx), len(h.upd_val)])
+        self.tables.apply(upd_idx, upd_val)
+        self._record()
+        ids, pos = self.static_views()[:2]
+        return StepBatch(ids[:graph_bs], pos[:graph_bs], None, None if sample_all else sample,
+                         len(h.sample), n, graph_bs)
+
+    def _prepare_eager(self, h: _HostLists) -> StepBatch:
+        cu = [0]
+        for q in h.q_lens:
+            cu.append(cu[-1] + q)
+        parts = [h.ids, h.pos, h.slots, cu, h.seq_lens, h.rows, h.sample, h.upd_idx, h.upd_val]
+        end = self._fill(0, *parts)
+        views = self._upload(0, end, [len(p) for p in parts])
+        ids, pos, slots, cu_q, seq_lens, rows, sample, upd_idx, upd_val = views
+        self.tables.apply(upd_idx, upd_val)
+        max_seq_len = max(h.seq_lens)
+        width = -(-max_seq_len // self.block_size)
+        block_tables = self.tables.table[:, :width].index_select(0, rows)  # [B, width]
+        self._record()
+        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=cu_q, seq_lens=seq_lens,
+                                 block_tables=block_tables, max_query_len=max(h.q_lens),
+                                 max_seq_len=max_seq_len, query_lens_cpu=h.q_lens,
+                                 seq_lens_cpu=h.seq_lens)
+        sample_all = h.sample == list(range(len(h.sample)))  # e.g. a batch of decodes
+        return StepBatch(ids, pos, meta, None if sample_all else sample, len(h.sample),
+                         len(h.rows), 0)
+
+    # -------------------------------------------------------------- buffers
+    def _fill(self, offset: int, *parts: list[int]) -> int:
+        """Write ``parts`` one after another (each 16-byte aligned) into the host buffer from
+        ``offset``; returns the end. A part's start moving between aligned and unaligned would
+        make Triton compile another variant of each kernel that reads it, mid-run."""
+        end = offset + sum(_aligned(len(p)) for p in parts)
+        if end > self.host.numel():
+            self._grow(end)
+        a = self.host_np
+        for p in parts:
+            a[offset:offset + len(p)] = p
+            offset += _aligned(len(p))
+        return end
+
+    def _upload(self, start: int, end: int, lengths: list[int]) -> list[torch.Tensor]:
+        """Copy host[start:end] to the device at the same offsets; views of the given lengths."""
+        if self.cuda and end > start:
+            self.dev[start:end].copy_(self.host[start:end], non_blocking=True)
+        views, offset = [], start
+        for n in lengths:
+            views.append(self.dev[offset:offset + n])
+            offset += _aligned(n)
+        return views
+
+    def _record(self) -> None:
+        if self.copy_done is not None:
+            self.copy_done.record()
+
+    def _grow(self, n: int) -> None:
+        """A larger buffer (rare: sized for the largest step seen), keeping what was written."""
+        n = max(n, 2 * self.host.numel())
+        if self.copy_done is not None:
+            torch.cuda.synchronize(self.device)  # the old buffers may still be in use
+        old = self.host
+        with torch.inference_mode(False):  # plain tensors, writable in or out of inference mode
+            self.host = torch.zeros(n, dtype=torch.int32, pin_memory=self.cuda)
+            self.host[:old.numel()] = old
+            self.dev = torch.empty(n, dtype=torch.int32, device=self.device) if self.cuda else self.host
+        self.host_np = self.host.numpy()
