@@ -19,33 +19,11 @@ from ray.serve import Application
 from deployments.args import AppArgs, parse_args
 from deployments.server import NvrayServer
 from nvray.config import EngineConfig
+from nvray.runtime.client import resolve_device
 from nvray.runtime.placement import engine_bundles
 
 __all__ = ["AppArgs", "NvrayServer", "app", "build_app"]
 REPLICA_CPUS = 0.1  # the replica mostly relays; it shares bundle 0 with the engine's driver
-
-
-def _local_gpu_available() -> bool:
-    try:
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-def _cluster_gpu_available() -> bool:
-    import ray  # noqa: PLC0415
-
-    if ray.is_initialized():
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return _local_gpu_available()
-
-
-def _resolved(config: EngineConfig) -> EngineConfig:
-    if config.device != "auto":
-        return config
-    return config.replace(device="cuda" if _cluster_gpu_available() else "cpu")
 
 
 def _bundles(config: EngineConfig) -> list[dict[str, float]]:
@@ -56,7 +34,7 @@ def _bundles(config: EngineConfig) -> list[dict[str, float]]:
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     parsed = parse_args(args)
-    config = _resolved(parsed.engine_config())
+    config = resolve_device(parsed.engine_config())
     parsed = parsed.model_copy(update={"device": config.device})
     deployment = NvrayServer.options(
         name="NvrayServer",

@@ -24,4 +24,10 @@ def ensure_ray() -> None:
 
 
 def cluster_has_gpus() -> bool:
+    """GPUs in the connected cluster; before connecting, whether this machine has one (the
+    local cluster that would start here)."""
+    if not ray.is_initialized():
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.is_available()
     return ray.cluster_resources().get("GPU", 0) > 0

@@ -51,7 +51,7 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     """'auto': the checkpoint's dtype, except fp32 runs as bf16 on GPU and 16-bit as fp32 on CPU."""
     if name != "auto":
         return _DTYPES[name]
-    ckpt = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     ckpt = _DTYPES.get(ckpt, torch.float32) if isinstance(ckpt, str) else ckpt
     if device.type == "cpu":
         return torch.float32
