@@ -24,6 +24,7 @@ class UnsupportedParameter(ValueError):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: running token counts in every chunk
 
 
 class SamplingFields(BaseModel):
@@ -71,6 +72,11 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):

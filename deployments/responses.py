@@ -1,4 +1,8 @@
-"""OpenAI response bodies and SSE chunks built from nvray RequestOutputs."""
+"""OpenAI response bodies and SSE chunks built from nvray RequestOutputs.
+
+A streamed chunk carries one choice's delta, which may hold several tokens when the client
+reads slower than the engine steps; with ``stream_options.continuous_usage_stats`` (vLLM's
+extension) each chunk also carries that choice's running token counts."""
 
 from __future__ import annotations
 
@@ -23,6 +27,13 @@ def usage_of(outputs: list[RequestOutput]) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
+def with_usage(chunk: dict[str, Any], usage: dict[str, int] | None) -> dict[str, Any]:
+    """A streamed chunk, with the running token counts when the client asked for them."""
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -39,11 +50,12 @@ class CompletionFormat:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": usage_of(outputs)}
 
-    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any]:
+    def chunk(self, index: int, out: RequestOutput,
+              usage: dict[str, int] | None = None) -> dict[str, Any]:
         choice = {"index": index, "text": out.delta_text, "logprobs": None,
                   "finish_reason": out.finish_reason if out.finished else None}
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": [choice]}
+        return with_usage({"id": self.id, "object": "text_completion", "created": self.created,
+                           "model": self.model, "choices": [choice]}, usage)
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -74,11 +86,12 @@ class ChatFormat:
                               "logprobs": None, "finish_reason": None}]}
                 for i in range(num_choices)]
 
-    def chunk(self, index: int, out: RequestOutput) -> dict[str, Any]:
+    def chunk(self, index: int, out: RequestOutput,
+              usage: dict[str, int] | None = None) -> dict[str, Any]:
         delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
         choice = {"index": index, "delta": delta, "logprobs": None,
                   "finish_reason": out.finish_reason if out.finished else None}
-        return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+        return with_usage({**self._envelope("chat.completion.chunk"), "choices": [choice]}, usage)
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk"), "choices": [], "usage": usage_of(outputs)}

@@ -7,6 +7,11 @@ OpenAI-compatible HTTP API (FastAPI ingress) and a Python handle API (``generate
 ``generate_stream``) for other Ray tasks; ``check_health`` reflects the engine's health so Serve
 replaces a replica whose engine died.
 
+All of the replica's requests, HTTP and handle alike, receive their outputs through ONE output
+channel to the driver (an OutputRouter): one message per engine step. Each SSE body writes
+everything that arrived for its request since its last write as one chunk per choice, so a
+slow client or a slow hop merges tokens instead of queueing one chunk per token.
+
 No ``from __future__ import annotations`` here: Serve re-wraps the route methods, and FastAPI
 must see real (not string) annotations to find the request body models.
 """
@@ -16,7 +21,6 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 import ray
@@ -28,10 +32,11 @@ from deployments.args import AppArgs, parse_args
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
 from deployments.metrics import render_metrics
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from deployments.responses import DONE, ChatFormat, CompletionFormat, sse
-from deployments.streaming import merge_streams
+from deployments.responses import DONE, ChatFormat, CompletionFormat, sse, with_usage
 from nvray.outputs import RequestOutput
 from nvray.runtime import start_engine
+from nvray.runtime.output_router import OutputRouter, RequestSink
+from nvray.runtime.output_router import Request as EngineRequest
 from nvray.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +44,13 @@ api = FastAPI(title="nvray", description="OpenAI-compatible API of an nvray engi
 install_error_handlers(api)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def usage_so_far(sink: RequestSink, index: int, counts: list[int]) -> dict[str, int]:
+    """``stream_options.continuous_usage_stats``: one choice's token counts up to this chunk."""
+    prompt = sink.num_prompt_tokens[index]
+    return {"prompt_tokens": prompt, "completion_tokens": counts[index],
+            "total_tokens": prompt + counts[index]}
 
 
 @serve.deployment
@@ -52,6 +64,7 @@ class NvrayServer:
         pg = ray.util.get_current_placement_group()
         self.client = start_engine(self.args.engine_config(), pg=pg)
         self.driver = self.client.driver
+        self.router = OutputRouter(self.driver)
         self.created = int(time.time())
 
     # --------------------------------------------------------------- plumbing
@@ -70,30 +83,18 @@ class NvrayServer:
                               "model_not_found")
         body.check_supported()
 
-    async def _final(self, prompt: Any, params: SamplingParams) -> RequestOutput:
-        request_id = uuid.uuid4().hex
+    async def _finals(self, prompts: list[Any], params: SamplingParams) -> list[RequestOutput]:
+        """Final outputs of ``prompts`` (all admitted or none: a rejected one raises)."""
+        sink = await self.router.add([EngineRequest(p, params) for p in prompts])
         try:
             async with asyncio.timeout(self.timeout):
-                return await self.driver.generate.remote(prompt, params, request_id)
-        except BaseException:
-            self.driver.abort.remote(request_id)  # time-out, disconnect or failure: free it
-            raise
-
-    async def _all_final(self, prompts: list[Any], params: SamplingParams) -> list[RequestOutput]:
-        tasks = [asyncio.ensure_future(self._final(p, params)) for p in prompts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
-
-    async def _stream(self, prompt: Any, params: SamplingParams, request_id: str
-                      ) -> AsyncIterator[RequestOutput]:
-        gen = self.driver.generate_stream.options(num_returns="streaming").remote(
-            prompt, params, request_id)
-        async for ref in gen:
-            yield await ref
+                results = await sink.results()
+        finally:
+            sink.abort()  # time-out, disconnect or failure: free what still runs
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- routes
     @api.get("/health")
@@ -108,7 +109,8 @@ class NvrayServer:
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
         card = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "nvray", "max_model_len": self.client.info.get("max_model_len")}
+                "owned_by": "nvray", "max_model_len": self.client.info.get("max_model_len"),
+                "vocab_size": self.client.info.get("vocab_size")}
         return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/metrics")
@@ -123,8 +125,8 @@ class NvrayServer:
         params = body.sampling_params(body.max_tokens)
         fmt = CompletionFormat(self.model_name)
         if body.stream:
-            return await self._streaming_response(body.prompts(), params, fmt, body.include_usage)
-        return JSONResponse(fmt.full(await self._all_final(body.prompts(), params)))
+            return await self._streaming_response(body.prompts(), params, fmt, body)
+        return JSONResponse(fmt.full(await self._finals(body.prompts(), params)))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -133,71 +135,78 @@ class NvrayServer:
         prompts = [body.template_messages()]
         fmt = ChatFormat(self.model_name)
         if body.stream:
-            return await self._streaming_response(prompts, params, fmt, body.include_usage)
-        return JSONResponse(fmt.full(await self._all_final(prompts, params)))
+            return await self._streaming_response(prompts, params, fmt, body)
+        return JSONResponse(fmt.full(await self._finals(prompts, params)))
 
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams,
                                   fmt: CompletionFormat | ChatFormat,
-                                  include_usage: bool) -> StreamingResponse:
-        """Start every stream and wait for its first output, so a request the engine rejects
-        still gets an HTTP 400 instead of a stream that fails at once."""
-        ids = [uuid.uuid4().hex for _ in prompts]
-        streams = [self._stream(p, params, rid) for p, rid in zip(prompts, ids)]
-        try:
-            firsts = await asyncio.gather(*(anext(s) for s in streams))
-        except BaseException:
-            for rid in ids:
-                self.driver.abort.remote(rid)
-            raise
-        body = self._sse_body(streams, list(firsts), ids, fmt, include_usage)
-        return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+                                  body: SamplingFields) -> StreamingResponse:
+        """Admit every prompt first, so a request the engine rejects gets an HTTP 400 instead
+        of a stream that fails at once; then stream."""
+        sink = await self.router.add([EngineRequest(p, params) for p in prompts], stream=True)
+        events = self._sse_body(sink, fmt, body.include_usage, body.continuous_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    async def _sse_body(self, streams: list[AsyncIterator[RequestOutput]],
-                        firsts: list[RequestOutput], ids: list[str],
-                        fmt: CompletionFormat | ChatFormat, include_usage: bool) -> AsyncIterator[str]:
-        finals: dict[int, RequestOutput] = {}
+    async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat,
+                        include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+        counts = [0] * len(sink.request_ids)  # completion tokens so far, per choice
         try:
             async with asyncio.timeout(self.timeout):
-                for chunk in fmt.first_chunks(len(streams)):
-                    yield sse(chunk)
-                async for index, out in merge_streams(streams, firsts):
-                    yield sse(fmt.chunk(index, out))
-                    if out.finished:
-                        finals[index] = out
+                if first := fmt.first_chunks(len(counts)):  # chat: the role, before any token
+                    yield "".join(sse(with_usage(chunk, usage_so_far(sink, i, counts)
+                                                 if continuous_usage else None))
+                                  for i, chunk in enumerate(first))
+                while batch := await sink.next_batch():  # all that arrived: one write
+                    events = []
+                    for index, out in batch:
+                        counts[index] += len(out.delta_token_ids)
+                        if not out.delta_text and not out.finished:
+                            continue  # text held back (a partial character or stop string)
+                        usage = usage_so_far(sink, index, counts) if continuous_usage else None
+                        events.append(sse(fmt.chunk(index, out, usage)))
+                    if events:
+                        yield "".join(events)
             if include_usage:
-                yield sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
+                yield sse(fmt.usage_chunk(sink.finals))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - after the 200 header: an SSE error event
             yield to_openai_error(e).sse()
         finally:
-            for index, rid in enumerate(ids):
-                if index not in finals:
-                    self.driver.abort.remote(rid)  # disconnect or failure: free its blocks
+            sink.abort()  # disconnect or failure: free the blocks of what still runs
         yield DONE
 
     # ------------------------------------------------------------ handle API
     async def generate(self, prompt: Any, sampling_params: Any = None) -> RequestOutput:
         """Handle API: the final output (text, token_ids, finish_reason, usage)."""
-        return await self._final(prompt, SamplingParams.coerce(sampling_params))
+        [out] = await self._finals([prompt], SamplingParams.coerce(sampling_params))
+        return out
 
     async def generate_stream(self, prompt: Any, sampling_params: Any = None
                               ) -> AsyncIterator[RequestOutput]:
-        """Handle API (``handle.options(stream=True)``): deltas, then the final output."""
-        request_id = uuid.uuid4().hex
-        finished = False
+        """Handle API (``handle.options(stream=True)``): deltas (coalesced while the caller
+        reads slower than the engine steps), then the final output."""
+        sink = await self.router.add([EngineRequest(prompt, SamplingParams.coerce(sampling_params))],
+                                     stream=True)
         try:
-            async for out in self._stream(prompt, SamplingParams.coerce(sampling_params), request_id):
-                finished = out.finished
-                yield out
+            async with asyncio.timeout(self.timeout):
+                async for _, out in sink.outputs():
+                    yield out
         finally:
-            if not finished:
-                self.driver.abort.remote(request_id)
+            sink.abort()
+
+    async def engine_client(self) -> Any:
+        """Handle API: this replica's EngineClient, to call its engine directly from a Ray task
+        (``client.stream(...)`` opens the caller's own output channel to the driver)."""
+        return self.client
 
     async def check_health(self) -> None:
         """Serve's health check: raises if the engine or one of its ranks is gone."""
         await self.driver.check_health.remote()
 
     def __del__(self) -> None:
+        router = getattr(self, "router", None)
+        if router is not None:
+            router.close()
         client = getattr(self, "client", None)
         if client is not None:
             client.shutdown()

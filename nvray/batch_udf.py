@@ -6,7 +6,8 @@ Contract:
   EngineDriver and its rank actors in their own placement group — and owns its EngineClient.
   The actor itself asks Ray Data for no CPU, so it never competes with its engine's bundles.
 - ``__call__`` takes a pyarrow batch of input rows (``id``, ``prompt``, ``messages``), sends all
-  its requests to the driver at once (so the engine batches them), and returns one output row
+  its requests to the driver at once (so the engine batches them; their final outputs come back
+  over the client's output channel, one message per engine step), and returns one output row
   per input row, in order: ``id``, ``text``, ``finish_reason``, ``prompt_tokens``,
   ``completion_tokens``, ``error``.
 - A request the engine rejects (``ValueError``: prompt too long, empty, ...) or that fails in
@@ -62,14 +63,6 @@ def result_row(row_id: Any, result: Any) -> dict[str, Any]:
             "completion_tokens": usage["completion_tokens"], "error": None}
 
 
-def resolve(ref: Any) -> Any:
-    """The value of one request's ObjectRef, or the exception it raised."""
-    try:
-        return ray.get(ref)
-    except Exception as e:  # noqa: BLE001 - every failure becomes that row's error
-        return e
-
-
 class GenerateBatch:
     """Ray Data callable class: one nvray engine per actor of the pool."""
 
@@ -103,13 +96,11 @@ class GenerateBatch:
         return results
 
     def _run(self, client: Any, prompts: list[Any]) -> list[Any]:
-        refs = []
-        for prompt in prompts:
-            try:
-                refs.append(client.driver.generate.remote(prompt, self.sampling_params, None, 0))
-            except Exception as e:  # noqa: BLE001 - e.g. an argument that cannot be serialized
-                refs.append(e)
-        return [r if isinstance(r, BaseException) else resolve(r) for r in refs]
+        """All prompts go to the engine at once; finals come back over its output channel."""
+        try:
+            return client.generate_many(prompts, self.sampling_params)
+        except Exception as e:  # noqa: BLE001 - the engine failed as a whole: every row's error
+            return [e] * len(prompts)
 
     def _replace_engine(self, failed: Any) -> bool:
         """Start a new engine in place of ``failed`` (once, whichever thread gets here first)."""

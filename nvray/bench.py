@@ -11,6 +11,8 @@ Subcommands:
   through ``LLM``, in-process and on Ray (TP=1), CUDA graphs on and (``--eager``) off; output
   tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
   checkpoint with random bf16 weights (throughput does not depend on weight values here).
+- ``serve``: a load generator for the HTTP app (``nvray/bench_serve.py``): concurrency sweep,
+  streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
 """
 
 from __future__ import annotations
@@ -273,8 +275,15 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--max-model-len", type=int, default=4096)
     tp.add_argument("--floor", type=float, default=26600.0,
                     help="physical floor in output tok/s for the %% column (design.md: H100)")
+    sv = sub.add_parser("serve", parents=[common],
+                        help="load generator for a running app (or one it starts): latency and tok/s")
+    from nvray.bench_serve import add_arguments, run  # noqa: PLC0415
+
+    add_arguments(sv)
     args = p.parse_args(argv)
-    if args.cmd == "control-plane":
+    if args.cmd == "serve":
+        result = run(args)
+    elif args.cmd == "control-plane":
         result = bench_control_plane(args.num_seqs, args.steps, args.block_size)
     elif args.cmd == "throughput":
         result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,

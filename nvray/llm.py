@@ -134,26 +134,31 @@ class LLM:
 
     def _run_on_ray(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],
                     prios: list[int], bar: tqdm) -> list[RequestOutput]:
-        import ray  # noqa: PLC0415
+        from nvray.runtime.output_router import Request  # noqa: PLC0415
 
-        driver = self.client.driver
-        refs = [driver.generate.remote(p, sp, rid, prio)
-                for rid, p, sp, prio in zip(ids, prompts, params, prios)]
-        pending, last = list(refs), (time.perf_counter(), self.client.stats())
+        sink = self.client.submit([Request(p, sp, rid, prio) for rid, p, sp, prio
+                                   in zip(ids, prompts, params, prios)])
+        results: list[RequestOutput | None] = [None] * len(ids)
+        last = (time.perf_counter(), self.client.stats()) if not bar.disable else (0.0, {})
+        remaining = len(ids)
         try:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
-                ray.get(done)  # raise the first failure (a bad prompt) right away
-                bar.update(len(done))
+            while remaining:  # no streaming: each request arrives once, finished
+                try:
+                    batch = sink.next_batch(timeout=_POLL_S)
+                except TimeoutError:
+                    batch = []
+                for index, out in batch:
+                    results[index] = out
+                remaining -= len(batch)
+                bar.update(len(batch))
                 last = self._show_throughput(bar, last)
-            return ray.get(refs)
+            return results  # type: ignore[return-value]
         except BaseException:
-            for rid in ids:
-                driver.abort.remote(rid)
+            sink.abort()
             raise
 
     def _show_throughput(self, bar: tqdm, last: tuple[float, dict]) -> tuple[float, dict]:
-        if bar.disable:
+        if bar.disable or time.perf_counter() - last[0] < _POLL_S:
             return last
         now, stats = time.perf_counter(), self.client.stats()
         dt = max(now - last[0], 1e-9)

@@ -1,11 +1,15 @@
 """RequestOutput: what a request gives back, as a streaming delta or a final result.
 
-Plain data (picklable, no torch) so it crosses Ray actor boundaries unchanged.
+Plain data (picklable, no torch) so it crosses Ray actor boundaries unchanged. Between the
+engine's driver and its consumers a step's outputs travel in a compact wire form
+(``to_wire``/``from_wire``): an unfinished request's delta is a small tuple, a finished
+request's output the whole RequestOutput.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Union
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -14,10 +18,11 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class RequestOutput:
     """A request's result, or one streaming step of it.
 
-    ``delta_text``/``delta_token_ids`` are what this step added. ``text``/``token_ids`` (all
-    the generated text and tokens) are filled in the final output (``finished``), and left empty
-    in intermediate streaming outputs so a step never copies whole sequences; the deltas of all
-    outputs of a request concatenate to its final ``text``/``token_ids``.
+    ``delta_text``/``delta_token_ids`` are what this output added. The final output
+    (``finished``) also carries everything: ``text``/``token_ids`` (all the generated text and
+    tokens), ``prompt_token_ids`` and ``prompt``. Intermediate streaming outputs carry only the
+    deltas (the other fields stay empty), so a step never copies whole sequences; the deltas of
+    all outputs of a request concatenate to its final ``text``/``token_ids``.
     ``finish_reason`` is None until ``finished``.
     """
 
@@ -39,3 +44,32 @@ class RequestOutput:
         completion_tokens = len(self.token_ids)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
+
+
+# (request_id, delta_token_ids, delta_text): an unfinished request's step on the wire
+WireDelta = tuple[str, list[int], str]
+WireOutput = Union[WireDelta, RequestOutput]
+
+
+def to_wire(out: RequestOutput) -> WireOutput:
+    """The compact form of ``out`` for one step's message (a tuple unless it is final)."""
+    return out if out.finished else (out.request_id, out.delta_token_ids, out.delta_text)
+
+
+def from_wire(item: WireOutput) -> RequestOutput:
+    if isinstance(item, RequestOutput):
+        return item
+    request_id, token_ids, text = item
+    return RequestOutput(request_id, [], delta_text=text, delta_token_ids=token_ids)
+
+
+def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output standing for consecutive outputs of one request: deltas concatenated, the
+    rest (final text, finish reason, ...) from the last. A reader that fell behind gets one."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    merged = RequestOutput(**{**last.__dict__})
+    merged.delta_text = "".join(o.delta_text for o in outputs)
+    merged.delta_token_ids = [t for o in outputs for t in o.delta_token_ids]
+    return merged

@@ -235,14 +235,17 @@ class LLMEngine:
         hold = 0 if finished else max(0, seq.params.max_stop_len - 1)
         visible = max(state.num_emitted_chars, len(state.text) - hold)
         num_tokens = seq.num_output_tokens
-        out = RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=state.prompt_token_ids,
-            text=state.text if finished else "",
-            token_ids=seq.output_token_ids if finished else [],
-            delta_text=state.text[state.num_emitted_chars:visible],
-            delta_token_ids=seq.token_ids[seq.num_prompt_tokens + state.num_emitted_tokens:],
-            finished=finished, finish_reason=state.finish_reason, error=state.error,
-            num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt)
+        delta_text = state.text[state.num_emitted_chars:visible]
+        delta_token_ids = seq.token_ids[seq.num_prompt_tokens + state.num_emitted_tokens:]
+        if finished:
+            out = RequestOutput(
+                request_id=seq.request_id, prompt_token_ids=state.prompt_token_ids,
+                text=state.text, token_ids=seq.output_token_ids, delta_text=delta_text,
+                delta_token_ids=delta_token_ids, finished=True, finish_reason=state.finish_reason,
+                error=state.error, num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt)
+        else:  # a streaming step: the deltas only
+            out = RequestOutput(seq.request_id, [], delta_text=delta_text,
+                                delta_token_ids=delta_token_ids)
         state.num_emitted_chars = visible
         state.num_emitted_tokens = num_tokens
         return out

@@ -2,12 +2,18 @@
 
 An EngineClient is a small picklable handle (the driver actor and the placement group), so it
 can be passed to other Ray tasks and actors, which then call the same engine concurrently.
-``shutdown`` kills the driver (its rank actors die with it) and removes the placement group.
+In each process it is used in, it opens one output channel to the driver on first use (a
+SyncRouter): ``generate``, ``generate_many`` and ``stream`` all receive their outputs through
+it, one message per engine step for all of that client's requests. ``close`` ends the channel
+(what is still running is aborted); ``shutdown`` kills the driver (its rank actors die with
+it) and removes the placement group.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import threading
+import weakref
+from typing import Any, Iterator, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -15,9 +21,11 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from nvray.config import EngineConfig
 from nvray.models.tiny import TINY_NAME, resolve_model
 from nvray.outputs import RequestOutput
+from nvray.runtime.output_router import Request
 from nvray.runtime.cluster import cluster_has_gpus, ensure_ray
 from nvray.runtime.driver import EngineDriver
 from nvray.runtime.placement import DRIVER_CPUS, create_engine_placement_group, in_bundle
+from nvray.runtime.sync_router import SyncRouter, SyncSink
 
 _SHUTDOWN_TIMEOUT_S = 30.0
 _DRIVER_MAX_CONCURRENCY = 10_000
@@ -62,17 +70,50 @@ class EngineClient:
         self.pg = pg
         self.owns_pg = owns_pg
         self.info: dict[str, Any] = {}
+        self._router: SyncRouter | None = None
+        self._router_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"driver": self.driver, "pg": self.pg, "owns_pg": self.owns_pg, "info": self.info}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["driver"], state["pg"], state["owns_pg"])  # type: ignore[misc]
+        self.info = state["info"]
+
+    @property
+    def router(self) -> SyncRouter:
+        """This process's output channel to the driver (opened on first use)."""
+        with self._router_lock:
+            if self._router is None:
+                self._router = SyncRouter(self.driver)
+                weakref.finalize(self, self._router.close)
+            return self._router
+
+    def submit(self, requests: Sequence[Request], stream: bool = False,
+               all_or_nothing: bool = True) -> SyncSink:
+        """Queue requests; read their outputs from the returned sink (see OutputRouter.add)."""
+        return self.router.add(list(requests), stream, all_or_nothing)
 
     def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
                  priority: int = 0) -> RequestOutput:
-        return ray.get(self.driver.generate.remote(prompt, sampling_params, request_id, priority))
+        [result] = self.submit([Request(prompt, sampling_params, request_id, priority)]).results()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def generate_many(self, prompts: Sequence[Any], sampling_params: Any = None
+                      ) -> list[RequestOutput | BaseException]:
+        """Final outputs of many prompts, in order; a rejected or failed one gives its error."""
+        sink = self.submit([Request(p, sampling_params) for p in prompts], all_or_nothing=False)
+        return sink.results()
 
     def stream(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
                priority: int = 0) -> Iterator[RequestOutput]:
-        gen = self.driver.generate_stream.options(num_returns="streaming").remote(
-            prompt, sampling_params, request_id, priority)
-        for ref in gen:
-            yield ray.get(ref)
+        """Deltas as the engine makes them (coalesced if read slowly), the final output last.
+        Stopping the iteration early aborts the request."""
+        sink = self.submit([Request(prompt, sampling_params, request_id, priority)], stream=True)
+        for _, out in sink.outputs():
+            yield out
 
     def abort(self, request_id: str) -> None:
         ray.get(self.driver.abort.remote(request_id))
@@ -83,8 +124,16 @@ class EngineClient:
     def check_health(self) -> None:
         ray.get(self.driver.check_health.remote())
 
+    def close(self) -> None:
+        """Close this process's output channel (its running requests are aborted)."""
+        with self._router_lock:
+            router, self._router = self._router, None
+        if router is not None:
+            router.close()
+
     def shutdown(self) -> None:
         """Stop the engine: driver and rank actors killed, placement group removed."""
+        self.close()
         try:
             ray.get(self.driver.shutdown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a dead driver is what shutdown wants anyway

@@ -2,17 +2,26 @@
 
 It holds the tokenizer, Scheduler, BlockManager and step loop (LLMEngine in an EngineLoop
 thread) and the RayExecutor of the rank actors. Its methods are the one API that the offline
-LLM, the Serve deployment and batch jobs call:
+LLM, the Serve deployment, batch jobs and EngineClients call.
 
-- ``generate_stream(prompt, sampling_params, request_id, priority)``: an async generator of
-  RequestOutputs — deltas while running, then the final output (call it with
-  ``num_returns="streaming"``); cancelling the call aborts the request;
-- ``generate(...)``: the final RequestOutput only;
-- ``abort``, ``stats``, ``check_health``, ``shutdown``.
+Outputs reach a consumer (a process with many requests in flight) through ONE long-lived
+channel per consumer, one message per engine step whatever the number of its requests:
 
-``prompt`` is a string, a list of token ids, or a list of chat messages (dicts with ``role``
-and ``content``, formatted with the model's chat template). ``sampling_params`` is a dict or a
-SamplingParams. Invalid requests raise ValueError; an engine that lost a rank raises
+- ``open_channel(consumer_id)``, then ``subscribe(consumer_id)`` (call it with
+  ``num_returns="streaming"``): each item is one step's (or, for a consumer that fell behind,
+  several steps') outputs of that consumer's requests, in wire form (``nvray.outputs``);
+- ``add_requests(consumer_id, requests)``: queue requests whose outputs go to that channel;
+  returns, per request, its number of prompt tokens or the ValueError that rejected it;
+- ``close_channel(consumer_id)``: end the stream and abort the consumer's requests (also done
+  when the subscription is cancelled).
+
+``nvray.runtime.output_router`` is the consumer side. For a single call, ``generate(...)``
+returns one request's final output. Also ``abort``, ``stats``, ``check_health``, ``shutdown``.
+
+A request is ``(request_id, prompt, sampling_params, priority, stream)``: ``prompt`` is a string,
+a list of token ids, or a list of chat messages (dicts with ``role`` and ``content``, formatted
+with the model's chat template); ``sampling_params`` is a dict or a SamplingParams; ``stream``
+asks for an output every step (else only the final one). An engine that lost a rank raises
 EngineDeadError for every in-flight and new request.
 """
 
@@ -27,11 +36,14 @@ from ray.util.placement_group import PlacementGroup
 
 from nvray.bootstrap import create_engine
 from nvray.config import EngineConfig
-from nvray.outputs import RequestOutput
-from nvray.runtime.engine_loop import EngineLoop, RequestStream
+from nvray.outputs import RequestOutput, WireOutput
+from nvray.runtime.consumer_channel import ConsumerChannel, FinalOutput, OutputSink
+from nvray.runtime.engine_loop import EngineLoop, NewRequest
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.ray_executor import RayExecutor
 from nvray.sampling_params import SamplingParams
+
+RequestSpec = tuple[str, Any, Any, int, bool]  # request_id, prompt, sampling_params, priority, stream
 
 
 def is_chat(prompt: Any) -> bool:
@@ -43,6 +55,7 @@ class EngineDriver:
         self.config = config
         self.pg = pg
         self.loop: EngineLoop | None = None
+        self.channels: dict[str, ConsumerChannel] = {}
         self.started_at = time.time()
 
     async def start(self) -> dict[str, Any]:
@@ -67,47 +80,92 @@ class EngineDriver:
                                                          add_generation_prompt=True)
         return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
-    async def _open(self, prompt: Any, sampling_params: Any, request_id: str | None,
-                    priority: int, stream: bool) -> tuple[str, RequestStream]:
+    def _live_loop(self) -> EngineLoop:
         assert self.loop is not None, "start() first"
         if self.loop.dead:
             raise EngineDeadError(self.loop.dead)
-        params = SamplingParams.coerce(sampling_params)
-        request_id = request_id or uuid.uuid4().hex
-        sink = await self.loop.add(request_id, self.prepare_prompt(prompt), params, priority, stream)
-        return request_id, sink
+        return self.loop
 
-    async def _outputs(self, request_id: str, sink: RequestStream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                out = await sink.queue.get()
-                if out.finish_reason == "error":
-                    raise EngineDeadError(out.error or "engine failed")
-                finished = out.finished
-                yield out
-        finally:
-            if not finished and self.loop is not None and not self.loop.dead:
-                self.loop.abort(request_id)  # caller went away: free the request's blocks
+    def _new_request(self, spec: RequestSpec) -> NewRequest:
+        request_id, prompt, params, priority, stream = spec
+        return NewRequest(request_id, self.prepare_prompt(prompt), SamplingParams.coerce(params),
+                          priority, stream)
 
-    async def generate_stream(self, prompt: Any, sampling_params: Any = None,
-                              request_id: str | None = None,
-                              priority: int = 0) -> AsyncIterator[RequestOutput]:
-        request_id, sink = await self._open(prompt, sampling_params, request_id, priority, True)
-        async for out in self._outputs(request_id, sink):
-            yield out
+    async def _add(self, specs: list[RequestSpec], sink: OutputSink) -> list[int | ValueError]:
+        loop = self._live_loop()
+        results: list[int | ValueError] = [0] * len(specs)
+        accepted, where = [], []
+        for i, spec in enumerate(specs):
+            try:
+                accepted.append(self._new_request(spec))
+                where.append(i)
+            except ValueError as e:  # bad sampling values or chat messages: this request only
+                results[i] = e
+        for i, result in zip(where, await asyncio.wrap_future(loop.add(accepted, sink))):
+            results[i] = result
+        return results
+
+    async def add_requests(self, consumer_id: str, requests: list[RequestSpec]
+                           ) -> list[int | ValueError]:
+        """Queue requests for the consumer's channel; per request its number of prompt tokens,
+        or the ValueError that rejected it."""
+        channel = self.channels.get(consumer_id)
+        if channel is None or channel.closed:
+            raise ValueError(f"no open output channel {consumer_id!r}: call open_channel first")
+        return await self._add(list(requests), channel)
 
     async def generate(self, prompt: Any, sampling_params: Any = None,
                        request_id: str | None = None, priority: int = 0) -> RequestOutput:
-        request_id, sink = await self._open(prompt, sampling_params, request_id, priority, False)
-        async for out in self._outputs(request_id, sink):
-            if out.finished:
-                return out
-        raise EngineDeadError("request ended without a final output")
+        """One request's final output (for single calls; consumers with many use a channel)."""
+        sink = FinalOutput()
+        request_id = request_id or uuid.uuid4().hex
+        [added] = await self._add([(request_id, prompt, sampling_params, priority, False)], sink)
+        if isinstance(added, ValueError):
+            raise added
+        try:
+            out = await asyncio.shield(sink.future)
+        except BaseException:
+            self._abort_quietly([request_id])  # caller went away: free the request's blocks
+            raise
+        if out.finish_reason == "error":
+            raise EngineDeadError(out.error or "engine failed")
+        return out
 
-    async def abort(self, request_id: str) -> None:
+    # ---------------------------------------------------------------- channels
+    async def open_channel(self, consumer_id: str) -> None:
+        self._live_loop()
+        self.channels.setdefault(consumer_id, ConsumerChannel())
+
+    async def subscribe(self, consumer_id: str) -> AsyncIterator[list[WireOutput]]:
+        """The consumer's outputs, one message per step (or per several, if it fell behind)."""
+        channel = self.channels.get(consumer_id)
+        if channel is None:
+            raise ValueError(f"no output channel {consumer_id!r}: call open_channel first")
+        try:
+            async for message in channel.messages():
+                yield message
+        finally:
+            self._drop_channel(consumer_id)
+
+    async def close_channel(self, consumer_id: str) -> None:
+        channel = self.channels.get(consumer_id)
+        if channel is not None:
+            channel.close()
+            self._drop_channel(consumer_id)
+
+    def _drop_channel(self, consumer_id: str) -> None:
+        channel = self.channels.pop(consumer_id, None)
+        if channel is not None and self.loop is not None and not self.loop.dead:
+            self.loop.abort_sink(channel)
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
         if self.loop is not None and not self.loop.dead:
-            await asyncio.wrap_future(self.loop.abort(request_id))
+            self.loop.abort(request_ids)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        if self.loop is not None and not self.loop.dead:
+            ids = [request_id] if isinstance(request_id, str) else list(request_id)
+            await asyncio.wrap_future(self.loop.abort(ids))
 
     # ------------------------------------------------------------------ status
     async def stats(self) -> dict[str, Any]:
@@ -117,6 +175,9 @@ class EngineDriver:
         stats = await asyncio.wrap_future(self.loop.call(self.engine.stats))
         times = sorted(self.loop.step_times)
         stats["step_time_ms_median"] = 1e3 * times[len(times) // 2] if times else 0.0
+        stats["num_steps"] = self.loop.num_steps
+        stats["num_output_channels"] = len(self.channels)
+        stats["output_messages"] = sum(c.num_messages for c in self.channels.values())
         return {"healthy": True, **stats}
 
     async def check_health(self) -> None:
@@ -131,6 +192,8 @@ class EngineDriver:
             raise
 
     def shutdown(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
         if self.loop is not None:
             self.loop.stop()
             self.engine.executor.shutdown()

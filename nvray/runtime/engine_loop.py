@@ -1,38 +1,41 @@
 """EngineLoop: runs LLMEngine.step in a dedicated thread while requests exist.
 
 Callers live on an asyncio event loop (the driver actor). They never touch the engine: they
-post commands (add, abort, stats) that the loop thread runs between steps, and receive each
-request's outputs on an asyncio.Queue. If a step fails (a rank died), every request gets an
-error output, the loop records why and refuses new requests; nothing accepted is left hanging.
+post commands (add, abort, stats) that the loop thread runs between steps. Each request names
+the sink its outputs go to (``consumer_channel``); after every step the loop hands each sink
+its outputs of that step in one call, so the cost of delivery per step grows with the number
+of consumers, not of requests. If a step fails (a rank died), every request gets an error
+output, the loop records why and refuses new requests; nothing accepted is left hanging.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from nvray.engine.engine import LLMEngine
 from nvray.outputs import RequestOutput
+from nvray.runtime.consumer_channel import OutputSink
 from nvray.runtime.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.05
+_IDLE_WAIT_S = 1.0  # only a bound: commands wake the loop at once
 
 
-class RequestStream:
-    """Where one request's outputs go: an asyncio.Queue on the caller's event loop."""
+@dataclass
+class NewRequest:
+    """A request as the driver hands it to the loop (prompt already templated)."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-    def put(self, out: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+    request_id: str
+    prompt: str | list[int]
+    params: Any
+    priority: int = 0
+    stream: bool = False
 
 
 class EngineLoop:
@@ -41,10 +44,11 @@ class EngineLoop:
         self.commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = \
             queue.SimpleQueue()
         self.wakeup = threading.Event()
-        self.streams: dict[str, RequestStream] = {}
+        self.sinks: dict[str, OutputSink] = {}
         self.dead: str | None = None
         self.stopping = False
         self.step_times: list[float] = []  # recent step durations (s), for stats
+        self.num_steps = 0
         self.thread = threading.Thread(target=self._run, name="nvray-engine-loop", daemon=True)
         self.thread.start()
 
@@ -59,20 +63,29 @@ class EngineLoop:
         self.wakeup.set()
         return fut
 
-    async def add(self, request_id: str, prompt: Any, params: Any, priority: int,
-                  stream: bool) -> RequestStream:
-        """Queue a request (ValueError if invalid); returns the stream its outputs arrive on."""
-        sink = RequestStream()
+    def add(self, requests: list[NewRequest], sink: OutputSink) -> concurrent.futures.Future:
+        """Queue requests whose outputs go to ``sink``; the future holds, per request, its
+        number of prompt tokens or the ValueError that rejected it (then it is not queued)."""
+        return self.call(lambda: [self._add_one(r, sink) for r in requests])
 
-        def add_on_loop() -> None:
-            self.engine.add_request(request_id, prompt, params, priority, stream)
-            self.streams[request_id] = sink
+    def _add_one(self, request: NewRequest, sink: OutputSink) -> int | ValueError:
+        try:
+            token_ids = self.engine.add_request(request.request_id, request.prompt,
+                                                request.params, request.priority, request.stream)
+        except ValueError as e:
+            return e
+        self.sinks[request.request_id] = sink
+        return len(token_ids)
 
-        await asyncio.wrap_future(self.call(add_on_loop))
-        return sink
+    def abort(self, request_ids: list[str]) -> concurrent.futures.Future:
+        return self.call(lambda: self._deliver(
+            [o for o in map(self.engine.abort_request, request_ids) if o is not None]))
 
-    def abort(self, request_id: str) -> concurrent.futures.Future:
-        return self.call(lambda: self._deliver([o for o in [self.engine.abort_request(request_id)] if o]))
+    def abort_sink(self, sink: OutputSink) -> concurrent.futures.Future:
+        """Abort every request whose outputs go to ``sink`` (its consumer went away)."""
+        return self.call(lambda: self._deliver([
+            o for rid, s in list(self.sinks.items()) if s is sink
+            if (o := self.engine.abort_request(rid)) is not None]))
 
     def stop(self) -> None:
         self.stopping = True
@@ -82,10 +95,10 @@ class EngineLoop:
     # -------------------------------------------------------------- loop side
     def _run(self) -> None:
         while not self.stopping:
+            self.wakeup.clear()  # before draining: a command posted after this wakes the wait
             self._run_commands()
             if self.dead or not self.engine.has_unfinished_requests():
                 self.wakeup.wait(_IDLE_WAIT_S)
-                self.wakeup.clear()
                 continue
             start = time.perf_counter()
             try:
@@ -95,6 +108,7 @@ class EngineLoop:
                 continue
             self.step_times.append(time.perf_counter() - start)
             del self.step_times[:-256]
+            self.num_steps += 1
             self._deliver(outputs)
 
     def _run_commands(self) -> None:
@@ -112,10 +126,15 @@ class EngineLoop:
                     fut.set_exception(e)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each sink its share of ``outputs`` in one call."""
+        by_sink: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
         for out in outputs:
-            sink = self.streams.pop(out.request_id) if out.finished else self.streams.get(out.request_id)
+            rid = out.request_id
+            sink = self.sinks.pop(rid, None) if out.finished else self.sinks.get(rid)
             if sink is not None:
-                sink.put(out)
+                by_sink.setdefault(id(sink), (sink, []))[1].append(out)
+        for sink, outs in by_sink.values():
+            sink.deliver(outs)
 
     def fail(self, reason: str) -> None:
         """Mark the engine dead (loop thread only): error every request, refuse new ones."""

@@ -369,43 +369,27 @@ def test_input_directory_and_output_path_checks(tmp_path):
 
 # -------------------------------------------------- the pool actor, with a fake engine (no Ray)
 class FakeEngine:
-    """An EngineClient stand-in: ``generate.remote`` returns a thunk that ``resolve`` runs."""
+    """An EngineClient stand-in: ``generate_many`` answers each prompt at once."""
 
     def __init__(self, dead: bool) -> None:
-        self.dead, self.shut_down, self.driver = dead, False, self
+        self.dead, self.shut_down = dead, False
 
-    @property
-    def generate(self) -> "FakeEngine":
-        return self
-
-    def remote(self, prompt: Any, params: dict, request_id: Any, priority: int) -> Any:
+    def generate_many(self, prompts: list[Any], params: dict) -> list[Any]:
         from nvray.outputs import RequestOutput
         from nvray.runtime import EngineDeadError
 
-        def result() -> Any:
+        def result(prompt: Any) -> Any:
             if self.dead:
-                raise EngineDeadError("rank 0 died")
+                return EngineDeadError("rank 0 died")
             if prompt == "":
-                raise ValueError("prompt is empty")
+                return ValueError("prompt is empty")
             text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
             return RequestOutput("r", [1, 2, 3], text=text.upper(), token_ids=[5, 6],
                                  finished=True, finish_reason="length")
-        return result
+        return [result(p) for p in prompts]
 
     def shutdown(self) -> None:
         self.shut_down = True
-
-
-@pytest.fixture
-def fake_resolve(monkeypatch):
-    import nvray.batch_udf as udf
-
-    def resolve(thunk: Any) -> Any:
-        try:
-            return thunk()
-        except Exception as e:  # noqa: BLE001
-            return e
-    monkeypatch.setattr(udf, "resolve", resolve)
 
 
 def fake_batch() -> pa.Table:
@@ -415,7 +399,7 @@ def fake_batch() -> pa.Table:
 
 
 @pytest.mark.parametrize("restarts", [1, 0])
-def test_pool_actor_replaces_a_dead_engine_and_keeps_request_errors(fake_resolve, restarts):
+def test_pool_actor_replaces_a_dead_engine_and_keeps_request_errors(restarts):
     from nvray.batch_udf import GenerateBatch
 
     engines: list[FakeEngine] = []

@@ -87,16 +87,16 @@ def test_chat_messages_as_prompt(tp2, tiny_path):
 
 
 def test_abort_frees_the_requests_blocks(tp2):
-    client = tp2.client
-    stream = client.driver.generate_stream.options(num_returns="streaming").remote(
-        "abort me " * 10, {"max_tokens": 400, "ignore_eos": True}, "to-abort", 0)
-    import ray
+    from nvray.runtime.output_router import Request
 
-    ray.get(next(stream))  # it is running
+    client = tp2.client
+    sink = client.submit([Request("abort me " * 10, {"max_tokens": 400, "ignore_eos": True},
+                                  "to-abort")], stream=True)
+    assert sink.next_batch(timeout=60)  # it is running
     assert client.stats()["kv_cache_usage"] > 0
     client.abort("to-abort")
-    last = [ray.get(ref) for ref in stream][-1]
-    assert last.finish_reason == "abort"
+    outputs = [out for _, out in sink.outputs()]
+    assert outputs[-1].finish_reason == "abort"
     stats = client.stats()
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
 
@@ -156,3 +156,25 @@ def test_killing_a_rank_fails_in_flight_requests_fast_and_shutdown_leaves_nothin
         assert fresh.generate("new engine", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
     finally:
         fresh.shutdown()
+
+
+def test_many_streams_share_one_message_per_step(tp2):
+    """Through Ray: 16 streams of one client arrive as at most one message per engine step."""
+    from nvray.runtime.output_router import Request
+
+    client = tp2.client
+    prompts = [f"stream number {i}" for i in range(16)]
+    params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    router = client.router.router
+    steps_before, messages_before = client.stats()["num_steps"], router.num_messages
+    sink = client.submit([Request(p, params) for p in prompts], stream=True)
+    streamed: dict[int, list] = {}
+    for index, out in sink.outputs():
+        streamed.setdefault(index, []).append(out)
+    steps = client.stats()["num_steps"] - steps_before
+    messages = router.num_messages - messages_before
+    assert 1 <= messages <= steps <= 12 + 2
+    expected = tp2.generate(prompts, GREEDY.__class__(**params), use_tqdm=False)
+    for i, exp in enumerate(expected):
+        assert "".join(o.delta_text for o in streamed[i]) == exp.text
+        assert [t for o in streamed[i] for t in o.delta_token_ids] == exp.token_ids

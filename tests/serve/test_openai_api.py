@@ -7,45 +7,10 @@ import json
 import re
 import time
 
-import openai
 import pytest
 import requests
-from ray import serve
 
-from deployments import build_app
-from nvray import LLM, SamplingParams
-
-MAX_MODEL_LEN = 512
-
-
-@pytest.fixture(scope="module")
-def base_url(serve_http):
-    serve.run(build_app({"max_model_len": MAX_MODEL_LEN, "num_cpus_per_rank": 1}),
-              name="default", route_prefix="/")
-    yield serve_http
-    serve.delete("default")
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM("tiny", runtime="inprocess", max_model_len=MAX_MODEL_LEN)
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def metric(base_url: str, name: str) -> float:
-    text = requests.get(f"{base_url}/metrics", timeout=30).text
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
-
+from serve_helpers import MAX_MODEL_LEN, greedy, metric
 
 def test_completion_matches_offline_and_counts_usage(client, offline):
     prompt = "The engine schedules"

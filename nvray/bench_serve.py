@@ -1,0 +1,324 @@
+"""``python -m nvray.bench serve``: a load generator for a running nvray app (or one it starts).
+
+For each concurrency level (default 1, 8, 64, 256) it sends a bounded number of requests to
+``/v1/completions`` (or ``/v1/chat/completions``), streaming and not, keeping at most
+``concurrency`` in flight; with ``--rate`` arrivals are Poisson at that many requests/s.
+Prompts are random token ids (chat: random words), different for every request, so the prefix
+cache plays no part; ``ignore_eos`` makes every request run to ``--output-len`` tokens.
+
+Per level: time to first token (TTFT), inter-token latency (ITL: the gap between two chunks
+spread over the tokens of the later one, one sample per token, so a chunk carrying k tokens
+counts k times its gap / k), time per output token after the first (TPOT), end-to-end latency
+(p50/p90/p99), output tokens/s (all output tokens / the level's wall time), tokens per chunk,
+errors, and the engine's median step time while the batch was full (from ``/metrics``). Tokens
+per chunk come from ``stream_options.continuous_usage_stats``; a server that ignores it is
+counted as one token per chunk. The floor of the path is a bare ``GET /v1/models`` round trip.
+
+``--out results.json`` writes the figures, and a PNG chart next to it (throughput and latency
+against concurrency) when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORDS = ("engine", "paged", "cache", "token", "stream", "batch", "kernel", "rank", "block",
+         "prefix", "schedule", "decode", "prefill", "graph", "tensor", "replica")
+
+
+@dataclass
+class LoadSpec:
+    url: str
+    model: str | None = None
+    api: str = "completions"  # or "chat"
+    prompt_len: int = 256
+    output_len: int = 256
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    max_token_id: int = 10000  # prompt ids are drawn below this (and below the model's vocab)
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    num_chunks: int = 0
+    itl_s: list[float] = field(default_factory=list)  # one per token after the first
+
+
+def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+    pick = lambda q: round(scale * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
+    return {"p50": round(scale * statistics.median(ordered), 3), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def auth_headers(spec: LoadSpec) -> dict[str, str]:
+    return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+
+
+def request_body(spec: LoadSpec, rng: random.Random, stream: bool) -> tuple[str, dict[str, Any]]:
+    common: dict[str, Any] = {"max_tokens": spec.output_len, "temperature": 0, "ignore_eos": True,
+                              "stream": stream}
+    if spec.model:
+        common["model"] = spec.model
+    if stream:
+        common["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if spec.api == "chat":
+        text = " ".join(rng.choice(WORDS) for _ in range(spec.prompt_len))
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**common, "prompt": [rng.randrange(spec.max_token_id) for _ in range(spec.prompt_len)]}
+
+
+def chunk_has_output(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
+            return True
+    return False
+
+
+async def send(session: Any, spec: LoadSpec, path: str, body: dict[str, Any]) -> RequestRecord:
+    rec = RequestRecord()
+    headers = auth_headers(spec)
+    start = time.perf_counter()
+    try:
+        async with session.post(spec.url + path, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            if body["stream"]:
+                await read_stream(resp, rec, start)
+            else:
+                payload = await resp.json()
+                rec.output_tokens = payload["usage"]["completion_tokens"]
+            rec.e2e_s = time.perf_counter() - start
+            rec.ok = rec.error is None
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+    return rec
+
+
+async def read_stream(resp: Any, rec: RequestRecord, start: float) -> None:
+    last_t, tokens = start, 0
+    async for line in resp.content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        now, chunk = time.perf_counter(), json.loads(line[6:])
+        if "error" in chunk:
+            rec.error = f"stream error: {chunk['error'].get('message')}"[:200]
+            return
+        if not chunk_has_output(chunk):
+            if chunk.get("usage") and not chunk.get("choices"):
+                tokens = chunk["usage"]["completion_tokens"]  # the final usage chunk
+            continue
+        usage = chunk.get("usage")
+        new = (usage["completion_tokens"] - tokens) if usage else 1
+        tokens += new
+        rec.num_chunks += 1
+        if rec.ttft_s is None:
+            rec.ttft_s = now - start
+            new -= 1  # the first token has no gap before it
+        if new > 0:
+            rec.itl_s.extend([(now - last_t) / new] * new)
+        last_t = now
+    rec.output_tokens = tokens
+
+
+async def engine_step_sampler(session: Any, spec: LoadSpec, full_batch: int,
+                              samples: list[float]) -> None:
+    """Sample the engine's median step time while (nearly) ``full_batch`` requests run."""
+    while True:
+        await asyncio.sleep(0.5)
+        try:
+            async with session.get(spec.url + "/metrics") as resp:
+                text = await resp.text()
+        except Exception:  # noqa: BLE001 - metrics are optional (another server)
+            return
+        values = dict(line.split("{")[0:1] + [line.rsplit(" ", 1)[-1]] for line in text.splitlines()
+                      if line.startswith("nvray_") and "{" in line and "_bucket" not in line)
+        if "nvray_step_time_ms_median" not in values:
+            return
+        if float(values.get("nvray_num_requests_running", 0)) >= 0.9 * full_batch:
+            samples.append(float(values["nvray_step_time_ms_median"]))
+
+
+async def run_level(session: Any, spec: LoadSpec, concurrency: int, num_requests: int,
+                    stream: bool, rate: float | None, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    bodies = [request_body(spec, rng, stream) for _ in range(num_requests)]
+    gate = asyncio.Semaphore(concurrency)
+    step_samples: list[float] = []
+    sampler = asyncio.ensure_future(engine_step_sampler(session, spec, concurrency, step_samples))
+
+    async def one(i: int, delay: float) -> RequestRecord:
+        await asyncio.sleep(delay)
+        async with gate:
+            return await send(session, spec, *bodies[i])
+
+    delays, t = [], 0.0
+    for _ in range(num_requests):
+        delays.append(t)
+        t += rng.expovariate(rate) if rate else 0.0
+    start = time.perf_counter()
+    records = await asyncio.gather(*(one(i, d) for i, d in enumerate(delays)))
+    wall = time.perf_counter() - start
+    sampler.cancel()
+    return summarize(records, wall, concurrency, stream, rate, step_samples)
+
+
+def summarize(records: list[RequestRecord], wall: float, concurrency: int, stream: bool,
+              rate: float | None, step_samples: list[float]) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok
+            if r.ttft_s is not None and r.output_tokens > 1]
+    chunks = sum(r.num_chunks for r in ok)
+    errors = [r.error for r in records if not r.ok]
+    return {
+        "concurrency": concurrency, "stream": stream, "rate_rps": rate, "requests": len(records),
+        "completed": len(ok), "errors": len(errors), "error_samples": sorted(set(errors))[:3],
+        "wall_s": round(wall, 3), "output_tokens": tokens,
+        "output_tok_per_s": round(tokens / wall, 1) if wall else 0.0,
+        "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_ms": percentiles([g for r in ok for g in r.itl_s]),
+        "tpot_ms": percentiles(tpot),
+        "e2e_ms": percentiles([r.e2e_s for r in ok]),
+        "tokens_per_chunk": round(tokens / chunks, 2) if stream and chunks else None,
+        "engine_step_ms_at_full_batch": round(statistics.median(step_samples), 3) if step_samples else None,
+    }
+
+
+async def bare_route_floor(session: Any, spec: LoadSpec, n: int = 50) -> dict[str, Any]:
+    headers = auth_headers(spec)
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        async with session.get(spec.url + "/v1/models", headers=headers) as resp:
+            await resp.read()
+        times.append(time.perf_counter() - start)
+    return {"route": "GET /v1/models", "round_trip_ms": percentiles(times)}
+
+
+async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requests: int | None,
+                rate: float | None, seed: int = 0, rounds: float = 2.0) -> dict[str, Any]:
+    import aiohttp  # noqa: PLC0415 - Ray Serve's own dependency
+
+    timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        async with session.get(spec.url + "/v1/models", headers=auth_headers(spec)) as resp:
+            card = (await resp.json())["data"][0]
+        spec.model = spec.model or card["id"]
+        spec.max_token_id = min(spec.max_token_id, card.get("vocab_size") or spec.max_token_id)
+        await send(session, spec, *request_body(spec, random.Random(-1), True))  # warm-up
+        floor = await bare_route_floor(session, spec)
+        results = []
+        for concurrency in levels:
+            for stream in streams:
+                n = num_requests or max(int(rounds * concurrency), 16)
+                results.append(await run_level(session, spec, concurrency, n, stream, rate, seed))
+                print(json.dumps(results[-1]), flush=True)
+    return {"benchmark": "serve", "url": spec.url, "model": spec.model, "api": spec.api,
+            "prompt_len": spec.prompt_len, "output_len": spec.output_len, "floor": floor,
+            "levels": results}
+
+
+def start_app(app_args: dict[str, Any], port: int) -> str:
+    """Start the nvray app on this machine's Ray cluster; returns its base URL."""
+    from ray import serve  # noqa: PLC0415
+
+    from deployments import build_app  # noqa: PLC0415
+    from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
+
+    ensure_ray()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(app_args), name="nvray-bench", route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def save_chart(result: dict[str, Any], path: str) -> str | None:
+    """Throughput and latency against concurrency, as a PNG (None without matplotlib)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
+    for stream, label in ((False, "non-streaming"), (True, "streaming")):
+        rows = [r for r in result["levels"] if r["stream"] == stream]
+        if not rows:
+            continue
+        conc = [r["concurrency"] for r in rows]
+        ax_tput.plot(conc, [r["output_tok_per_s"] for r in rows], marker="o", label=label)
+        if stream:
+            ax_lat.plot(conc, [r["ttft_ms"]["p50"] for r in rows], marker="o", label="TTFT p50")
+            ax_lat.plot(conc, [r["itl_ms"]["p50"] for r in rows], marker="o", label="ITL p50")
+        ax_lat.plot(conc, [(r["e2e_ms"]["p50"] or 0) / 10 for r in rows], marker="x",
+                    linestyle=":", label=f"e2e p50 / 10 ({label})")
+    for ax, title in ((ax_tput, "output tokens/s"), (ax_lat, "latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"nvray serve: {result['model']}, prompt {result['prompt_len']} / "
+                 f"output {result['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def parse_app_args(items: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs as ``serve run deployments:build_app`` takes them."""
+    args: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"app argument {item!r} is not key=value")
+        args[key] = value
+    return args
+
+
+def run(args: Any) -> dict[str, Any]:
+    url = args.url
+    if url is None:
+        url = start_app(parse_app_args(args.app_args or []), args.port)
+    spec = LoadSpec(url.rstrip("/"), args.model, args.api, args.prompt_len, args.output_len,
+                    args.api_key)
+    streams = {"both": [False, True], "on": [True], "off": [False]}[args.stream]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    result = asyncio.run(sweep(spec, levels, streams, args.num_requests, args.rate, args.seed,
+                               args.rounds))
+    if args.out:
+        result["chart"] = save_chart(result, args.out.rsplit(".", 1)[0] + ".png")
+    return result
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--url", help="base URL of a running app (default: start one here)")
+    p.add_argument("--app-args", nargs="*", metavar="KEY=VALUE",
+                   help="arguments of the app to start (as serve run deployments:build_app takes)")
+    p.add_argument("--port", type=int, default=8000, help="port of the app this starts")
+    p.add_argument("--model", help="model name to send (default: the app's)")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--concurrency", default="1,8,64,256", help="comma-separated levels")
+    p.add_argument("--rounds", type=float, default=2.0,
+                   help="requests per level = rounds x concurrency (at least 16)")
+    p.add_argument("--num-requests", type=int, help="requests per level, whatever the concurrency")
+    p.add_argument("--rate", type=float, help="Poisson arrivals at this many requests/s (default: all at once)")
+    p.add_argument("--stream", choices=("both", "on", "off"), default="both")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--api-key")
+    p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,222 @@
+"""OutputRouter: the consumer side of an engine's output channel (see ``runtime/driver.py``).
+
+One router per consumer process (a Serve replica, an ``LLM``, a batch actor, an
+``EngineClient``) keeps ONE streaming subscription to the driver open and fans each step's
+message out to the requests it carries. ``add`` queues requests and returns a ``RequestSink``
+that collects their outputs; a sink never blocks the router, so a reader that stops reading
+stalls nobody else, and a reader that falls behind finds its outputs waiting, to be read all
+at once (``coalesce``). No timer anywhere: an output is readable as soon as its step's
+message arrives.
+
+All methods run on one asyncio event loop (the replica's, or a SyncRouter's thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from nvray.outputs import RequestOutput, coalesce, from_wire
+from nvray.runtime.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+# Steps the driver may run ahead of a slow consumer before its messages merge (Ray-side buffer).
+_MESSAGES_IN_FLIGHT = 4
+
+
+@dataclass
+class Request:
+    """One request as a consumer asks for it."""
+
+    prompt: Any  # a string, token ids, or chat messages
+    params: Any = None  # a SamplingParams or a dict of its fields
+    request_id: str | None = None
+    priority: int = 0
+
+
+class RequestSink:
+    """The outputs of one caller's requests (the choices of one HTTP request, a batch, ...).
+
+    Outputs are kept per request index until read; ``errors[i]`` is why request ``i`` failed
+    (rejected at admission, or the engine died), else None; ``num_prompt_tokens[i]`` its
+    prompt's length once admitted.
+    """
+
+    def __init__(self, router: "OutputRouter", request_ids: list[str]) -> None:
+        self.router = router
+        self.request_ids = request_ids
+        self.pending: list[tuple[int, RequestOutput]] = []
+        self.ready = asyncio.Event()
+        self.finals: list[RequestOutput | None] = [None] * len(request_ids)
+        self.errors: list[BaseException | None] = [None] * len(request_ids)
+        self.num_prompt_tokens = [0] * len(request_ids)
+        self.num_open = len(request_ids)
+
+    # ------------------------------------------------------------- router side
+    def push(self, index: int, out: RequestOutput) -> None:
+        if out.finished:
+            self._close(index)
+            if out.finish_reason == "error":
+                self.errors[index] = EngineDeadError(out.error or "engine failed")
+                self.ready.set()
+                return
+            self.finals[index] = out
+        self.pending.append((index, out))
+        self.ready.set()
+
+    def fail(self, index: int, error: BaseException) -> None:
+        if self.finals[index] is None and self.errors[index] is None:
+            self._close(index)
+            self.errors[index] = error
+            self.ready.set()
+
+    def _close(self, index: int) -> None:
+        self.num_open -= 1
+        self.router.sinks.pop(self.request_ids[index], None)
+
+    # ------------------------------------------------------------- reader side
+    @property
+    def done(self) -> bool:
+        return self.num_open == 0
+
+    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+        """Everything that arrived since the last call, coalesced per request (waits for at
+        least one output); [] once every request has ended and all was read. Raises the first
+        request error."""
+        while not self.pending and not self.done and not any(self.errors):
+            self.ready.clear()
+            await self.ready.wait()
+        if any(self.errors):
+            raise next(e for e in self.errors if e is not None)
+        batch, self.pending = self.pending, []
+        return coalesce_by_index(batch)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index, output) until every request has finished; deltas coalesce while unread."""
+        while batch := await self.next_batch():
+            for item in batch:
+                yield item
+
+    async def results(self) -> list[RequestOutput | BaseException]:
+        """Per request, its final output or the error it ended with (waits for all)."""
+        while not self.done:
+            self.ready.clear()
+            await self.ready.wait()
+        self.pending.clear()
+        return [f if e is None else e for f, e in zip(self.finals, self.errors)]  # type: ignore[misc]
+
+    def abort(self) -> None:
+        """Abort every request of this sink that has not finished (fire and forget)."""
+        open_ids = [rid for i, rid in enumerate(self.request_ids)
+                    if self.finals[i] is None and self.errors[i] is None]
+        for rid in open_ids:
+            self.router.sinks.pop(rid, None)
+        if open_ids:
+            self.router.abort(open_ids)
+
+
+def coalesce_by_index(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    """One output per request index, in order of first appearance."""
+    by_index: dict[int, list[RequestOutput]] = {}
+    for index, out in batch:
+        by_index.setdefault(index, []).append(out)
+    return [(index, coalesce(outs)) for index, outs in by_index.items()]
+
+
+class OutputRouter:
+    def __init__(self, driver: Any) -> None:
+        self.driver = driver
+        self.consumer_id = f"consumer-{uuid.uuid4().hex}"
+        self.sinks: dict[str, tuple[RequestSink, int]] = {}
+        self.num_messages = 0  # step messages received, for stats and tests
+        self.dead: BaseException | None = None
+        self._subscription: asyncio.Task | None = None
+        self._opening: asyncio.Future | None = None
+
+    async def _ensure_open(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open())
+        await asyncio.shield(self._opening)
+
+    async def _open(self) -> None:
+        await self.driver.open_channel.remote(self.consumer_id)
+        stream = self.driver.subscribe.options(
+            num_returns="streaming", _generator_backpressure_num_objects=_MESSAGES_IN_FLIGHT
+        ).remote(self.consumer_id)
+        self._subscription = asyncio.ensure_future(self._route(stream))
+
+    async def _route(self, stream: Any) -> None:
+        try:
+            async for ref in stream:
+                message = await ref
+                self.num_messages += 1
+                for item in message:
+                    self._dispatch(from_wire(item))
+            reason: BaseException = EngineDeadError("the engine closed its output channel")
+        except asyncio.CancelledError:
+            reason = EngineDeadError("the output channel was closed")
+        except Exception as e:  # noqa: BLE001 - the driver died or the channel broke
+            reason = e if isinstance(e, EngineDeadError) else EngineDeadError(
+                f"the engine's driver is gone ({type(e).__name__})")
+        self._fail_all(reason)
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        entry = self.sinks.get(out.request_id)
+        if entry is not None:
+            entry[0].push(entry[1], out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead = error
+        for sink, index in list(self.sinks.values()):
+            sink.fail(index, error)
+        self.sinks.clear()
+
+    async def add(self, requests: list[Request], stream: bool = False,
+                  all_or_nothing: bool = True) -> RequestSink:
+        """Queue ``requests``; their outputs collect in the returned sink.
+
+        ``all_or_nothing``: if the engine rejects one, the others are aborted and its
+        ValueError is raised; otherwise rejected requests show in ``sink.errors``.
+        """
+        await self._ensure_open()
+        ids = [r.request_id or uuid.uuid4().hex for r in requests]
+        sink = RequestSink(self, ids)
+        for index, rid in enumerate(ids):  # before the call: outputs may come before its reply
+            self.sinks[rid] = (sink, index)
+        specs = [(rid, r.prompt, r.params, r.priority, stream) for rid, r in zip(ids, requests)]
+        try:
+            added_or_errors = await self.driver.add_requests.remote(self.consumer_id, specs)
+        except BaseException:
+            sink.abort()
+            raise
+        for index, added in enumerate(added_or_errors):
+            if isinstance(added, BaseException):
+                sink.fail(index, added)
+            else:
+                sink.num_prompt_tokens[index] = added
+        rejected = next((e for e in added_or_errors if isinstance(e, BaseException)), None)
+        if rejected is not None and all_or_nothing:
+            sink.abort()
+            raise rejected
+        return sink
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.driver.abort.remote(request_ids)
+
+    def close(self) -> None:
+        """End the subscription; the driver aborts whatever this consumer still has running."""
+        if self._opening is not None:
+            self.driver.close_channel.remote(self.consumer_id)
+        if self._subscription is not None:
+            self._subscription.cancel()
+
+    async def aclose(self) -> None:
+        """``close``, and wait until the subscription task has ended."""
+        self.close()
+        if self._subscription is not None:
+            await asyncio.gather(self._subscription, return_exceptions=True)

@@ -1,0 +1,30 @@
+"""The Serve tests' shared app: one "default" nvray app (tiny model) for the whole package,
+the openai client pointed at it, and the offline in-process LLM as the oracle."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from ray import serve
+
+from deployments import build_app
+from nvray import LLM
+from serve_helpers import MAX_MODEL_LEN
+
+
+@pytest.fixture(scope="package")
+def base_url(serve_http):
+    serve.run(build_app({"max_model_len": MAX_MODEL_LEN, "num_cpus_per_rank": 1}),
+              name="default", route_prefix="/")
+    yield serve_http
+    serve.delete("default")
+
+
+@pytest.fixture(scope="package")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="package")
+def offline() -> LLM:
+    return LLM("tiny", runtime="inprocess", max_model_len=MAX_MODEL_LEN)

@@ -1,0 +1,22 @@
+"""Helpers shared by the Serve tests: the app's max_model_len, greedy params, /metrics reads."""
+
+from __future__ import annotations
+
+import re
+
+import requests
+
+from nvray import SamplingParams
+
+MAX_MODEL_LEN = 512
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def metric(base_url: str, name: str) -> float:
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
