@@ -151,22 +151,23 @@ class NvrayServer:
     async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat,
                         include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         counts = [0] * len(sink.request_ids)  # completion tokens so far, per choice
+        deadline = time.monotonic() + self.timeout
         try:
-            async with asyncio.timeout(self.timeout):
-                if first := fmt.first_chunks(len(counts)):  # chat: the role, before any token
-                    yield "".join(sse(with_usage(chunk, usage_so_far(sink, i, counts)
-                                                 if continuous_usage else None))
-                                  for i, chunk in enumerate(first))
-                while batch := await sink.next_batch():  # all that arrived: one write
-                    events = []
-                    for index, out in batch:
-                        counts[index] += len(out.delta_token_ids)
-                        if not out.delta_text and not out.finished:
-                            continue  # text held back (a partial character or stop string)
-                        usage = usage_so_far(sink, index, counts) if continuous_usage else None
-                        events.append(sse(fmt.chunk(index, out, usage)))
-                    if events:
-                        yield "".join(events)
+            if first := fmt.first_chunks(len(counts)):  # chat: the role, before any token
+                yield "".join(sse(with_usage(chunk, usage_so_far(sink, i, counts)
+                                             if continuous_usage else None))
+                              for i, chunk in enumerate(first))
+            # all that arrived since the last write goes out as one write
+            while batch := await sink.next_batch(deadline - time.monotonic()):
+                events = []
+                for index, out in batch:
+                    counts[index] += len(out.delta_token_ids)
+                    if not out.delta_text and not out.finished:
+                        continue  # text held back (a partial character or stop string)
+                    usage = usage_so_far(sink, index, counts) if continuous_usage else None
+                    events.append(sse(fmt.chunk(index, out, usage)))
+                if events:
+                    yield "".join(events)
             if include_usage:
                 yield sse(fmt.usage_chunk(sink.finals))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - after the 200 header: an SSE error event
@@ -187,9 +188,10 @@ class NvrayServer:
         reads slower than the engine steps), then the final output."""
         sink = await self.router.add([EngineRequest(prompt, SamplingParams.coerce(sampling_params))],
                                      stream=True)
+        deadline = time.monotonic() + self.timeout
         try:
-            async with asyncio.timeout(self.timeout):
-                async for _, out in sink.outputs():
+            while batch := await sink.next_batch(deadline - time.monotonic()):
+                for _, out in batch:
                     yield out
         finally:
             sink.abort()
@@ -200,7 +202,10 @@ class NvrayServer:
         return self.client
 
     async def check_health(self) -> None:
-        """Serve's health check: raises if the engine or one of its ranks is gone."""
+        """Serve's health check: raises if the engine, one of its ranks or this replica's
+        output channel is gone."""
+        if self.router.dead is not None:
+            raise self.router.dead
         await self.driver.check_health.remote()
 
     def __del__(self) -> None:

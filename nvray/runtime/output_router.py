@@ -17,7 +17,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from nvray.outputs import RequestOutput, coalesce, from_wire
 from nvray.runtime.errors import EngineDeadError
@@ -75,36 +75,36 @@ class RequestSink:
 
     def _close(self, index: int) -> None:
         self.num_open -= 1
-        self.router.sinks.pop(self.request_ids[index], None)
+        self._unroute(self.request_ids[index])
+
+    def _unroute(self, request_id: str) -> None:
+        if self.router.sinks.get(request_id, (None,))[0] is self:
+            del self.router.sinks[request_id]
 
     # ------------------------------------------------------------- reader side
     @property
     def done(self) -> bool:
         return self.num_open == 0
 
-    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+    async def next_batch(self, timeout: float | None = None) -> list[tuple[int, RequestOutput]]:
         """Everything that arrived since the last call, coalesced per request (waits for at
-        least one output); [] once every request has ended and all was read. Raises the first
-        request error."""
-        while not self.pending and not self.done and not any(self.errors):
-            self.ready.clear()
-            await self.ready.wait()
+        least one output, TimeoutError after ``timeout`` s with nothing taken); [] once every
+        request has ended and all was read. Raises the first request error."""
+        async with asyncio.timeout(timeout):
+            while not self.pending and not self.done and not any(self.errors):
+                self.ready.clear()
+                await self.ready.wait()
         if any(self.errors):
             raise next(e for e in self.errors if e is not None)
         batch, self.pending = self.pending, []
         return coalesce_by_index(batch)
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(index, output) until every request has finished; deltas coalesce while unread."""
-        while batch := await self.next_batch():
-            for item in batch:
-                yield item
-
-    async def results(self) -> list[RequestOutput | BaseException]:
+    async def results(self, timeout: float | None = None) -> list[RequestOutput | BaseException]:
         """Per request, its final output or the error it ended with (waits for all)."""
-        while not self.done:
-            self.ready.clear()
-            await self.ready.wait()
+        async with asyncio.timeout(timeout):
+            while not self.done:
+                self.ready.clear()
+                await self.ready.wait()
         self.pending.clear()
         return [f if e is None else e for f, e in zip(self.finals, self.errors)]  # type: ignore[misc]
 
@@ -113,7 +113,7 @@ class RequestSink:
         open_ids = [rid for i, rid in enumerate(self.request_ids)
                     if self.finals[i] is None and self.errors[i] is None]
         for rid in open_ids:
-            self.router.sinks.pop(rid, None)
+            self._unroute(rid)
         if open_ids:
             self.router.abort(open_ids)
 
@@ -135,13 +135,19 @@ class OutputRouter:
         self.dead: BaseException | None = None
         self._subscription: asyncio.Task | None = None
         self._opening: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _ensure_open(self) -> None:
         if self.dead is not None:
             raise self.dead
         if self._opening is None:
+            self._loop = asyncio.get_running_loop()
             self._opening = asyncio.ensure_future(self._open())
-        await asyncio.shield(self._opening)
+        try:
+            await asyncio.shield(self._opening)
+        except Exception:
+            self._opening = None  # e.g. the driver was busy starting: the next call retries
+            raise
 
     async def _open(self) -> None:
         await self.driver.open_channel.remote(self.consumer_id)
@@ -185,6 +191,9 @@ class OutputRouter:
         """
         await self._ensure_open()
         ids = [r.request_id or uuid.uuid4().hex for r in requests]
+        taken = next((rid for rid in ids if rid in self.sinks), None)
+        if taken is not None or len(set(ids)) < len(ids):
+            raise ValueError(f"request_id {taken or 'given twice'!r} is already in use")
         sink = RequestSink(self, ids)
         for index, rid in enumerate(ids):  # before the call: outputs may come before its reply
             self.sinks[rid] = (sink, index)
@@ -209,14 +218,16 @@ class OutputRouter:
         self.driver.abort.remote(request_ids)
 
     def close(self) -> None:
-        """End the subscription; the driver aborts whatever this consumer still has running."""
+        """End the subscription; the driver aborts whatever this consumer still has running.
+        Callable from any thread."""
         if self._opening is not None:
             self.driver.close_channel.remote(self.consumer_id)
-        if self._subscription is not None:
-            self._subscription.cancel()
+        if self._subscription is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._subscription.cancel)
 
     async def aclose(self) -> None:
         """``close``, and wait until the subscription task has ended."""
         self.close()
         if self._subscription is not None:
+            self._subscription.cancel()
             await asyncio.gather(self._subscription, return_exceptions=True)

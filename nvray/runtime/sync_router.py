@@ -31,7 +31,7 @@ class SyncSink:
 
     def next_batch(self, timeout: float | None = None) -> list[tuple[int, RequestOutput]]:
         """As RequestSink.next_batch; raises TimeoutError if nothing came within ``timeout``."""
-        return self.router.run(self.sink.next_batch(), timeout)
+        return self.router.run(self.sink.next_batch(timeout))
 
     def outputs(self) -> Iterator[tuple[int, RequestOutput]]:
         try:
@@ -41,7 +41,7 @@ class SyncSink:
             self.abort()  # the reader went away early: free what is still running
 
     def results(self, timeout: float | None = None) -> list[RequestOutput | BaseException]:
-        return self.router.run(self.sink.results(), timeout)
+        return self.router.run(self.sink.results(timeout))
 
     def abort(self) -> None:
         self.router.loop.call_soon_threadsafe(self.sink.abort)
@@ -59,23 +59,29 @@ class SyncRouter:
     async def _make(driver: Any) -> OutputRouter:
         return OutputRouter(driver)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the router's loop and wait for it (time-outs belong inside it)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def add(self, requests: list[Request], stream: bool = False,
             all_or_nothing: bool = True) -> SyncSink:
         return SyncSink(self, self.run(self.router.add(requests, stream, all_or_nothing)))
 
+    async def _close_all(self) -> None:
+        """Close the channel (waiting sinks fail), then end whatever still runs on the loop,
+        so no thread stays blocked on it."""
+        async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+            await self.router.aclose()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
     def close(self) -> None:
         if not self.loop.is_running():
             return
         try:
-            self.run(self.router.aclose(), timeout=_CLOSE_TIMEOUT_S)
+            self.run(self._close_all())
         except Exception:  # noqa: BLE001 - a driver already gone is closed enough
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)

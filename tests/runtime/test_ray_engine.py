@@ -178,3 +178,15 @@ def test_many_streams_share_one_message_per_step(tp2):
     for i, exp in enumerate(expected):
         assert "".join(o.delta_text for o in streamed[i]) == exp.text
         assert [t for o in streamed[i] for t in o.delta_token_ids] == exp.token_ids
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_request_is_unharmed(tp2):
+    from nvray.runtime.output_router import Request
+
+    client = tp2.client
+    params = {"temperature": 0.0, "max_tokens": 30, "ignore_eos": True}
+    first = client.submit([Request("first of two", params, "dup-id")], stream=True)
+    with pytest.raises(ValueError, match="already in use"):
+        client.submit([Request("second of two", params, "dup-id")])
+    [out] = first.results(timeout=120)
+    assert out.token_ids == client.generate("first of two", params).token_ids
