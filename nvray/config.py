@@ -38,6 +38,7 @@ class EngineConfig:
     num_kvcache_blocks: int | None = None  # override the block count computed from memory
     cpu_kvcache_space_gib: float = 0.5  # KV cache budget per rank when running on the CPU
     enforce_eager: bool = False
+    max_prefill_graph_tokens: int = 512  # CUDA graphs for one-sequence prefills up to this; 0: off
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
@@ -71,6 +72,8 @@ class EngineConfig:
         bs = self.kvcache_block_size
         _require(bs >= 1 and bs & (bs - 1) == 0, "kvcache_block_size", bs,
                  "must be a power of two")
+        _require(0 <= self.max_prefill_graph_tokens <= 4096, "max_prefill_graph_tokens",
+                 self.max_prefill_graph_tokens, "must be in [0, 4096]")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  self.gpu_memory_utilization, "must be in (0, 1]")
         _require(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,

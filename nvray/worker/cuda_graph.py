@@ -1,4 +1,4 @@
-"""DecodeGraphs: the model's decode forward captured in CUDA graphs, one per batch size.
+"""StepGraphs: the model's forward captured in CUDA graphs: decode batches, short prefills.
 
 A decode step of a few hundred sequences of a small model is a few hundred kernel launches
 whose host cost exceeds their GPU time; replaying a graph launches them all at once. Graphs are
@@ -12,6 +12,15 @@ the device block table (``max_model_len`` wide), so the decode kernel's split-K 
 for ``max_model_len`` and one graph serves every context length. With tensor parallelism the
 row-parallel all-reduces (NCCL) are captured too. Sampling stays outside: the graph ends with
 the hidden states, and the LM head and sampler run eager on the rows to sample.
+
+Prefill graphs (``prefill_graph_sizes``: 16, 32, ... up to ``max_prefill_graph_tokens``) serve a
+step that is ONE sequence's query chunk of up to that many tokens: an eager forward of a small
+model costs tens of milliseconds of host time (hundreds of launches) for ~2 ms of GPU work, and
+that is the time to first token of a request arriving at an idle engine. The chunk is padded
+to the graph's Q tokens: the graph's query is always Q long and its context length is the
+chunk's start + Q, so the real tokens sit at their true positions; the padding rows come
+after them, write nowhere (slot -1), and only they can see the padding positions (causal
+mask), so the real rows compute exactly what an eager forward would.
 """
 
 from __future__ import annotations
@@ -31,6 +40,11 @@ _MAX_GRAPH_BS = 512
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """Captured prefill query lengths, ascending: 16, 32, 64, ... up to ``max_tokens``."""
+    return [q for q in (16 << i for i in range(12)) if q <= max_tokens]
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Captured batch sizes, ascending: 1, 2, 4, 8, 16, 32, ... up to min(max_num_seqs, 512)."""
     top = min(max_num_seqs, _MAX_GRAPH_BS)
@@ -38,19 +52,24 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes if sizes and sizes[-1] == top else sizes + [top]
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, forward: Forward, inputs: InputBuilder, sizes: list[int], hidden_size: int,
-                 dtype: torch.dtype, max_model_len: int) -> None:
-        assert sizes and sizes[-1] <= inputs.graph_capacity, "inputs too small for the graphs"
+                 dtype: torch.dtype, max_model_len: int, prefill_sizes: list[int] = ()) -> None:
+        assert max([*sizes, *prefill_sizes], default=0) <= inputs.graph_capacity, \
+            "inputs too small for the graphs"
         self.forward = forward
         self.inputs = inputs
         self.sizes = sizes
+        self.prefill_sizes = list(prefill_sizes)
         self.max_model_len = max_model_len
         self.ids, self.pos, self.slots, self.seq_lens, self.rows = inputs.static_views()
         cap = inputs.graph_capacity
         self.query_start_loc = torch.arange(cap + 1, dtype=torch.int32, device=inputs.device)
         self.out = torch.zeros(cap, hidden_size, dtype=dtype, device=inputs.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_query_start = {q: torch.tensor([0, q], dtype=torch.int32, device=inputs.device)
+                                    for q in self.prefill_sizes}
         self.pool = None
 
     def _run(self, bs: int) -> None:
@@ -62,20 +81,37 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=self.max_model_len, query_lens_cpu=[], seq_lens_cpu=[])
         self.out[:bs] = self.forward(self.ids[:bs], self.pos[:bs], meta)
 
+    def _run_prefill(self, q: int) -> None:
+        """The captured region of a prefill graph: one sequence, a query of ``q`` tokens."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:q], query_start_loc=self.prefill_query_start[q],
+            seq_lens=self.seq_lens[:1],
+            block_tables=self.inputs.tables.table.index_select(0, self.rows[:1]),
+            max_query_len=q, max_seq_len=self.max_model_len, query_lens_cpu=[], seq_lens_cpu=[])
+        self.out[:q] = self.forward(self.ids[:q], self.pos[:q], meta)
+
+    def _capture_one(self, run: Callable[[int], None], size: int) -> torch.cuda.CUDAGraph:
+        run(size)  # warm-up outside the graph (allocator, Triton compilation)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            run(size)
+        self.pool = self.pool or graph.pool()
+        return graph
+
     @torch.inference_mode()
-    def capture(self, sizes: list[int] | None = None) -> float:
-        """Capture (largest first, one shared pool); returns the seconds it took."""
+    def capture(self, sizes: list[int] | None = None, prefill: bool = False) -> float:
+        """Capture (largest first, one shared pool); returns the seconds it took. With
+        ``prefill`` the prefill graphs too (they attend over block 0 while captured)."""
         start = time.perf_counter()
         self.slots.fill_(-1)  # capture runs the model once: write nothing, attend to nothing
         self.seq_lens.zero_()
         for bs in sorted(sizes or self.sizes, reverse=True):
-            self._run(bs)  # warm-up outside the graph (allocator, Triton compilation)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._run(bs)
-            self.pool = self.pool or graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs] = self._capture_one(self._run, bs)
+        for q in sorted(self.prefill_sizes if prefill else [], reverse=True):
+            self.seq_lens[:1] = q  # a context of q positions (row 0 of the tables: block 0)
+            self.prefill_graphs[q] = self._capture_one(self._run_prefill, q)
+        self.seq_lens.zero_()
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -84,6 +120,12 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         return self.out[:bs]
 
+    def replay_prefill(self, q: int) -> torch.Tensor:
+        """Run the prefill graph of query length ``q``; [q, hidden] (a static view)."""
+        self.prefill_graphs[q].replay()
+        return self.out[:q]
+
     def release(self) -> None:
         self.graphs.clear()
+        self.prefill_graphs.clear()
         self.pool = None

@@ -9,6 +9,9 @@ so only their new entries travel. On the CPU the host buffer is used directly.
 A decode step that fits a captured CUDA graph writes instead into the graph's static inputs:
 ``[ids | positions | slots | seq_lens | rows]``, each ``graph_capacity`` long, padded up to the
 graph's batch size with rows that attend to nothing (seq_len 0) and write nowhere (slot -1).
+A step that is one sequence's query chunk fitting a prefill graph (``cuda_graph.py``) writes its
+tokens there too, padded to the graph's query length with tokens that write nowhere; its
+context length is the chunk's start + the graph's query length.
 
 The host buffer is reused every step, so before writing it the builder waits for the previous
 step's copy (an event: free on rank 0, which synchronizes on the sampled tokens anyway).
@@ -41,7 +44,8 @@ class StepBatch(NamedTuple):
     sample_idx: torch.Tensor | None  # [S] int32 rows of the hidden states to sample; None: 0..S-1
     num_samples: int
     num_seqs: int
-    graph_bs: int  # batch size of the CUDA graph to replay; 0: run eager
+    graph_bs: int  # batch size of the decode CUDA graph to replay; 0: none
+    prefill_q: int = 0  # query length of the prefill CUDA graph to replay; 0: none
 
 
 class _HostLists(NamedTuple):
@@ -60,6 +64,7 @@ class InputBuilder:
     def __init__(self, block_size: int, max_model_len: int, max_num_seqs: int,
                  graph_capacity: int, device: torch.device) -> None:
         self.block_size = block_size
+        self.max_positions = -(-max_model_len // block_size) * block_size  # the tables' reach
         self.device = device
         self.cuda = device.type == "cuda"
         self.tables = DeviceBlockTables(2 * max_num_seqs + 2, -(-max_model_len // block_size), device)
@@ -74,15 +79,28 @@ class InputBuilder:
         return list(self.static.view(STATIC_FIELDS, -1).unbind(0)) if self.graph_capacity else []
 
     # ------------------------------------------------------------------ build
-    def prepare(self, step: StepInput, graph_sizes: list[int]) -> StepBatch:
-        """``graph_sizes``: captured batch sizes, ascending (empty: eager only)."""
+    def prepare(self, step: StepInput, graph_sizes: list[int],
+                prefill_sizes: list[int] = ()) -> StepBatch:
+        """``graph_sizes``/``prefill_sizes``: captured decode batch sizes and prefill query
+        lengths, ascending (empty: eager only)."""
         if self.copy_done is not None:
             self.copy_done.synchronize()  # the host buffer is free again
         lists = self._collect(step)
         num_seqs = len(lists.rows)
         if graph_sizes and max(lists.q_lens) == 1 and num_seqs <= graph_sizes[-1]:
             return self._prepare_graph(lists, graph_sizes[bisect.bisect_left(graph_sizes, num_seqs)])
+        prefill_q = self._prefill_graph_for(lists, prefill_sizes)
+        if prefill_q:
+            return self._prepare_prefill_graph(lists, prefill_q)
         return self._prepare_eager(lists)
+
+    def _prefill_graph_for(self, h: _HostLists, prefill_sizes: list[int]) -> int:
+        """The query length of the prefill graph that can run this step, or 0."""
+        if len(h.rows) != 1 or not prefill_sizes or h.q_lens[0] > prefill_sizes[-1]:
+            return 0
+        q = prefill_sizes[bisect.bisect_left(prefill_sizes, h.q_lens[0])]
+        # the padded context must stay within the block table (max_model_len)
+        return q if h.seq_lens[0] - h.q_lens[0] + q <= self.max_positions else 0
 
     def _collect(self, step: StepInput) -> _HostLists:
         bs, tables = self.block_size, self.tables
@@ -126,6 +144,24 @@ class InputBuilder:
         ids, pos = self.static_views()[:2]
         return StepBatch(ids[:graph_bs], pos[:graph_bs], None, None if sample_all else sample,
                          len(h.sample), n, graph_bs)
+
+    def _prepare_prefill_graph(self, h: _HostLists, q: int) -> StepBatch:
+        cap, n = self.graph_capacity, len(h.ids)
+        a = self.host_np
+        for f, (values, pad, length) in enumerate((
+                (h.ids, 0, q), (h.pos, 0, q), (h.slots, -1, q),
+                ([h.seq_lens[0] - n + q], 0, 1), (h.rows, 0, 1))):
+            a[f * cap:f * cap + len(values)] = values
+            a[f * cap + len(values):f * cap + length] = pad
+        head = STATIC_FIELDS * cap
+        tail = self._fill(head, h.sample, h.upd_idx, h.upd_val)
+        self.static.copy_(self.host[:head], non_blocking=True)
+        sample, upd_idx, upd_val = self._upload(head, tail, [len(h.sample), len(h.upd_idx),
+                                                             len(h.upd_val)])
+        self.tables.apply(upd_idx, upd_val)
+        self._record()
+        ids, pos = self.static_views()[:2]
+        return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q)
 
     def _prepare_eager(self, h: _HostLists) -> StepBatch:
         cu = [0]

@@ -26,7 +26,7 @@ from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank
 from nvray.loader import load_model
 from nvray.models import model_class_for
-from nvray.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
+from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
 from nvray.worker.inputs import InputBuilder
 from nvray.worker.memory import (GpuMemoryReport, free_cached_memory, graph_memory_estimate,
                                  measure_used)
@@ -92,10 +92,13 @@ class ModelRunner:
         self.use_torch_compile = self.device.type == "cuda"  # enforce_eager turns off graphs only
         if self.use_torch_compile:
             self._enable_torch_compile()
-        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if self._graphs_wanted() else []
+        graphs = self._graphs_wanted()
+        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
+        self.prefill_sizes = prefill_graph_sizes(config.max_prefill_graph_tokens) if graphs else []
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
-                                   max(self.graph_sizes, default=0), self.device)
-        self.graphs: DecodeGraphs | None = None
+                                   max([*self.graph_sizes, *self.prefill_sizes], default=0),
+                                   self.device)
+        self.graphs: StepGraphs | None = None
         self.memory_report: GpuMemoryReport | None = None
         self.graph_memory = 0
         self.num_graph_replays = 0
@@ -171,7 +174,8 @@ class ModelRunner:
         activations = torch.cuda.max_memory_allocated(dev) - allocated - self.kv_block_bytes
         graphs = 0
         if self.graph_sizes:
-            graphs = graph_memory_estimate(self._capture_for_estimate, len(self.graph_sizes), dev)
+            graphs = graph_memory_estimate(self._capture_for_estimate,
+                                            len(self.graph_sizes) + len(self.prefill_sizes), dev)
             self._release_graphs()
         self._set_kv_cache(0)
         free_cached_memory()
@@ -194,9 +198,9 @@ class ModelRunner:
         self.graphs = self.graphs or self._new_graphs()
         self.graphs.capture([self.graph_sizes[-1] if which == "largest" else self.graph_sizes[0]])
 
-    def _new_graphs(self) -> DecodeGraphs:
-        return DecodeGraphs(self.model, self.inputs, self.graph_sizes, self.hf_config.hidden_size,
-                            self.dtype, self.max_model_len)
+    def _new_graphs(self) -> StepGraphs:
+        return StepGraphs(self.model, self.inputs, self.graph_sizes, self.hf_config.hidden_size,
+                          self.dtype, self.max_model_len, self.prefill_sizes)
 
     def _release_graphs(self) -> None:
         if self.graphs is not None:
@@ -220,12 +224,14 @@ class ModelRunner:
         if self.graph_sizes:
             before = measure_used(self.device)
             self.graphs = self._new_graphs()
-            seconds = self.graphs.capture()
+            seconds = self.graphs.capture(prefill=True)
             self.graph_memory = measure_used(self.device) - before
             estimate = self.memory_report.cuda_graphs if self.memory_report else 0
-            logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s, "
-                        "%.0f MiB (estimated %.0f MiB)", len(self.graph_sizes), self.graph_sizes[0],
-                        self.graph_sizes[-1], seconds, self.graph_memory / 2**20, estimate / 2**20)
+            logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) and %d prefill graphs "
+                        "(up to %s tokens) in %.1f s, %.0f MiB (estimated %.0f MiB)",
+                        len(self.graph_sizes), self.graph_sizes[0], self.graph_sizes[-1],
+                        len(self.prefill_sizes), self.prefill_sizes[-1] if self.prefill_sizes else 0,
+                        seconds, self.graph_memory / 2**20, estimate / 2**20)
 
     @torch.inference_mode()
     def warm_kernels(self) -> None:
@@ -260,9 +266,14 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, step: StepInput) -> torch.Tensor | None:
         """Logits [S, V] of the rows to sample (rank 0; None elsewhere, or when S is 0)."""
-        batch = self.inputs.prepare(step, self.graph_sizes if self.graphs is not None else [])
+        graphs = self.graphs
+        batch = self.inputs.prepare(step, graphs.sizes if graphs is not None else [],
+                                    graphs.prefill_sizes if graphs is not None else [])
         if batch.graph_bs:
-            hidden = self.graphs.replay(batch.graph_bs)  # type: ignore[union-attr]
+            hidden = graphs.replay(batch.graph_bs)  # type: ignore[union-attr]
+            self.num_graph_replays += 1
+        elif batch.prefill_q:
+            hidden = graphs.replay_prefill(batch.prefill_q)  # type: ignore[union-attr]
             self.num_graph_replays += 1
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
