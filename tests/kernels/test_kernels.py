@@ -349,3 +349,25 @@ def test_prefill_and_store_validation():
         kernels.store_kvcache(key, key[:2], k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="key"):
         kernels.store_kvcache(torch.zeros(3, 2, 64, device=DEVICE)[..., ::2], key, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("prefix,n,padded", [(0, 5, 16), (37, 11, 16), (20, 40, 64)])
+def test_prefill_padded_query_leaves_the_real_rows_unchanged(prefix, n, padded):
+    """A chunk of n tokens at a cached prefix, run the way the prefill CUDA graphs run it: a
+    query of ``padded`` tokens over a context of prefix + padded, the padding rows last and
+    their cache positions never written (stale values: huge ones here; the engine's cache only
+    ever holds finite values). The real rows must not see them."""
+    head_dim, block_size, num_heads, num_kv_heads = 32, 16, 4, 2
+    k_cache, v_cache, bt = make_paged_kv([prefix + padded], block_size, num_kv_heads, head_dim,
+                                         torch.float32, seed=21)
+    for pos in range(prefix + n, prefix + padded):  # the padding's positions: stale values
+        blk = int(bt[0, pos // block_size])
+        k_cache[blk, pos % block_size] = 1e4
+        v_cache[blk, pos % block_size] = -1e4
+    q = _randn((padded, num_heads, head_dim), torch.float32, _gen(22))
+    real = kernels.paged_prefill_attention(q[:n], k_cache, v_cache, bt, _cu([n]), _i32([prefix + n]),
+                                           n, head_dim**-0.5)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, bt, _cu([padded]),
+                                          _i32([prefix + padded]), padded, head_dim**-0.5)
+    assert not torch.isnan(out[:n]).any()
+    torch.testing.assert_close(out[:n], real, atol=1e-6, rtol=1e-6)
