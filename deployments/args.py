@@ -39,7 +39,8 @@ class AppArgs(BaseModel):
                                                                                         "and KV dtype")
     scheduling_policy: Literal["fcfs", "sjf", "priority"] = Field("fcfs", description="admission "
                                                                                       "order")
-    num_cpus_per_rank: float = Field(1.0, gt=0, description="CPUs per rank actor (CPU engines)")
+    num_cpus_per_rank: float = Field(0.9, gt=0, description="CPUs per rank actor (CPU engines; "
+                                     "0.9 lets a TP=2 engine and its replica fit 2 cores)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
                                            "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1}")
     min_replicas: int = Field(1, ge=0, description="autoscaling: fewest engine replicas")

@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--num-cpus-per-rank", type=float, default=1.0,
+    p.add_argument("--num-cpus-per-rank", type=float, default=0.9,
                    help="CPUs per rank when running on CPU")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto")
@@ -167,23 +167,16 @@ def build_plan(args: argparse.Namespace) -> BatchPlan:
 # ------------------------------------------------------------------------------ running
 def check_cluster_fits(plan: BatchPlan) -> None:
     """Fail fast if the cluster cannot hold ``concurrency`` engines at once."""
-    import ray  # noqa: PLC0415
-
     from nvray.runtime.cluster import cluster_has_gpus  # noqa: PLC0415
-    from nvray.runtime.placement import engine_bundles  # noqa: PLC0415
+    from nvray.runtime.placement import check_engines_fit  # noqa: PLC0415
 
     config = EngineConfig.from_kwargs(**plan.engine_kwargs)
     use_gpu = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
-    need: dict[str, float] = {}
-    for bundle in engine_bundles(config, use_gpu):
-        for name, amount in bundle.items():
-            need[name] = round(need.get(name, 0.0) + amount * plan.concurrency, 6)
-    total = ray.cluster_resources()
-    have = {k: total.get(k, 0.0) for k in need}
-    if any(have[k] + 1e-9 < v for k, v in need.items()):
-        raise ValueError(f"{plan.concurrency} engine(s) need {need} but the cluster has only "
-                         f"{have}; lower --concurrency, --tensor-parallel-size or "
-                         "--num-cpus-per-rank")
+    try:
+        check_engines_fit(config, use_gpu, plan.concurrency)
+    except ValueError as e:
+        raise ValueError(f"{e}; lower --concurrency, --tensor-parallel-size or "
+                         "--num-cpus-per-rank") from None
 
 
 def build_dataset(plan: BatchPlan) -> Any:

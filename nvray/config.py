@@ -51,7 +51,7 @@ class EngineConfig:
     runtime: str = "ray"  # "ray": driver + rank actors; "inprocess": TP=1 in the calling process
     ray_dispatch: str = "compiled"  # per-step calls to the ranks: a Ray compiled graph or plain calls
     placement_strategy: str = "STRICT_PACK"
-    num_cpus_per_rank: float = 1.0  # CPU requested by each rank actor
+    num_cpus_per_rank: float = 0.9  # CPU per rank actor (CPU engines): TP=2 + driver fit 2 cores
     step_timeout_s: float = 600.0  # a step taking longer means a hung rank: the engine fails
     extra: dict[str, Any] = field(default_factory=dict)
 

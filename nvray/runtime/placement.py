@@ -23,7 +23,24 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]
     return [{"CPU": DRIVER_CPUS}] + [rank_resources(config, use_gpu)] * config.tensor_parallel_size
 
 
+def check_engines_fit(config: EngineConfig, use_gpu: bool, count: int = 1,
+                      bundles: list[dict[str, float]] | None = None) -> None:
+    """ValueError at once if the cluster's total resources can never hold ``count`` engines
+    (instead of waiting for a placement that cannot happen)."""
+    need: dict[str, float] = {}
+    for bundle in bundles or engine_bundles(config, use_gpu):
+        for name, amount in bundle.items():
+            need[name] = round(need.get(name, 0.0) + amount * count, 6)
+    total = ray.cluster_resources()
+    have = {k: total.get(k, 0.0) for k in need}
+    if any(have[k] + 1e-9 < v for k, v in need.items()):
+        raise ValueError(f"{count} engine(s) with tensor_parallel_size="
+                         f"{config.tensor_parallel_size} need {need} but the whole cluster has "
+                         f"only {have}")
+
+
 def create_engine_placement_group(config: EngineConfig, use_gpu: bool) -> PlacementGroup:
+    check_engines_fit(config, use_gpu)
     bundles = engine_bundles(config, use_gpu)
     pg = placement_group(bundles, strategy=config.placement_strategy, name="")
     ready, _ = ray.wait([pg.ready()], timeout=_READY_TIMEOUT_S)

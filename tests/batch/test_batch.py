@@ -282,9 +282,10 @@ def test_parquet_with_two_engines_gives_the_same_rows(ray_head, submitted, expec
 def test_engines_that_do_not_fit_the_cluster_fail_fast(ray_head, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", GOOD_ROWS[:1])
     proc = run_batch(["--input", str(src), "--output", str(tmp_path / "out.jsonl"),
-                      "--concurrency", "4"], timeout=120, RAY_ADDRESS=ray_head.gcs_address)
+                      "--concurrency", "5"], timeout=120, RAY_ADDRESS=ray_head.gcs_address)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "4 engine(s) need {'CPU': 4.4} but the cluster has only {'CPU': 4.0}" in proc.stderr
+    assert ("5 engine(s) with tensor_parallel_size=1 need {'CPU': 5.0} but the whole cluster "
+            "has only {'CPU': 4.0}; lower --concurrency") in proc.stderr
 
 
 # ------------------------------------------------------------------- malformed input, fast

@@ -1,0 +1,82 @@
+"""Joining Ray: an asked-for address where nothing answers fails within seconds, naming it; a
+cluster record left by a killed head starts a local cluster with a warning instead of hanging;
+an engine the whole cluster can never hold is refused at once; a TP=2 engine fits 2 CPUs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def dead_address() -> str:
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_python(code: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    full_env.update(env, PYTHONPATH=REPO + os.pathsep + full_env.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=REPO)
+
+
+def test_an_asked_for_address_with_no_cluster_fails_fast_naming_it():
+    address = dead_address()
+    start = time.monotonic()
+    proc = run_python("import sys; sys.argv = ['generate', 'Hello']\n"
+                      "from nvray.generate import main; main()", timeout=60, RAY_ADDRESS=address)
+    assert time.monotonic() - start < 30
+    assert proc.returncode != 0
+    assert f"RAY_ADDRESS={address}: no Ray cluster answers there" in proc.stderr
+
+
+def test_a_stale_cluster_record_starts_a_local_cluster_with_a_warning():
+    code = f"""
+import ray
+from ray._private import services
+services.find_bootstrap_address = lambda temp_dir=None: {dead_address()!r}  # a killed head's record
+from nvray.runtime.cluster import ensure_ray
+ensure_ray()
+print("NODES", len(ray.nodes()), ray.get_runtime_context().gcs_address)
+ray.shutdown()
+"""
+    start = time.monotonic()
+    proc = run_python(code, timeout=120, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - start < 90
+    assert "NODES 1" in proc.stdout
+    assert "its head does not answer" in proc.stderr and "starting a local cluster" in proc.stderr
+
+
+def test_an_engine_the_cluster_can_never_hold_is_refused_at_once(ray_cluster):
+    from nvray import EngineConfig
+    from nvray.runtime import start_engine
+
+    total = ray_cluster.cluster_resources()["CPU"]
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="the whole cluster has only"):
+        start_engine(EngineConfig(model="tiny", tensor_parallel_size=int(total) + 1, device="cpu"))
+    assert time.monotonic() - start < 10
+
+
+def test_a_tp2_engine_runs_on_a_two_cpu_cluster_with_default_options():
+    code = """
+import ray
+ray.init(address="local", num_cpus=2, include_dashboard=False)
+from nvray import LLM, SamplingParams
+llm = LLM("tiny", tensor_parallel_size=2, max_model_len=128)
+out = llm.generate("two cores", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+print("FINISHED", out.finish_reason, len(out.token_ids))
+llm.shutdown()
+"""
+    proc = run_python(code, timeout=240, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FINISHED length 4" in proc.stdout
