@@ -68,6 +68,21 @@ def to_openai_error(e: BaseException) -> OpenAIError:
     return OpenAIError(500, "internal server error", code="internal_error")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _param_of(loc: list[str]) -> str | None:
+    """The parameter a validation error is about: its path up to the first union-member tag
+    that pydantic inserts (``stop.str`` -> ``stop``, ``messages.0.content.list[ContentPart]``
+    -> ``messages.0.content``)."""
+    path: list[str] = []
+    for part in loc:
+        if path and ("[" in part or part.lower() in _TYPE_TAGS or part[:1].isupper()):
+            break
+        path.append(part)
+    return ".".join(path) or None
+
+
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     if not errors:
@@ -76,7 +91,7 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         return OpenAIError(400, "request body is not valid JSON", code="json_invalid")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    param = _param_of(loc)
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
         return OpenAIError(400, "request body must be a JSON object")
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid")

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from deployments.args import AppArgs, parse_args
+from deployments.body_limit import BodySizeLimit
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
 from deployments.metrics import render_metrics
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -42,6 +43,7 @@ from nvray.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 api = FastAPI(title="nvray", description="OpenAI-compatible API of an nvray engine")
 install_error_handlers(api)
+api.add_middleware(BodySizeLimit)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

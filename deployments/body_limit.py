@@ -1,0 +1,67 @@
+"""BodySizeLimit: an ASGI middleware answering 413 (OpenAI's error shape) to a request whose
+body is larger than the limit, before anything reads it.
+
+A body that declares its length (``Content-Length``) is refused up front; a chunked body is
+counted as it arrives and refused once it passes the limit. It is a plain ASGI wrapper (not
+Starlette's BaseHTTPMiddleware), so streaming responses and disconnect detection are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+MAX_REQUEST_BODY_BYTES = 16 * 2**20
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def too_large_body(limit: int) -> bytes:
+    return json.dumps({"error": {"message": f"request body is larger than {limit} bytes",
+                                 "type": "invalid_request_error", "param": None,
+                                 "code": "request_too_large"}}).encode()
+
+
+class BodySizeLimit:
+    def __init__(self, app: Callable, limit: int = MAX_REQUEST_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(send)
+            return
+        try:
+            await self.app(scope, self._counting(receive), send)
+        except BodyTooLarge:
+            await self._refuse(send)
+
+    def _counting(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise BodyTooLarge()
+            return message
+        return counted
+
+    async def _refuse(self, send: Send) -> None:
+        body = too_large_body(self.limit)
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
