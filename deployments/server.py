@@ -67,6 +67,7 @@ class NvrayServer:
         self.client = start_engine(self.args.engine_config(), pg=pg)
         self.driver = self.client.driver
         self.router = OutputRouter(self.driver)
+        self.router.open_now()  # here, not in a request: see OutputRouter.open_now
         self.created = int(time.time())
 
     # --------------------------------------------------------------- plumbing

@@ -136,6 +136,24 @@ class OutputRouter:
         self._subscription: asyncio.Task | None = None
         self._opening: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stream: Any = None  # the driver's subscription (an ObjectRefGenerator)
+
+    def open_now(self) -> None:
+        """Open the channel from synchronous code (blocks until the driver has it).
+
+        A Ray call made while serving a request is that request's child task, and Ray cancels
+        children with their parent: a subscription opened by the first request would end when
+        that request is cancelled (its client went away), failing everyone else's. A Serve
+        replica therefore opens its channel here, in its constructor."""
+        import ray  # noqa: PLC0415
+
+        ray.get(self.driver.open_channel.remote(self.consumer_id))
+        self._stream = self._subscribe()
+
+    def _subscribe(self) -> Any:
+        return self.driver.subscribe.options(
+            num_returns="streaming", _generator_backpressure_num_objects=_MESSAGES_IN_FLIGHT
+        ).remote(self.consumer_id)
 
     async def _ensure_open(self) -> None:
         if self.dead is not None:
@@ -150,11 +168,10 @@ class OutputRouter:
             raise
 
     async def _open(self) -> None:
-        await self.driver.open_channel.remote(self.consumer_id)
-        stream = self.driver.subscribe.options(
-            num_returns="streaming", _generator_backpressure_num_objects=_MESSAGES_IN_FLIGHT
-        ).remote(self.consumer_id)
-        self._subscription = asyncio.ensure_future(self._route(stream))
+        if self._stream is None:
+            await self.driver.open_channel.remote(self.consumer_id)
+            self._stream = self._subscribe()
+        self._subscription = asyncio.ensure_future(self._route(self._stream))
 
     async def _route(self, stream: Any) -> None:
         try:
@@ -220,7 +237,7 @@ class OutputRouter:
     def close(self) -> None:
         """End the subscription; the driver aborts whatever this consumer still has running.
         Callable from any thread."""
-        if self._opening is not None:
+        if self._opening is not None or self._stream is not None:
             self.driver.close_channel.remote(self.consumer_id)
         if self._subscription is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._subscription.cancel)

@@ -1,0 +1,92 @@
+"""Cancellation through the Serve app: streams cut at random points, a flood of requests whose
+clients time out, and cancelled handle calls all end their engine requests and free every KV
+block within a bound, and a canary request then succeeds promptly with its known text."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from serve_helpers import greedy, metric
+
+CANARY = "after the storm"
+DRAIN_S = 30
+
+
+def wait_engine_idle(base_url: str) -> None:
+    deadline = time.monotonic() + DRAIN_S
+    while time.monotonic() < deadline:
+        if (metric(base_url, "nvray_num_requests_running") == 0
+                and metric(base_url, "nvray_num_requests_waiting") == 0
+                and metric(base_url, "nvray_kv_cache_usage_ratio") == 0.0):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the engine still holds requests or KV blocks after the clients left")
+
+
+def assert_canary(base_url: str, offline) -> None:
+    start = time.monotonic()
+    out = requests.post(f"{base_url}/v1/completions", timeout=30, json={
+        "prompt": CANARY, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).json()
+    assert time.monotonic() - start < 10
+    assert out["choices"][0]["text"] == offline.generate(CANARY, greedy(8), use_tqdm=False)[0].text
+
+
+def cut_stream(base_url: str, seed: int) -> int:
+    rng = random.Random(seed)
+    lines_to_read = rng.randrange(0, 12)
+    with requests.post(f"{base_url}/v1/completions", stream=True, timeout=60, json={
+            "prompt": f"cut me {seed}", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        read = 0
+        for _ in zip(range(lines_to_read), r.iter_lines()):
+            read += 1
+    return read  # leaving the with-block closes the connection mid-stream
+
+
+def test_streams_cut_at_random_points_free_everything(base_url, offline):
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(lambda s: cut_stream(base_url, s), range(12)))
+    wait_engine_idle(base_url)
+    assert_canary(base_url, offline)
+
+
+def test_a_flood_of_timed_out_clients_leaves_the_engine_idle(base_url, offline):
+    def impatient(i: int) -> bool:
+        try:
+            requests.post(f"{base_url}/v1/completions", timeout=0.5, json={
+                "prompt": f"flood {i}", "max_tokens": 400, "ignore_eos": True})
+        except requests.exceptions.Timeout:
+            return True
+        return False
+
+    with ThreadPoolExecutor(16) as pool:
+        timed_out = list(pool.map(impatient, range(16)))
+    assert sum(timed_out) >= 8  # 400 tokens each do not fit in half a second here
+    wait_engine_idle(base_url)
+    assert_canary(base_url, offline)
+
+
+def test_cancelled_handle_calls_free_their_requests(base_url, ray_cluster, offline):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0.1)
+    def start_and_cancel() -> int:
+        from ray import serve as s
+
+        handle = s.get_app_handle("default")
+        params = {"max_tokens": 400, "ignore_eos": True}
+        stream = handle.options(stream=True).generate_stream.remote("cancel my stream", params)
+        got = sum(1 for _ in zip(range(3), stream))
+        stream.cancel()
+        unary = handle.generate.remote("cancel my call", params)
+        time.sleep(0.5)
+        unary.cancel()
+        return got
+
+    assert ray.get(start_and_cancel.remote(), timeout=60) == 3
+    wait_engine_idle(base_url)
+    assert_canary(base_url, offline)
