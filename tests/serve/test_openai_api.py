@@ -4,13 +4,13 @@ streaming and not, usage, metrics, the bad-input matrix, disconnects, handles fr
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import pytest
 import requests
 
 from serve_helpers import MAX_MODEL_LEN, greedy, metric
+
 
 def test_completion_matches_offline_and_counts_usage(client, offline):
     prompt = "The engine schedules"
