@@ -11,6 +11,9 @@ Subcommands:
   through ``LLM``, in-process and on Ray (TP=1), CUDA graphs on and (``--eager``) off; output
   tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
   checkpoint with random bf16 weights (throughput does not depend on weight values here).
+  ``--overlap on,off`` runs each runtime with overlapped steps and without.
+- ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
+  (``nvray/bench_gpu_busy.py``).
 - ``serve``: a load generator for the HTTP app (``nvray/bench_serve.py``): concurrency sweep,
   streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
 """
@@ -25,7 +28,7 @@ import time
 from typing import Any
 
 from nvray.engine.engine import LLMEngine, ModelLimits
-from nvray.engine.step_input import StepInput, build_step_input
+from nvray.engine.step_input import StepInput
 from nvray.sampling_params import SamplingParams
 
 
@@ -36,8 +39,14 @@ class InstantExecutor:
         self.rng = random.Random(seed)
         self.vocab = vocab
 
+        self.previous: list[int] | None = None
+
     def execute(self, step: StepInput) -> list[int]:
         return [self.rng.randrange(3, self.vocab) for _ in range(step.num_samples)]
+
+    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+        previous, self.previous = self.previous, (None if step is None else self.execute(step))
+        return previous
 
     def shutdown(self) -> None:
         pass
@@ -72,10 +81,10 @@ def bench_control_plane(num_seqs: int = 256, steps: int = 200, block_size: int =
         t0 = time.perf_counter()
         out = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        step_input = build_step_input(out, engine.stop_ids_of)
+        launched = engine._launch_scheduled(out)  # noqa: SLF001 - step input + accounting
         t2 = time.perf_counter()
-        sampled = engine.executor.execute(step_input)
-        engine._postprocess(out, step_input, sampled)  # noqa: SLF001
+        sampled = engine.executor.execute(launched.step_input)
+        engine._postprocess(launched, sampled)  # noqa: SLF001
         sched_us.append((t1 - t0) * 1e6)
         input_us.append((t2 - t1) * 1e6)
     for _ in range(steps):
@@ -191,6 +200,7 @@ def _wait_gpu_memory_released(baseline_used: int, timeout_s: float = 60.0) -> No
 
 def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list[list[int]],
                     params: list[SamplingParams], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    overlap = engine_kwargs.get("overlap_scheduling", True)
     from nvray import LLM  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -206,7 +216,8 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
         llm.shutdown()
     output_tokens = sum(len(o.token_ids) for o in outputs)
     assert output_tokens == sum(p.max_tokens for p in params), "ignore_eos: every request runs to max_tokens"
-    return {"runtime": runtime, "cuda_graphs": not enforce_eager, "startup_s": round(startup_s, 1),
+    return {"runtime": runtime, "cuda_graphs": not enforce_eager, "overlap_scheduling": overlap,
+            "startup_s": round(startup_s, 1),
             "elapsed_s": round(elapsed, 2), "output_tokens": output_tokens,
             "prompt_tokens": sum(len(p) for p in prompts),
             "output_tok_per_s": round(output_tokens / elapsed, 1),
@@ -217,7 +228,8 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
 
 def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inprocess", "ray"),
                      eager: bool = False, num_seqs: int = 256, max_model_len: int = 4096,
-                     floor_tok_per_s: float | None = None) -> dict[str, Any]:
+                     floor_tok_per_s: float | None = None,
+                     overlaps: tuple[bool, ...] = (True,)) -> dict[str, Any]:
     import os  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
@@ -234,9 +246,10 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     baseline = (lambda f, t: t - f)(*torch.cuda.mem_get_info()) if cuda else 0
     runs = []
     for enforce_eager in ((False, True) if eager else (False,)):
-        for runtime in runtimes:
+        for runtime, overlap in ((r, o) for o in overlaps for r in runtimes):
             runs.append(_throughput_run(model, runtime, enforce_eager, prompts, params,
-                                        {"max_model_len": max_model_len}))
+                                        {"max_model_len": max_model_len,
+                                         "overlap_scheduling": overlap}))
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
                 _wait_gpu_memory_released(baseline)
@@ -248,6 +261,14 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
             "model": model, "device": device, "num_seqs": num_seqs,
             "max_model_len": max_model_len, "floor_output_tok_per_s": floor_tok_per_s,
             "runs": runs}
+
+
+def _on_off(text: str) -> tuple[bool, ...]:
+    values = {"on": True, "off": False}
+    words = text.split(",")
+    if not words or any(w not in values for w in words):
+        raise SystemExit(f"--overlap {text!r}: give on, off or on,off")
+    return tuple(values[w] for w in words)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,6 +296,14 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--max-model-len", type=int, default=4096)
     tp.add_argument("--floor", type=float, default=26600.0,
                     help="physical floor in output tok/s for the %% column (design.md: H100)")
+    tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
+    gb = sub.add_parser("gpu-busy", parents=[common],
+                        help="GPU busy share of decode steps (torch profiler), overlap on and off")
+    gb.add_argument("--model", default=None)
+    gb.add_argument("--batch-sizes", default="256,32", help="running sequences, comma-separated")
+    gb.add_argument("--prompt-len", type=int, default=256)
+    gb.add_argument("--steps", type=int, default=30)
+    gb.add_argument("--max-model-len", type=int, default=4096)
     sv = sub.add_parser("serve", parents=[common],
                         help="load generator for a running app (or one it starts): latency and tok/s")
     from nvray.bench_serve import add_arguments, run  # noqa: PLC0415
@@ -287,7 +316,13 @@ def main(argv: list[str] | None = None) -> None:
         result = bench_control_plane(args.num_seqs, args.steps, args.block_size)
     elif args.cmd == "throughput":
         result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,
-                                  args.num_seqs, args.max_model_len, args.floor)
+                                  args.num_seqs, args.max_model_len, args.floor,
+                                  _on_off(args.overlap))
+    elif args.cmd == "gpu-busy":
+        from nvray.bench_gpu_busy import bench_gpu_busy  # noqa: PLC0415
+
+        result = bench_gpu_busy(args.model, tuple(int(b) for b in args.batch_sizes.split(",")),
+                                args.prompt_len, args.steps, max_model_len=args.max_model_len)
     else:
         result = bench_ray_overhead(args.model, args.num_seqs, rounds=args.rounds)
     print(json.dumps(result, indent=2))

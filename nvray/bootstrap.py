@@ -47,4 +47,4 @@ def create_engine(config: EngineConfig, make_executor: Callable[[EngineConfig, s
                      scheduling_policy=config.scheduling_policy,
                      enable_prefix_caching=config.enable_prefix_caching,
                      enable_chunked_prefill=config.enable_chunked_prefill,
-                     sjf_aging_s=config.sjf_aging_s)
+                     sjf_aging_s=config.sjf_aging_s, overlap=config.overlap_scheduling)

@@ -119,12 +119,14 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks of ``seq`` that became full with written KV (call after a step)."""
+    def cache_full_blocks(self, seq: Sequence, num_written: int | None = None) -> None:
+        """Hash the blocks of ``seq`` that became full with written KV (call after a step);
+        ``num_written``: how many of its tokens have their KV written (default: all computed)."""
         if not self.enable_prefix_caching:
             return
         hashes = self.seq_block_hashes.setdefault(seq.seq_id, [])
-        num_full = seq.num_computed_tokens // self.block_size
+        written = seq.num_computed_tokens if num_written is None else num_written
+        num_full = min(written, len(seq.token_ids)) // self.block_size
         bs, tokens = self.block_size, seq.token_ids
         for i in range(len(hashes), num_full):
             block_tokens = tokens[i * bs:(i + 1) * bs]

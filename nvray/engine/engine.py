@@ -5,6 +5,17 @@ is passed in. ``add_request`` validates and raises ``ValueError`` for a request 
 run (empty, out-of-vocabulary ids, longer than ``max_model_len``, bigger than the KV cache), so
 nothing that is accepted can stall the queue. ``step`` returns one ``RequestOutput`` per request
 that produced tokens or finished in that step.
+
+Overlapped steps (``overlap=True``): each ``step`` schedules and launches step N+1 before it
+post-processes step N, so the control plane works while the device computes. A sequence that
+sampled at step N is scheduled at N+1 with a placeholder for that token (the ranks fill it in
+on the device, ``step_input.py``); its blocks for it are allocated then. When step N's ids
+arrive, a sequence that finished at N (EOS, stop string, max_tokens, abort) drops the token
+step N+1 computes for it, and its blocks were freed once, when it finished. ``overlap=False``
+runs each step to completion before scheduling the next; both give the same tokens.
+
+Text: a request that streams or has stop strings is detokenized token by token; any other is
+detokenized once, when it finishes (the per-token cost only where someone reads it).
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 from nvray.engine.block_manager import BlockManager
 from nvray.engine.detokenizer import IncrementalDetokenizer
@@ -26,6 +37,9 @@ from nvray.sampling_params import SamplingParams
 
 class Executor(Protocol):
     def execute(self, step: StepInput) -> list[int]: ...
+
+    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+        """Launch ``step`` (None: nothing new); return the ids of the step launched before."""
 
     def shutdown(self) -> None: ...
 
@@ -50,6 +64,8 @@ class RequestState:
     prompt_token_ids: list[int]
     stream: bool = False  # emit an output every step, not only the final one
     text: str = ""
+    text_each_token: bool = False  # detokenize as tokens come (streams, stop strings)
+    num_text_tokens: int = 0  # output tokens given to the detokenizer
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     finish_reason: str | None = None
@@ -57,14 +73,25 @@ class RequestState:
     timestamps: list[float] = field(default_factory=list)  # one per generated token
 
 
+class LaunchedStep(NamedTuple):
+    """A step handed to the executor, and what its sampled ids will mean."""
+
+    step_input: StepInput
+    # per scheduled sequence: (seq, KV written up to here when the step is done,
+    # its row among the sampled ids or -1, its preemption count at launch)
+    records: list[tuple[Sequence, int, int, int]]
+
+
 class LLMEngine:
     def __init__(self, tokenizer: Any, executor: Executor, limits: ModelLimits,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  scheduling_policy: str = "fcfs", enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, sjf_aging_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, overlap: bool = True) -> None:
         self.tokenizer = tokenizer
         self.executor = executor
+        self.overlap = overlap
+        self.in_flight: LaunchedStep | None = None  # overlap: launched, ids not yet read
         self.limits = limits
         self.clock = clock
         self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
@@ -136,7 +163,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, token_ids)
         self.requests[request_id] = RequestState(seq, detok, stop_ids,
                                                  prompt if isinstance(prompt, str) else None,
-                                                 token_ids, stream)
+                                                 token_ids, stream,
+                                                 text_each_token=stream or bool(params.stop))
         self.stop_ids_of[seq.seq_id] = stop_ids
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(token_ids)
@@ -151,39 +179,64 @@ class LLMEngine:
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with an error (the ranks are gone); the engine holds nothing after."""
         outputs = []
+        self.in_flight = None
         for state in list(self.requests.values()):
             state.error = message
             outputs.append(self._finish(state, "error"))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.in_flight is not None
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if out.is_empty:
+        launched = self._launch()
+        if not self.overlap:
+            if launched is None:
+                return []
+            return self._postprocess(launched, self.executor.execute(launched.step_input))
+        if launched is None and self.in_flight is None:
             return []
+        sampled = self.executor.execute_overlapped(launched.step_input if launched else None)
+        previous, self.in_flight = self.in_flight, launched
+        return [] if previous is None else self._postprocess(previous, sampled or [])
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule the next step and account for it as launched (KV and sampled tokens)."""
+        out = self.scheduler.schedule()
+        return None if out.is_empty else self._launch_scheduled(out)
+
+    def _launch_scheduled(self, out: SchedulerOutput) -> LaunchedStep:
         num_decode = sum(1 for seq, n in out.scheduled
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
         step_input = build_step_input(out, self.stop_ids_of)
-        sampled = self.executor.execute(step_input)
-        assert len(sampled) == step_input.num_samples, "ranks returned the wrong number of tokens"
-        return self._postprocess(out, step_input, sampled)
-
-    def _postprocess(self, out: SchedulerOutput, step_input: StepInput,
-                     sampled: list[int]) -> list[RequestOutput]:
-        tokens = iter(sampled)
-        outputs, finished = [], []
-        now = self.clock()
+        records, row = [], 0
         for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
             if seq_step.sample is None:
+                records.append((seq, seq.num_computed_tokens, -1, seq.num_preemptions))
                 continue
+            seq.num_pending += 1
+            seq.pending_row = row
+            records.append((seq, seq.num_computed_tokens, row, seq.num_preemptions))
+            row += 1
+        return LaunchedStep(step_input, records)
+
+    def _postprocess(self, launched: LaunchedStep, sampled: list[int]) -> list[RequestOutput]:
+        assert len(sampled) == launched.step_input.num_samples, "ranks returned the wrong number of tokens"
+        outputs, finished = [], []
+        now = self.clock()
+        for seq, kv_end, row, num_preemptions in launched.records:
+            if seq.is_finished:  # finished or aborted since: this step's work for it is void
+                continue
+            if seq.num_preemptions == num_preemptions:  # its blocks still hold this KV
+                self.block_manager.cache_full_blocks(seq, kv_end)
+            if row < 0:
+                continue
+            seq.num_pending -= 1
             state = self.requests[seq.request_id]
-            self._append_token(state, next(tokens), now)
+            self._append_token(state, sampled[row], now)
             if state.finish_reason is not None:
                 finished.append(state)
                 outputs.append(self._make_output(state))
@@ -204,16 +257,29 @@ class LLMEngine:
         can_stop = seq.num_output_tokens >= params.min_tokens
         if can_stop and token in state.stop_ids:
             state.finish_reason = "stop"  # the stop token stays in token_ids, not in text
-        else:
+            self._complete_text(state, seq.num_output_tokens - 1, flush=True)
+            return
+        if state.text_each_token:
             prev_len = len(state.text)
-            state.text += state.detokenizer.add_tokens([token])
+            self._complete_text(state, seq.num_output_tokens, flush=False)
             if can_stop and params.stop and self._apply_stop_strings(state, prev_len):
                 state.finish_reason = "stop"
                 return  # text is cut at the stop string: nothing held back matters
-        if state.finish_reason is None and (seq.num_output_tokens >= params.max_tokens
-                                            or seq.num_tokens >= self.limits.max_model_len):
+        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.limits.max_model_len:
             state.finish_reason = "length"
-        if state.finish_reason is not None:
+            self._complete_text(state, seq.num_output_tokens, flush=True)
+
+    @staticmethod
+    def _complete_text(state: RequestState, num_tokens: int, flush: bool) -> None:
+        """Detokenize the first ``num_tokens`` output tokens (those not yet done); ``flush``:
+        also what the detokenizer holds back (the request is finishing)."""
+        seq = state.seq
+        if num_tokens > state.num_text_tokens:
+            start = seq.num_prompt_tokens
+            state.text += state.detokenizer.add_tokens(
+                seq.token_ids[start + state.num_text_tokens:start + num_tokens])
+            state.num_text_tokens = num_tokens
+        if flush:
             state.text += state.detokenizer.flush()
 
     @staticmethod
@@ -252,6 +318,7 @@ class LLMEngine:
 
     def _finish(self, state: RequestState, reason: str) -> RequestOutput:
         state.finish_reason = reason
+        self._complete_text(state, state.seq.num_output_tokens, flush=False)
         if not state.seq.is_finished:
             self.scheduler.finish(state.seq, reason)
         self._forget(state)

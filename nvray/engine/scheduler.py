@@ -9,6 +9,9 @@ Each ``schedule()`` call builds one batch:
    so none waits forever; ``priority``: lower value first), prefix-cache hits included, their
    prompt split into chunks when it exceeds the remaining budget.
 A long prompt therefore never stalls running decodes.
+
+With overlapped steps a running sequence whose last planned token is its ``max_tokens``-th is
+not scheduled again: the step sampling that token is in flight, and its result finishes it.
 """
 
 from __future__ import annotations
@@ -66,15 +69,20 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending = 0  # a token still being sampled for it is dropped
 
     def finish_many(self, seqs: list[Sequence], reason_of: Callable[[Sequence], str]) -> None:
-        """Finish several running sequences at once (one pass over the running list)."""
-        done = {s.seq_id for s in seqs}
-        self.running = [s for s in self.running if s.seq_id not in done]
+        """Finish several sequences at once (one pass over the running list)."""
+        done = {s.seq_id for s in seqs if s.status is SequenceStatus.RUNNING}
+        if done:
+            self.running = [s for s in self.running if s.seq_id not in done]
         for seq in seqs:
+            if seq.status is SequenceStatus.WAITING:  # preempted while its token was sampled
+                self.waiting.remove(seq)
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason_of(seq)
+            seq.num_pending = 0
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -90,6 +98,9 @@ class Scheduler:
         scheduled = out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.num_planned_output_tokens >= seq.params.max_tokens:
+                i += 1  # its last token is being sampled: nothing more to compute
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.num_computed_tokens + num_new > len(seq.block_table) * bs:  # needs blocks
                 if not self._make_room(seq, num_new, i, out):

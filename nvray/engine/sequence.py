@@ -1,7 +1,12 @@
 """Sequence: one request's tokens, KV block table and progress through prefill and decode.
 
-``num_computed_tokens`` counts the tokens whose KV is in the cache; the scheduler advances it
-chunk by chunk, so prefill can be split over steps and resumed after preemption.
+``num_computed_tokens`` counts the tokens whose KV is in the cache or being written by a launched
+step; it advances chunk by chunk, so prefill can be split over steps and resumed after preemption.
+
+``token_ids`` holds the tokens known on the host. With overlapped steps a sequence also has
+``num_pending`` tokens (0, 1 or 2) that launched steps are sampling on the device: they count in
+``num_tokens`` (the scheduler plans with them) but not in ``token_ids``; ``pending_row`` is the
+row of the newest one among its step's sampled ids, which the next step reads on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
-                 "user_data")
+                 "user_data", "num_pending", "pending_row")
 
     _counter = itertools.count()
 
@@ -44,17 +49,26 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.user_data: Any = None
+        self.num_pending = 0
+        self.pending_row = -1
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus those being sampled (what the scheduler plans with)."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens known on the host."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_planned_output_tokens(self) -> int:
+        """Output tokens known or being sampled: the index of the next one to sample."""
+        return self.num_output_tokens + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -4,6 +4,10 @@ For each scheduled sequence: the tokens whose KV is computed this step, where th
 the block table, and — when the step reaches the end of the sequence — how to sample its next
 token. The ranks answer with one sampled token id per sequence that has a ``SampleSpec``, in
 order.
+
+With overlapped steps a sequence's newest token may still be sampled by the step before this
+one when this one is built: its id is then a placeholder ``-1 - row``, where ``row`` is the
+sequence's row among that step's sampled ids; the ranks fill it in on the device.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class SampleSpec(NamedTuple):
 
 class SeqStep(NamedTuple):
     seq_id: int
-    token_ids: list[int]  # tokens computed this step
+    token_ids: list[int]  # tokens computed this step (a negative id: see the module docstring)
     start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
     block_table: list[int]
     sample: SampleSpec | None
@@ -42,11 +46,20 @@ class StepInput:
         return sum(1 for s in self.seqs if s.sample is not None)
 
 
+def placeholder_id(row: int) -> int:
+    """The id standing for the token sampled at ``row`` of the previous step."""
+    return -1 - row
+
+
+def placeholder_row(token_id: int) -> int:
+    return -1 - token_id
+
+
 def sample_spec_for(seq: Sequence, stop_ids: tuple[int, ...]) -> SampleSpec:
     p = seq.params
-    banned = stop_ids if seq.num_output_tokens < p.min_tokens else ()
-    return SampleSpec(p.temperature, p.top_p, p.top_k, p.min_p, p.seed, seq.num_output_tokens,
-                      banned)
+    index = seq.num_planned_output_tokens
+    banned = stop_ids if index < p.min_tokens else ()
+    return SampleSpec(p.temperature, p.top_p, p.top_k, p.min_p, p.seed, index, banned)
 
 
 def build_step_input(out: SchedulerOutput, stop_ids_of: dict[int, tuple[int, ...]]) -> StepInput:
@@ -55,6 +68,10 @@ def build_step_input(out: SchedulerOutput, stop_ids_of: dict[int, tuple[int, ...
     for seq, num_new in out.scheduled:
         start = seq.num_computed_tokens
         end = start + num_new
+        token_ids = seq.token_ids[start:end]
+        if len(token_ids) < num_new:  # the newest token is being sampled on the device
+            assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
+            token_ids.append(placeholder_id(seq.pending_row))
         sample = sample_spec_for(seq, stop_ids_of[seq.seq_id]) if end == seq.num_tokens else None
-        steps.append(SeqStep(seq.seq_id, seq.token_ids[start:end], start, seq.block_table, sample))
+        steps.append(SeqStep(seq.seq_id, token_ids, start, seq.block_table, sample))
     return StepInput(steps)

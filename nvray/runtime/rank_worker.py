@@ -65,6 +65,10 @@ class RankWorker:
         assert self.runner is not None, "load() first"
         return self.runner.execute(step)
 
+    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+        assert self.runner is not None, "load() first"
+        return self.runner.execute_overlapped(step)
+
     def ping(self) -> int:
         return os.getpid()
 

@@ -7,6 +7,10 @@ sampled tokens come back. By default the step travels through a Ray compiled gra
 memory channels, no per-call task submission), which keeps Ray's per-call overhead off the
 critical path; ``ray_dispatch="actor_calls"`` uses plain actor calls instead.
 
+With ``overlap_scheduling`` the ranks run ``execute_overlapped``: a call hands them step N+1
+and answers with step N's ids, which the ranks read only after queueing N+1 on the device, so
+the round trip through Ray and the driver's work happen while the device computes.
+
 A rank that dies or hangs makes ``execute`` raise ``EngineDeadError``; the executor then kills
 the remaining ranks so nothing is left blocked in a collective.
 """
@@ -32,6 +36,7 @@ class RayExecutor:
     def __init__(self, config: EngineConfig, model_path: str, pg: PlacementGroup) -> None:
         self.config = config
         self.timeout = config.step_timeout_s
+        self.overlap = config.overlap_scheduling
         self.dead: str | None = None
         self.workers = self._start_workers(config, pg)
         self._setup(model_path)
@@ -58,18 +63,33 @@ class RayExecutor:
         from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415
 
         with InputNode() as step:
-            dag = MultiOutputNode([w.execute.bind(step) for w in self.workers])
+            dag = MultiOutputNode([self._method(w).bind(step) for w in self.workers])
         return dag.experimental_compile()
+
+    def _method(self, worker):  # noqa: ANN001, ANN202 - the rank method every step calls
+        return worker.execute_overlapped if self.overlap else worker.execute
 
     # ------------------------------------------------------------------ steps
     def execute(self, step: StepInput) -> list[int]:
+        """Run one step to completion."""
+        if not self.overlap:
+            return self._call(step)
+        assert self._call(step) is None, "execute() while an overlapped step is in flight"
+        return self._call(None)
+
+    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+        """Hand the ranks ``step``; returns the ids of the step handed to them before."""
+        assert self.overlap, "the ranks were set up without overlap_scheduling"
+        return self._call(step)
+
+    def _call(self, step: StepInput | None) -> list[int] | None:
         if self.dead:
             raise EngineDeadError(self.dead)
         try:
             if self.dag is not None:
                 results = ray.get(self.dag.execute(step), timeout=self.timeout)
             else:
-                refs = [w.execute.remote(step) for w in self.workers]
+                refs = [self._method(w).remote(step) for w in self.workers]
                 results = ray.get(refs, timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - any failure here means a lost or hung rank
             self._die(f"a tensor-parallel rank failed: {type(e).__name__}: {_first_line(e)}")

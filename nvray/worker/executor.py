@@ -24,6 +24,9 @@ class InProcessExecutor:
     def execute(self, step: StepInput) -> list[int]:
         return self.runner.execute(step)
 
+    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+        return self.runner.execute_overlapped(step)
+
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.close()  # graphs, KV cache and weights: the GPU memory goes back now

@@ -15,6 +15,11 @@ context length is the chunk's start + the graph's query length.
 
 The host buffer is reused every step, so before writing it the builder waits for the previous
 step's copy (an event: free on rank 0, which synchronizes on the sampled tokens anyway).
+
+Overlapped steps: a placeholder id (negative: ``step_input.py``) stands for a token the
+previous step is still sampling on the device; the builder sends where each one goes and which
+row of that step's sampled ids fills it, and fills them on the device after the copy, so the
+token never travels to the host and back before the next step can start.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from nvray.engine.step_input import StepInput
+from nvray.engine.step_input import StepInput, placeholder_row
 from nvray.layers.attention import AttentionMetadata
 from nvray.worker.block_tables import DeviceBlockTables
 
@@ -48,6 +53,9 @@ class StepBatch(NamedTuple):
     prefill_q: int = 0  # query length of the prefill CUDA graph to replay; 0: none
 
 
+_Fill = tuple[torch.Tensor, torch.Tensor]  # device (placeholder positions, sampled rows)
+
+
 class _HostLists(NamedTuple):
     ids: list[int]
     pos: list[int]
@@ -58,6 +66,8 @@ class _HostLists(NamedTuple):
     sample: list[int]
     upd_idx: list[int]
     upd_val: list[int]
+    fill_dst: list[int]  # positions in ids of placeholders
+    fill_src: list[int]  # ... and the rows of the previous step's sampled ids that fill them
 
 
 class InputBuilder:
@@ -80,19 +90,27 @@ class InputBuilder:
 
     # ------------------------------------------------------------------ build
     def prepare(self, step: StepInput, graph_sizes: list[int],
-                prefill_sizes: list[int] = ()) -> StepBatch:
+                prefill_sizes: list[int] = (), prev_sampled: torch.Tensor | None = None) -> StepBatch:
         """``graph_sizes``/``prefill_sizes``: captured decode batch sizes and prefill query
-        lengths, ascending (empty: eager only)."""
+        lengths, ascending (empty: eager only); ``prev_sampled``: the previous step's sampled
+        ids on the device (int32), which fill the placeholders."""
         if self.copy_done is not None:
             self.copy_done.synchronize()  # the host buffer is free again
         lists = self._collect(step)
+        if lists.fill_dst:
+            assert prev_sampled is not None and max(lists.fill_src) < prev_sampled.numel(), (
+                "a placeholder token refers to no sampled id of the previous step")
         num_seqs = len(lists.rows)
         if graph_sizes and max(lists.q_lens) == 1 and num_seqs <= graph_sizes[-1]:
-            return self._prepare_graph(lists, graph_sizes[bisect.bisect_left(graph_sizes, num_seqs)])
-        prefill_q = self._prefill_graph_for(lists, prefill_sizes)
-        if prefill_q:
-            return self._prepare_prefill_graph(lists, prefill_q)
-        return self._prepare_eager(lists)
+            batch, fill = self._prepare_graph(lists, graph_sizes[bisect.bisect_left(graph_sizes, num_seqs)])
+        elif prefill_q := self._prefill_graph_for(lists, prefill_sizes):
+            batch, fill = self._prepare_prefill_graph(lists, prefill_q)
+        else:
+            batch, fill = self._prepare_eager(lists)
+        if lists.fill_dst:
+            dst, src = fill
+            batch.input_ids[dst] = prev_sampled[src]  # type: ignore[index]
+        return batch
 
     def _prefill_graph_for(self, h: _HostLists, prefill_sizes: list[int]) -> int:
         """The query length of the prefill graph that can run this step, or 0."""
@@ -105,12 +123,16 @@ class InputBuilder:
     def _collect(self, step: StepInput) -> _HostLists:
         bs, tables = self.block_size, self.tables
         tables.begin_step()
-        h = _HostLists([], [], [], [], [], [], [], [], [])
+        h = _HostLists([], [], [], [], [], [], [], [], [], [], [])
         for s in step.seqs:
             n, start, table = len(s.token_ids), s.start_pos, s.block_table
             end = start + n
             h.rows.append(tables.sync(s.seq_id, table, h.upd_idx, h.upd_val))
             h.ids.extend(s.token_ids)
+            if s.token_ids[-1] < 0:  # a placeholder: always the last token of its sequence
+                h.fill_dst.append(len(h.ids) - 1)
+                h.fill_src.append(placeholder_row(s.token_ids[-1]))
+                h.ids[-1] = 0
             if n == 1:
                 h.pos.append(start)
                 h.slots.append(table[start // bs] * bs + start % bs)
@@ -126,7 +148,7 @@ class InputBuilder:
                 h.sample.append(len(h.ids) - 1)
         return h
 
-    def _prepare_graph(self, h: _HostLists, graph_bs: int) -> StepBatch:
+    def _prepare_graph(self, h: _HostLists, graph_bs: int) -> tuple[StepBatch, _Fill]:
         cap, n = self.graph_capacity, len(h.rows)
         a = self.host_np
         for f, (values, pad) in enumerate(((h.ids, 0), (h.pos, 0), (h.slots, -1), (h.seq_lens, 0),
@@ -135,17 +157,19 @@ class InputBuilder:
             a[f * cap + n:f * cap + graph_bs] = pad
         head = STATIC_FIELDS * cap
         sample_all = len(h.sample) == n
-        tail = self._fill(head, [] if sample_all else h.sample, h.upd_idx, h.upd_val)
+        tail = self._fill(head, [] if sample_all else h.sample, h.upd_idx, h.upd_val,
+                          h.fill_dst, h.fill_src)
         self.static.copy_(self.host[:head], non_blocking=True)
         num_idx = 0 if sample_all else len(h.sample)
-        sample, upd_idx, upd_val = self._upload(head, tail, [num_idx, len(h.upd_idx), len(h.upd_val)])
+        sample, upd_idx, upd_val, dst, src = self._upload(
+            head, tail, [num_idx, len(h.upd_idx), len(h.upd_val), len(h.fill_dst), len(h.fill_src)])
         self.tables.apply(upd_idx, upd_val)
         self._record()
         ids, pos = self.static_views()[:2]
         return StepBatch(ids[:graph_bs], pos[:graph_bs], None, None if sample_all else sample,
-                         len(h.sample), n, graph_bs)
+                         len(h.sample), n, graph_bs), (dst, src)
 
-    def _prepare_prefill_graph(self, h: _HostLists, q: int) -> StepBatch:
+    def _prepare_prefill_graph(self, h: _HostLists, q: int) -> tuple[StepBatch, _Fill]:
         cap, n = self.graph_capacity, len(h.ids)
         a = self.host_np
         for f, (values, pad, length) in enumerate((
@@ -154,23 +178,25 @@ class InputBuilder:
             a[f * cap:f * cap + len(values)] = values
             a[f * cap + len(values):f * cap + length] = pad
         head = STATIC_FIELDS * cap
-        tail = self._fill(head, h.sample, h.upd_idx, h.upd_val)
+        tail = self._fill(head, h.sample, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
         self.static.copy_(self.host[:head], non_blocking=True)
-        sample, upd_idx, upd_val = self._upload(head, tail, [len(h.sample), len(h.upd_idx),
-                                                             len(h.upd_val)])
+        sample, upd_idx, upd_val, dst, src = self._upload(
+            head, tail, [len(h.sample), len(h.upd_idx), len(h.upd_val), len(h.fill_dst),
+                         len(h.fill_src)])
         self.tables.apply(upd_idx, upd_val)
         self._record()
         ids, pos = self.static_views()[:2]
-        return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q)
+        return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q), (dst, src)
 
-    def _prepare_eager(self, h: _HostLists) -> StepBatch:
+    def _prepare_eager(self, h: _HostLists) -> tuple[StepBatch, _Fill]:
         cu = [0]
         for q in h.q_lens:
             cu.append(cu[-1] + q)
-        parts = [h.ids, h.pos, h.slots, cu, h.seq_lens, h.rows, h.sample, h.upd_idx, h.upd_val]
+        parts = [h.ids, h.pos, h.slots, cu, h.seq_lens, h.rows, h.sample, h.upd_idx, h.upd_val,
+                 h.fill_dst, h.fill_src]
         end = self._fill(0, *parts)
         views = self._upload(0, end, [len(p) for p in parts])
-        ids, pos, slots, cu_q, seq_lens, rows, sample, upd_idx, upd_val = views
+        ids, pos, slots, cu_q, seq_lens, rows, sample, upd_idx, upd_val, dst, src = views
         self.tables.apply(upd_idx, upd_val)
         max_seq_len = max(h.seq_lens)
         width = -(-max_seq_len // self.block_size)
@@ -182,7 +208,7 @@ class InputBuilder:
                                  seq_lens_cpu=h.seq_lens)
         sample_all = h.sample == list(range(len(h.sample)))  # e.g. a batch of decodes
         return StepBatch(ids, pos, meta, None if sample_all else sample, len(h.sample),
-                         len(h.rows), 0)
+                         len(h.rows), 0), (dst, src)
 
     # -------------------------------------------------------------- buffers
     def _fill(self, offset: int, *parts: list[int]) -> int:

@@ -15,21 +15,24 @@ gives the GPU memory back.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nvray.config import EngineConfig
 from nvray.engine.step_input import SampleSpec, SeqStep, StepInput
 from nvray.layers.attention import select_backend
-from nvray.layers.tp import tp_rank
+from nvray.layers.tp import tp_rank, tp_size
 from nvray.loader import load_model
 from nvray.models import model_class_for
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
 from nvray.worker.inputs import InputBuilder
 from nvray.worker.memory import (GpuMemoryReport, free_cached_memory, graph_memory_estimate,
                                  measure_used)
+from nvray.worker.sampled_ids import HostIds, SampledIds
 from nvray.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -103,6 +106,9 @@ class ModelRunner:
         self.graph_memory = 0
         self.num_graph_replays = 0
         self.num_blocks = 0
+        self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
+        self.in_flight: collections.deque[SampledIds] = collections.deque()
+        self.host_ids = HostIds(config.max_num_seqs, self.device)
 
     def _build_model(self, model_path: str) -> torch.nn.Module:
         torch.manual_seed(self.config.seed)
@@ -268,7 +274,8 @@ class ModelRunner:
         """Logits [S, V] of the rows to sample (rank 0; None elsewhere, or when S is 0)."""
         graphs = self.graphs
         batch = self.inputs.prepare(step, graphs.sizes if graphs is not None else [],
-                                    graphs.prefill_sizes if graphs is not None else [])
+                                    graphs.prefill_sizes if graphs is not None else [],
+                                    self.last_sampled)
         if batch.graph_bs:
             hidden = graphs.replay(batch.graph_bs)  # type: ignore[union-attr]
             self.num_graph_replays += 1
@@ -284,8 +291,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[int]:
+        """Run ``step`` and return its sampled ids (rank 0; [] elsewhere)."""
+        return self._launch(step).result()
+
+    @torch.inference_mode()
+    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+        """Launch ``step`` (None: nothing new), then return the sampled ids of the step launched
+        before it (None if there is none). The device runs ``step`` while the caller works on
+        the returned ids; ``step`` may hold placeholders for the ids still being sampled."""
+        if step is not None:
+            self.in_flight.append(self._launch(step))
+        if len(self.in_flight) < (2 if step is not None else 1):
+            return None
+        return self.in_flight.popleft().result()
+
+    def _launch(self, step: StepInput) -> SampledIds:
+        """Queue ``step``'s forward and sampling on the device; keep its ids there (every rank
+        gets rank 0's, so the next step can read them) and start their copy to the host."""
         logits = self.forward_logits(step)
-        if tp_rank() != 0 or logits is None:
-            return []
-        specs = [s.sample for s in step.seqs if s.sample is not None]
-        return sample(logits, specs, compiled=self.use_torch_compile).tolist()  # type: ignore[arg-type]
+        num_samples = step.num_samples
+        if logits is not None:
+            specs = [s.sample for s in step.seqs if s.sample is not None]
+            ids = sample(logits, specs, compiled=self.use_torch_compile).to(torch.int32)  # type: ignore[arg-type]
+        else:
+            ids = torch.empty(num_samples, dtype=torch.int32, device=self.device)
+        if tp_size() > 1 and num_samples:
+            dist.broadcast(ids, src=0)
+        self.last_sampled = ids
+        if tp_rank() != 0:
+            return SampledIds.none()
+        return self.host_ids.copy_from(ids)

@@ -1,5 +1,6 @@
 """The whole engine on the GPU (Qwen3-0.6B shape, bf16): CUDA graphs on and off give the same
-greedy tokens through the Ray runtime; prefix-cache hits and preemption keep greedy tokens
+greedy tokens through the Ray runtime, and so do overlapped steps and steps one at a time;
+prefix-cache hits and preemption keep greedy tokens
 oracle argmaxes; the KV cache is sized from gpu_memory_utilization and a budget that cannot hold
 one max_model_len sequence fails start-up with the numbers."""
 
@@ -47,6 +48,24 @@ def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens_on_ray(gpu_ray, qwen
     same = sum(g.token_ids == e.token_ids for g, e in zip(graphs, eager))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} sequences differ"
     for p, o in list(zip(prompts, graphs))[:4]:
+        check_greedy_near_argmax(qwen3_06b_path, p, o.token_ids)
+
+
+def test_overlapped_steps_give_the_same_greedy_tokens_in_process_and_on_ray(gpu_ray, qwen3_06b_path):
+    # the batch design of the test above: every step has the same sequences in both modes, so
+    # the kernels see the same shapes and greedy tokens must be identical, not just close
+    prompts = random_prompts(48, 5, 300, seed=6, vocab=VOCAB)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    common = dict(max_model_len=1024, max_num_seqs=64, num_kvcache_blocks=2048,
+                  max_num_batched_tokens=16384)
+    off, _ = run(qwen3_06b_path, prompts, params, runtime="inprocess", overlap_scheduling=False,
+                 **common)
+    for runtime in ("inprocess", "ray"):
+        on, _ = run(qwen3_06b_path, prompts, params, runtime=runtime, overlap_scheduling=True,
+                    **common)
+        same = sum(a.token_ids == b.token_ids for a, b in zip(on, off))
+        assert same == len(prompts), f"{runtime}: {len(prompts) - same} of {len(prompts)} differ"
+    for p, o in list(zip(prompts, off))[:2]:
         check_greedy_near_argmax(qwen3_06b_path, p, o.token_ids)
 
 

@@ -62,7 +62,8 @@ def test_one_delivery_per_step_whatever_the_number_of_requests(engine, num_reque
     prompts = random_prompts(num_requests, 5, 40, seed=num_requests)
     outputs, deliveries, steps = asyncio.run(stream_through_channel(engine, prompts))
     # every step made progress for every request: one delivery per step, not one per request
-    assert deliveries == steps
+    # (an overlapped engine's first step only launches: its outputs come with the second)
+    assert deliveries == steps - (1 if engine.overlap else 0)
     assert steps <= MAX_TOKENS + 2  # the prompts fit one prefill step (two at most)
     expected = engine_greedy(engine, prompts)
     for outs, exp in zip(outputs.values(), expected):

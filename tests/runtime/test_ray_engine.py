@@ -66,6 +66,31 @@ def test_tp2_on_the_tiny_model_matches_hf_with_prefix_hits_and_chunks(tp2, tiny_
     assert tp2.stats()["prefix_cache_hit_tokens"] > hits_before
 
 
+def test_overlap_on_and_off_agree_through_ray_at_tp1_and_tp2(ray_cluster, tp2, tiny_path):
+    """The tp2 fixture overlaps steps (the default); engines without overlap, and at TP=1, must
+    give the same outputs: greedy, seeded sampling, stop strings and min_tokens, with chunked
+    prefills (a 64-token budget) and prefix hits."""
+    prompts = random_prompts(6, 20, 150, seed=45)
+    prompts.append(prompts[0][:40] + [9, 9])  # a cached prefix
+    base = tp2.generate(prompts[0], GREEDY, use_tqdm=False)[0]
+    params = [GREEDY,
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=5, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, stop=[base.text[6:9]]),
+              SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, ignore_eos=True),
+              GREEDY, GREEDY, GREEDY]
+    on = tp2.generate(prompts, params, use_tqdm=False)
+    for options in ({"tensor_parallel_size": 2, "overlap_scheduling": False},
+                    {"tensor_parallel_size": 1}):
+        other = LLM("tiny", max_model_len=512, max_num_batched_tokens=64, **options)
+        try:
+            outs = other.generate(prompts, params, use_tqdm=False)
+        finally:
+            other.shutdown()
+        for a, b in zip(on, outs):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    assert on[0].token_ids == hf_greedy(tiny_path, prompts[0], 10)
+
+
 def test_streaming_deltas_concatenate_to_the_final_text(tp2):
     params = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
     chunks = list(tp2.client.stream("Stream me, please.", params))

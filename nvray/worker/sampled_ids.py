@@ -1,0 +1,54 @@
+"""Sampled token ids on their way from the device to the host, without blocking the launch.
+
+``HostIds.copy_from(ids)`` queues the copy of a step's sampled ids (a device int32 tensor) into
+one of two pinned host buffers and returns a ``SampledIds``; its ``result()`` waits for that
+copy only (an event), so the caller can launch the next step first. Two buffers suffice: at
+most two steps are in flight, and the older one's ids are read before a third is launched.
+On the CPU the ids are simply read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SampledIds:
+    def __init__(self, host: torch.Tensor | None, event: torch.cuda.Event | None) -> None:
+        self.host, self.event = host, event
+
+    @classmethod
+    def none(cls) -> "SampledIds":
+        """What a rank other than 0 returns: it samples nothing of its own."""
+        return cls(None, None)
+
+    def result(self) -> list[int]:
+        if self.host is None:
+            return []
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class HostIds:
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.buffers = [self._new(capacity) for _ in range(2)] if self.cuda else []
+        self.turn = 0
+
+    @staticmethod
+    def _new(capacity: int) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return torch.empty(max(capacity, 1), dtype=torch.int32, pin_memory=True)
+
+    def copy_from(self, ids: torch.Tensor) -> SampledIds:
+        if not self.cuda:
+            return SampledIds(ids, None)
+        self.turn ^= 1
+        n = ids.numel()
+        if n > self.buffers[self.turn].numel():  # rare: more rows than max_num_seqs (warm-up)
+            self.buffers[self.turn] = self._new(n)
+        host = self.buffers[self.turn][:n]
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return SampledIds(host, event)
