@@ -6,7 +6,9 @@ plane takes the minimum over ranks); ``allocate_kv_cache(n)`` creates the cache,
 kernels the first requests would need, and captures the decode CUDA graphs (``cuda_graph.py``;
 off with ``enforce_eager``, on the CPU, or with an attention backend that cannot be captured);
 then ``execute(step)`` runs one scheduled batch and, on rank 0, returns the sampled token ids
-(other ranks return []). On the GPU, norms, rotary, activation and the plain sampler run
+(other ranks return []); ``execute_overlapped(step)`` launches a step and returns the ids of the
+one launched before it, so the caller works while the device computes (placeholders in a step's
+ids are filled from the previous step's sampled ids on the device; TP ranks all get rank 0's). On the GPU, norms, rotary, activation and the plain sampler run
 ``torch.compile``d (as in nano-vllm, also with ``enforce_eager``, which turns off graphs only). Inputs are built by ``InputBuilder`` (one
 host-to-device copy per step); decode-only batches that fit a graph replay it, everything else
 runs eager; the LM head and the sampler always run eager on the rows to sample. ``close()``
