@@ -46,8 +46,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                             "target_ongoing_requests": parsed.target_ongoing_requests,
                             "upscale_delay_s": parsed.upscale_delay_s,
                             "downscale_delay_s": parsed.downscale_delay_s},
-        max_ongoing_requests=parsed.max_ongoing_requests,
-        max_queued_requests=parsed.max_queued_requests,
+        # a bounded queue is kept by the replica (deployments/admission.py), refusing in JSON
+        max_ongoing_requests=parsed.serve_max_ongoing_requests(),
+        max_queued_requests=-1,
         health_check_period_s=10,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=20,

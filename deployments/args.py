@@ -9,10 +9,12 @@ autoscaling, queueing and placement options.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deployments.admission import AdmissionGate
 from nvray.config import EngineConfig
 
 
@@ -52,12 +54,25 @@ class AppArgs(BaseModel):
     downscale_delay_s: float = Field(600.0, ge=0, description="autoscaling: sustained low load "
                                                               "before removing a replica")
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica takes at once")
-    max_queued_requests: int = Field(-1, ge=-1, description="requests queued per caller before "
-                                                            "503; -1: no limit")
+    max_queued_requests: int = Field(-1, ge=-1, description="requests that may wait at a replica "
+                                                            "beyond max_ongoing_requests; one more "
+                                                            "gets an immediate 503 (OpenAI error "
+                                                            "JSON); -1: no limit")
     api_key: str | None = Field(None, description="if set, /v1 requests need 'Authorization: "
                                                   "Bearer <key>' (env NVRAY_API_KEY also works)")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is "
                                                               "aborted (HTTP 504)")
+
+    def max_waiting(self) -> int:
+        """Requests a replica lets wait for a slot (no limit: Serve's own queue holds them)."""
+        return self.max_queued_requests if self.max_queued_requests >= 0 else sys.maxsize
+
+    def serve_max_ongoing_requests(self) -> int:
+        """What Serve routes to a replica at once: with a bounded queue, enough that the
+        replica's own gate refuses the overflow (in JSON) instead of Serve's proxy."""
+        if self.max_queued_requests < 0:
+            return self.max_ongoing_requests
+        return AdmissionGate.serve_limit(self.max_ongoing_requests, self.max_queued_requests)
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("NVRAY_API_KEY") or None

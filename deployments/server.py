@@ -26,8 +26,10 @@ from typing import Any, AsyncIterator
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from ray import serve
 
+from deployments.admission import AdmissionGate, Ticket
 from deployments.args import AppArgs, parse_args
 from deployments.body_limit import BodySizeLimit
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
@@ -55,6 +57,12 @@ def usage_so_far(sink: RequestSink, index: int, counts: list[int]) -> dict[str, 
             "total_tokens": prompt + counts[index]}
 
 
+def _end_stream(sink: RequestSink, ticket: Ticket) -> None:
+    """A stream is over (or never began): abort what still runs, give its slot back."""
+    sink.abort()
+    ticket.release()
+
+
 @serve.deployment
 @serve.ingress(api)
 class NvrayServer:
@@ -63,6 +71,7 @@ class NvrayServer:
         self.model_name = self.args.name_to_serve()
         self.api_key = self.args.resolved_api_key()
         self.timeout = self.args.request_timeout_s
+        self.gate = AdmissionGate(self.args.max_ongoing_requests, self.args.max_waiting())
         pg = ray.util.get_current_placement_group()
         self.client = start_engine(self.args.engine_config(), pg=pg)
         self.driver = self.client.driver
@@ -129,7 +138,8 @@ class NvrayServer:
         fmt = CompletionFormat(self.model_name)
         if body.stream:
             return await self._streaming_response(body.prompts(), params, fmt, body)
-        return JSONResponse(fmt.full(await self._finals(body.prompts(), params)))
+        async with self.gate.slot(self.timeout):
+            return JSONResponse(fmt.full(await self._finals(body.prompts(), params)))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -139,20 +149,29 @@ class NvrayServer:
         fmt = ChatFormat(self.model_name)
         if body.stream:
             return await self._streaming_response(prompts, params, fmt, body)
-        return JSONResponse(fmt.full(await self._finals(prompts, params)))
+        async with self.gate.slot(self.timeout):
+            return JSONResponse(fmt.full(await self._finals(prompts, params)))
 
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams,
                                   fmt: CompletionFormat | ChatFormat,
                                   body: SamplingFields) -> StreamingResponse:
         """Admit every prompt first, so a request the engine rejects gets an HTTP 400 instead
-        of a stream that fails at once; then stream."""
-        sink = await self.router.add([EngineRequest(p, params) for p in prompts], stream=True)
-        events = self._sse_body(sink, fmt, body.include_usage, body.continuous_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        of a stream that fails at once; then stream. The slot is given back when the body ends
+        (or, if the client left before it began, when the response is done)."""
+        ticket = await self.gate.enter(self.timeout)
+        try:
+            sink = await self.router.add([EngineRequest(p, params) for p in prompts], stream=True)
+        except BaseException:
+            ticket.release()
+            raise
+        events = self._sse_body(sink, fmt, body.include_usage, body.continuous_usage, ticket)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
+                                 background=BackgroundTask(_end_stream, sink, ticket))
 
     async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat,
-                        include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+                        include_usage: bool, continuous_usage: bool,
+                        ticket: Ticket) -> AsyncIterator[str]:
         counts = [0] * len(sink.request_ids)  # completion tokens so far, per choice
         deadline = time.monotonic() + self.timeout
         try:
@@ -176,28 +195,30 @@ class NvrayServer:
         except Exception as e:  # noqa: BLE001 - after the 200 header: an SSE error event
             yield to_openai_error(e).sse()
         finally:
-            sink.abort()  # disconnect or failure: free the blocks of what still runs
+            _end_stream(sink, ticket)  # disconnect or failure: free the blocks of what still runs
         yield DONE
 
     # ------------------------------------------------------------ handle API
     async def generate(self, prompt: Any, sampling_params: Any = None) -> RequestOutput:
         """Handle API: the final output (text, token_ids, finish_reason, usage)."""
-        [out] = await self._finals([prompt], SamplingParams.coerce(sampling_params))
+        async with self.gate.slot(self.timeout):
+            [out] = await self._finals([prompt], SamplingParams.coerce(sampling_params))
         return out
 
     async def generate_stream(self, prompt: Any, sampling_params: Any = None
                               ) -> AsyncIterator[RequestOutput]:
         """Handle API (``handle.options(stream=True)``): deltas (coalesced while the caller
         reads slower than the engine steps), then the final output."""
-        sink = await self.router.add([EngineRequest(prompt, SamplingParams.coerce(sampling_params))],
-                                     stream=True)
-        deadline = time.monotonic() + self.timeout
-        try:
-            while batch := await sink.next_batch(deadline - time.monotonic()):
-                for _, out in batch:
-                    yield out
-        finally:
-            sink.abort()
+        async with self.gate.slot(self.timeout):
+            sink = await self.router.add([EngineRequest(prompt, SamplingParams.coerce(sampling_params))],
+                                         stream=True)
+            deadline = time.monotonic() + self.timeout
+            try:
+                while batch := await sink.next_batch(deadline - time.monotonic()):
+                    for _, out in batch:
+                        yield out
+            finally:
+                sink.abort()
 
     async def engine_client(self) -> Any:
         """Handle API: this replica's EngineClient, to call its engine directly from a Ray task

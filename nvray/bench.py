@@ -48,6 +48,9 @@ class InstantExecutor:
         previous, self.previous = self.previous, (None if step is None else self.execute(step))
         return previous
 
+    def discard_in_flight(self) -> None:
+        self.previous = None
+
     def shutdown(self) -> None:
         pass
 

@@ -120,16 +120,21 @@ class LLM:
                 engine.abort_request(rid)
             raise
         results: dict[str, RequestOutput] = {}
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            prefill, decode = engine.last_step_tokens
-            bar.set_postfix(prefill=f"{prefill / elapsed:.0f} tok/s", decode=f"{decode / elapsed:.0f} tok/s")
-            for out in outputs:
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.update(1)
+        try:
+            while engine.has_unfinished_requests():
+                start = time.perf_counter()
+                outputs = engine.step()
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                prefill, decode = engine.last_step_tokens
+                bar.set_postfix(prefill=f"{prefill / elapsed:.0f} tok/s",
+                                decode=f"{decode / elapsed:.0f} tok/s")
+                for out in outputs:
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException as e:  # a failed step or an interrupt: end this call's requests
+            engine.fail_all(f"generate was interrupted: {type(e).__name__}: {e}")
+            raise
         return [results[i] for i in ids]
 
     def _run_on_ray(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],

@@ -120,3 +120,31 @@ def test_abort_frees_blocks_and_nothing_leaks(llm):
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == total
     assert engine.abort_request("drop") is None  # unknown ids are ignored
+
+
+def test_a_step_that_fails_midway_ends_the_calls_requests_and_the_engine_runs_on(llm, tiny_path):
+    """A fault injected into the forward after a few steps (the executor raises instead of
+    running the model): generate raises it, every request of the call is ended, no KV block is
+    held, no step stays in flight, and the next call gives the oracle's tokens."""
+    engine = llm.engine
+    executor = engine.executor
+    prompts = random_prompts(3, 10, 60, seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    steps = iter(range(1000))
+
+    def faulty_forward(step):
+        if next(steps) == 6:
+            raise RuntimeError("injected forward failure")
+        return type(executor).execute_overlapped(executor, step)
+
+    executor.execute_overlapped = faulty_forward
+    try:
+        with pytest.raises(RuntimeError, match="injected forward failure"):
+            llm.generate(prompts, params)
+    finally:
+        del executor.execute_overlapped
+    assert not engine.has_unfinished_requests() and engine.in_flight is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.num_finished["error"] >= 3
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_path, p, 12) for p in prompts]

@@ -41,6 +41,9 @@ class Executor(Protocol):
     def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
         """Launch ``step`` (None: nothing new); return the ids of the step launched before."""
 
+    def discard_in_flight(self) -> None:
+        """Forget launched steps whose ids were not read (the engine failed its requests)."""
+
     def shutdown(self) -> None: ...
 
 
@@ -177,9 +180,11 @@ class LLMEngine:
         return self._finish(state, "abort")
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """End every request with an error (the ranks are gone); the engine holds nothing after."""
+        """End every request with an error (a step failed); the engine holds nothing after, and
+        the executor forgets the steps in flight, so the engine can run again if it still can."""
         outputs = []
         self.in_flight = None
+        self.executor.discard_in_flight()
         for state in list(self.requests.values()):
             state.error = message
             outputs.append(self._finish(state, "error"))

@@ -82,6 +82,14 @@ class RayExecutor:
         assert self.overlap, "the ranks were set up without overlap_scheduling"
         return self._call(step)
 
+    def discard_in_flight(self) -> None:
+        """Read and drop the ids of a step still in flight (nothing to do once dead)."""
+        if self.overlap and not self.dead:
+            try:
+                self._call(None)
+            except EngineDeadError:
+                pass  # the ranks are gone: nothing is in flight any more
+
     def _call(self, step: StepInput | None) -> list[int] | None:
         if self.dead:
             raise EngineDeadError(self.dead)

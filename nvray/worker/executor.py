@@ -27,6 +27,9 @@ class InProcessExecutor:
     def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
         return self.runner.execute_overlapped(step)
 
+    def discard_in_flight(self) -> None:
+        self.runner.discard_in_flight()
+
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.close()  # graphs, KV cache and weights: the GPU memory goes back now

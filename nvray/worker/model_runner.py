@@ -307,6 +307,11 @@ class ModelRunner:
             return None
         return self.in_flight.popleft().result()
 
+    def discard_in_flight(self) -> None:
+        """Drop launched steps whose ids will never be read (their requests were failed)."""
+        self.in_flight.clear()
+        self.last_sampled = None
+
     def _launch(self, step: StepInput) -> SampledIds:
         """Queue ``step``'s forward and sampling on the device; keep its ids there (every rank
         gets rank 0's, so the next step can read them) and start their copy to the host."""

@@ -76,17 +76,46 @@ def test_a_burst_scales_to_a_second_engine_and_every_request_succeeds(serve_http
         serve.delete("scaled")
 
 
-def test_a_full_replica_queue_answers_503_and_the_rest_succeed(serve_http):
-    serve.run(build_app({"max_model_len": 256, "max_ongoing_requests": 1, "max_queued_requests": 1}),
+def test_overload_nine_requests_against_two_ongoing_and_two_queued(serve_http):
+    """max_ongoing_requests 2 + max_queued_requests 2: of nine requests sent at once, four are
+    taken (two run, two wait) and the overflow is refused at once with a 503 in OpenAI's JSON
+    shape; the four succeed, and so does the next request."""
+    serve.run(build_app({"max_model_len": 256, "max_ongoing_requests": 2, "max_queued_requests": 2}),
               name="tight", route_prefix="/tight")
     url = f"{serve_http}/tight/v1/completions"
-    body = {"model": "tiny", "prompt": "queue", "max_tokens": 120, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "queue", "max_tokens": 200, "ignore_eos": True}
+
+    def ask(i: int) -> tuple[int, float, requests.Response]:
+        start = time.monotonic()
+        response = requests.post(url, json={**body, "stream": i % 2 == 1}, timeout=120)
+        return response.status_code, time.monotonic() - start, response
+
     try:
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            statuses = list(pool.map(lambda _: requests.post(url, json=body, timeout=120).status_code,
-                                     range(6)))
-        assert 503 in statuses and 200 in statuses
-        assert set(statuses) <= {200, 503}
+        with concurrent.futures.ThreadPoolExecutor(9) as pool:
+            results = list(pool.map(ask, range(9)))
+        statuses = sorted(status for status, _, _ in results)
+        # all nine arrive within milliseconds, while the first two run for a second or more
+        assert statuses.count(200) >= 4 and 503 in statuses and set(statuses) == {200, 503}
+        slowest_ok = max(t for status, t, _ in results if status == 200)
+        for status, elapsed, response in results:
+            if status == 503:
+                assert elapsed < slowest_ok / 2  # refused at once, not after waiting
+                error = response.json()["error"]
+                assert error["code"] == "engine_overloaded" and "overloaded" in error["message"]
+                assert error["type"] == "service_unavailable"
+                assert response.headers["retry-after"] == "1"
+            elif response.headers["content-type"].startswith("text/event-stream"):
+                assert response.text.rstrip().endswith("data: [DONE]")
+                assert '"finish_reason":"length"' in response.text.replace(" ", "")
+            else:
+                assert response.json()["usage"]["completion_tokens"] == 200
         assert requests.get(f"{serve_http}/tight/health", timeout=60).status_code == 200
+        for _ in range(2):  # streams whose clients leave early give their slots back
+            with requests.post(url, json={**body, "stream": True}, stream=True, timeout=120) as r:
+                next(r.iter_lines())
+        time.sleep(1.0)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            again = list(pool.map(lambda i: ask(2 * i)[0], range(4)))  # two run, two wait
+        assert again == [200] * 4
     finally:
         serve.delete("tight")
