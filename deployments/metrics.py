@@ -10,6 +10,7 @@ _GAUGES = (
     ("kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache blocks in use"),
     ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
     ("step_time_ms_median", "step_time_ms_median", "Median duration of the engine's last 256 steps, in milliseconds"),
+    ("driver_resident_memory_bytes", "driver_resident_memory_bytes", "Resident memory of the engine's driver process, in bytes"),
 )
 _COUNTERS = (
     ("prompt_tokens_total", "prompt_tokens", "Prompt tokens accepted"),

@@ -14,6 +14,8 @@ Subcommands:
   ``--overlap on,off`` runs each runtime with overlapped steps and without.
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
   (``nvray/bench_gpu_busy.py``).
+- ``soak``: minutes of streaming load with random disconnects against the app: unexpected
+  errors, driver memory and KV usage over time (``nvray/bench_soak.py``).
 - ``serve``: a load generator for the HTTP app (``nvray/bench_serve.py``): concurrency sweep,
   streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
 """
@@ -312,9 +314,16 @@ def main(argv: list[str] | None = None) -> None:
     from nvray.bench_serve import add_arguments, run  # noqa: PLC0415
 
     add_arguments(sv)
+    sk = sub.add_parser("soak", parents=[common],
+                        help="streaming load with random disconnects for minutes: errors, memory")
+    from nvray import bench_soak  # noqa: PLC0415
+
+    bench_soak.add_arguments(sk)
     args = p.parse_args(argv)
     if args.cmd == "serve":
         result = run(args)
+    elif args.cmd == "soak":
+        result = bench_soak.run(args)
     elif args.cmd == "control-plane":
         result = bench_control_plane(args.num_seqs, args.steps, args.block_size)
     elif args.cmd == "throughput":

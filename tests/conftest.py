@@ -14,6 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Single-machine Ray: nodes, GCS and every rendezvous stay on 127.0.0.1 (Ray otherwise
 # rewrites loopback to the machine's interface address). Set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray's token authentication on for every cluster the tests start, and for every CLI and child
+# process (Ray 2.60 turns it on by default only for a new local ray.init cluster).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Serve's autoscaler sees load within a second instead of ten (autoscaling test).
 os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")

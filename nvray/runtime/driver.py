@@ -28,6 +28,7 @@ EngineDeadError for every in-flight and new request.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -178,6 +179,7 @@ class EngineDriver:
         stats["num_steps"] = self.loop.num_steps
         stats["num_output_channels"] = len(self.channels)
         stats["output_messages"] = sum(c.num_messages for c in self.channels.values())
+        stats["driver_resident_memory_bytes"] = resident_memory_bytes()
         return {"healthy": True, **stats}
 
     async def check_health(self) -> None:
@@ -197,3 +199,14 @@ class EngineDriver:
         if self.loop is not None:
             self.loop.stop()
             self.engine.executor.shutdown()
+
+
+def resident_memory_bytes() -> int:
+    """This process's resident memory (Linux: /proc; elsewhere its peak, from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource  # noqa: PLC0415
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,7 +1,7 @@
 """Batch inference as a Ray job (``python -m nvray.batch``).
 
 A real head is started with ``ray start --head`` (its own ports and temp dir, so it never meets
-the session's ``ray_cluster``); the job is submitted with the real ``ray job submit`` CLI and
+the session's ``ray_cluster``), with Ray's token authentication on; the job is submitted with the real ``ray job submit`` CLI and
 its greedy outputs are compared with the offline in-process LLM. The same input as Parquet,
 run directly against that head with two engines, must give the same rows. Malformed inputs
 fail before anything runs, naming the row; engine failures inside a pool actor are retried on
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -76,12 +77,14 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+# Ray's token authentication is on for this head: it, the job CLI and the job share the token
+HEAD_TOKEN = secrets.token_hex(16)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # Loopback only; the head, the job CLI and direct runs agree on no token auth (Ray turns
-    # it on for `ray start` when ~/.ray/auth_token exists, but its CLIs need RAY_AUTH_MODE).
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
-               TOKENIZERS_PARALLELISM="false",
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN=HEAD_TOKEN, TOKENIZERS_PARALLELISM="false",
                PATH=PYTHON_BIN + os.pathsep + env.get("PATH", ""), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
@@ -204,6 +207,18 @@ def stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
     signal_all(alive(pids), signal.SIGKILL)
     proc.wait(timeout=30)
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_the_head_refuses_callers_without_its_token(ray_head):
+    import requests
+
+    assert requests.get(f"{ray_head.dashboard_url}/api/jobs/", timeout=30).status_code in (401, 403)
+    wrong = requests.get(f"{ray_head.dashboard_url}/api/jobs/", timeout=30,
+                         headers={"Authorization": "Bearer not-the-token"})
+    assert wrong.status_code in (401, 403)
+    right = requests.get(f"{ray_head.dashboard_url}/api/jobs/", timeout=30,
+                         headers={"Authorization": f"Bearer {HEAD_TOKEN}"})
+    assert right.status_code == 200
 
 
 # ----------------------------------------------------------------------------- the oracle

@@ -91,6 +91,7 @@ def test_models_health_and_metrics(base_url, client):
                  "nvray_inter_token_latency_seconds_count"):
         assert name in text
     assert metric(base_url, "nvray_time_to_first_token_seconds_count") >= 1
+    assert metric(base_url, "nvray_driver_resident_memory_bytes") > 50 << 20  # a live Python + torch
 
 
 BAD_REQUESTS = [
