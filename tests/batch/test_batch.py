@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -279,6 +280,51 @@ def submitted(ray_head, tmp_path_factory, tiny_path) -> Path:
 
 def test_submitted_job_matches_offline_greedy_and_reports_bad_rows(submitted, expected):
     check_rows(read_output(submitted), expected)
+
+
+def head_cli(head: Head, group: str, command: str, *args: str, timeout: float = 60) -> str:
+    """``ray <group> <command> --address <head> <args>``, e.g. ``ray job status <id>``."""
+    proc = subprocess.run([RAY_CLI, group, command, "--address", head.dashboard_url, *args],
+                          env=child_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def live_engine_actors(head: Head) -> list[str]:
+    out = head_cli(head, "list", "actors", "--filter", "state=ALIVE", "--format", "json",
+                   "--limit", "1000")
+    actors = json.loads(out) if out.lstrip().startswith("[") else []  # else "No resource ..."
+    return [a["class_name"] for a in actors if a["class_name"] in ("EngineDriver", "RankWorker")]
+
+
+def test_a_job_stopped_mid_run_leaves_no_engine_and_no_output(ray_head, tmp_path):
+    """``ray job stop`` while the engine generates: the job ends STOPPED, its engine's actors
+    go within a minute, and no output file appears (output is written only on success)."""
+    rows = [{"id": f"r{i}", "prompt": f"row {i} keeps the engine busy"} for i in range(64)]
+    src, out = write_jsonl(tmp_path / "long.jsonl", rows), tmp_path / "out.jsonl"
+    runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", "*.egg-info", "build", "dist"],
+                   "env_vars": {"NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"]}}
+    submitted = head_cli(ray_head, "job", "submit", "--no-wait", "--working-dir", str(REPO),
+                         "--runtime-env-json", json.dumps(runtime_env), "--", "python", "-m",
+                         "nvray.batch", "--input", str(src), "--output", str(out),
+                         "--max-tokens", "200", "--ignore-eos", "--max-model-len", "256",
+                         "--batch-size", "4")
+    job_id = re.search(r"(raysubmit_\w+)", submitted).group(1)  # type: ignore[union-attr]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while "RankWorker" not in live_engine_actors(ray_head):  # the engine is up and generating
+        status = head_cli(ray_head, "job", "status", job_id)
+        assert "RUNNING" in status or "PENDING" in status, \
+            status + head_cli(ray_head, "job", "logs", job_id)[-3000:]
+        assert time.monotonic() < deadline, "the job's engine never started"
+        time.sleep(1)
+    time.sleep(2)
+    head_cli(ray_head, "job", "stop", job_id, timeout=120)
+    assert "was stopped" in head_cli(ray_head, "job", "status", job_id)
+    deadline = time.monotonic() + 60
+    while live_engine_actors(ray_head):
+        assert time.monotonic() < deadline, "the stopped job's engine outlived it"
+        time.sleep(1)
+    assert not out.exists() and not list(tmp_path.glob("out.jsonl*"))
 
 
 def test_parquet_with_two_engines_gives_the_same_rows(ray_head, submitted, expected, tmp_path):
