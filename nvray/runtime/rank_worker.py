@@ -2,14 +2,18 @@
 
 It joins the engine's torch.distributed group (NCCL on GPU, gloo on CPU) at rank 0's node IP
 and a free port rank 0 picked, builds its ModelRunner (model shard + paged KV cache) and runs
-steps. Inside the actor the rank's GPU, if any, is ``cuda:0``.
+steps. Inside the actor the rank's GPU, if any, is ``cuda:0``. A step that raises on one rank
+makes it leave a gloo process group, so the others fail at once instead of waiting in a
+collective (with NCCL they wait out the group's 120 s timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from typing import Iterator
 
 import ray
 import torch
@@ -63,11 +67,27 @@ class RankWorker:
 
     def execute(self, step: StepInput) -> list[int]:
         assert self.runner is not None, "load() first"
-        return self.runner.execute(step)
+        with self._failing_fast():
+            return self.runner.execute(step)
 
     def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
         assert self.runner is not None, "load() first"
-        return self.runner.execute_overlapped(step)
+        with self._failing_fast():
+            return self.runner.execute_overlapped(step)
+
+    @contextlib.contextmanager
+    def _failing_fast(self) -> Iterator[None]:
+        """A step that raises here leaves the other ranks inside a collective, waiting for
+        this one. With gloo, leaving the process group closes its connections, so theirs fail
+        now rather than after the group's timeout; NCCL is left alone (destroying a group with
+        work in flight can block), and its peers wait out the timeout. The engine is dead
+        either way."""
+        try:
+            yield
+        except BaseException:
+            if dist.is_initialized() and dist.get_backend() == "gloo":
+                dist.destroy_process_group()
+            raise
 
     def ping(self) -> int:
         return os.getpid()

@@ -1,5 +1,6 @@
 """The Ray runtime: TP=2 over gloo against TP=1 and HF, streaming through the driver, abort,
-calls from several Ray tasks, a rank killed mid-generation, and a clean shutdown."""
+calls from several Ray tasks, a rank killed or its forward raising mid-generation, and a clean
+shutdown."""
 
 from __future__ import annotations
 
@@ -149,7 +150,24 @@ def test_bad_request_fails_alone(tp2):
     assert tp2.client.generate("fine", {"max_tokens": 2}).finished
 
 
-def test_killing_a_rank_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(ray_cluster):
+def fail_forward_after(worker, steps: int):  # noqa: ANN001, ANN201 - runs inside the rank actor
+    """Make a rank's forward raise from its ``steps``-th next step on (a fault, injected)."""
+
+    def inject(self) -> None:
+        real, calls = self.runner.execute_overlapped, iter(range(10**9))
+
+        def faulty(step):  # noqa: ANN001, ANN202
+            if next(calls) >= steps:
+                raise RuntimeError("injected forward failure")
+            return real(step)
+
+        self.runner.execute_overlapped = faulty
+
+    return worker.__ray_call__.remote(inject)
+
+
+@pytest.mark.parametrize("fault", ["rank killed", "forward raises"])
+def test_a_rank_fault_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(ray_cluster, fault):
     ray = ray_cluster
     before_actors, before_pgs = live_nvray_actors(), live_placement_groups()
     client = start_engine(EngineConfig(model="tiny", tensor_parallel_size=2, max_model_len=2048))
@@ -159,7 +177,10 @@ def test_killing_a_rank_fails_in_flight_requests_fast_and_shutdown_leaves_nothin
     time.sleep(1.0)
     worker_handles = ray.get(client.driver.__ray_call__.remote(
         lambda self: self.engine.executor.workers))
-    ray.kill(worker_handles[1])
+    if fault == "rank killed":
+        ray.kill(worker_handles[1])
+    else:
+        ray.get(fail_forward_after(worker_handles[1], steps=5), timeout=30)
     start = time.monotonic()
     for ref in refs:
         with pytest.raises(EngineDeadError, match="rank"):
