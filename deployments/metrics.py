@@ -18,6 +18,7 @@ _COUNTERS = (
     ("num_preemptions_total", "num_preemptions", "Sequences preempted for lack of KV blocks"),
     ("prefix_cache_queries_total", "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
     ("prefix_cache_hits_total", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+    ("requests_accepted_total", "num_accepted", "Requests the engine accepted"),
 )
 _HISTOGRAMS = (
     ("time_to_first_token_seconds", "Time from arrival to first generated token"),
@@ -52,6 +53,11 @@ def render_metrics(stats: dict[str, Any], model: str, prefix: str = "nvray") -> 
             full = f"{prefix}_{name}"
             lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}",
                       f"{full}{_fmt_labels(labels)} {stats[key]}"]
+    finished = f"{prefix}_requests_finished_total"
+    lines += [f"# HELP {finished} Requests finished, by reason (stop, length, abort, error)",
+              f"# TYPE {finished} counter"]
+    lines += [f"{finished}{_fmt_labels({**labels, 'reason': reason})} {count}"
+              for reason, count in sorted(stats["num_finished"].items())]
     for name, help_text in _HISTOGRAMS:
         full = f"{prefix}_{name}"
         lines += [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]

@@ -108,6 +108,7 @@ class LLMEngine:
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the latest step
         self.metrics = RequestMetrics()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.num_accepted = 0  # requests add_request took; each finishes exactly once
 
     # --------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -171,6 +172,7 @@ class LLMEngine:
         self.stop_ids_of[seq.seq_id] = stop_ids
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(token_ids)
+        self.num_accepted += 1
         return token_ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -350,5 +352,6 @@ class LLMEngine:
                 "prompt_tokens": self.num_prompt_tokens,
                 "generation_tokens": self.num_generation_tokens,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "num_accepted": self.num_accepted,
                 "num_finished": dict(self.num_finished),
                 **self.metrics.snapshot()}

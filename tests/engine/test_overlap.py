@@ -49,6 +49,7 @@ def _assert_clean(engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert bm.num_free_blocks == bm.num_blocks
     assert all(block.ref_count == 0 for block in bm.blocks)
+    assert engine.num_accepted == sum(engine.num_finished.values())  # each ended exactly once
 
 
 def _workload(tokenizer) -> tuple[dict[int, list[tuple]], dict[int, list[str]]]:

@@ -20,3 +20,12 @@ def metric(base_url: str, name: str) -> float:
     match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
+
+
+def assert_counters_balance(base_url: str) -> None:
+    """An idle engine: every request it accepted has finished, once (stop, length, abort or
+    error)."""
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    finished = sum(float(v) for v in re.findall(r"^nvray_requests_finished_total\{[^}]*\} (\S+)$",
+                                                text, re.M))
+    assert metric(base_url, "nvray_requests_accepted_total") == finished

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from deployments.body_limit import MAX_REQUEST_BODY_BYTES
-from serve_helpers import MAX_MODEL_LEN, greedy, metric
+from serve_helpers import MAX_MODEL_LEN, assert_counters_balance, greedy, metric
 
 CANARY = "the canary sings"
 MSG = [{"role": "user", "content": "hi"}]
@@ -65,6 +65,7 @@ def assert_engine_clean(base_url: str, canary_text: str) -> None:
     assert metric(base_url, "nvray_num_requests_running") == 0
     assert metric(base_url, "nvray_num_requests_waiting") == 0
     assert metric(base_url, "nvray_kv_cache_usage_ratio") == 0.0
+    assert_counters_balance(base_url)
 
 
 @pytest.mark.parametrize("path,payload,content_type,status,param", CASES,

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from serve_helpers import greedy, metric
+from serve_helpers import assert_counters_balance, greedy, metric
 
 CANARY = "after the storm"
 DRAIN_S = 30
@@ -22,6 +22,7 @@ def wait_engine_idle(base_url: str) -> None:
         if (metric(base_url, "nvray_num_requests_running") == 0
                 and metric(base_url, "nvray_num_requests_waiting") == 0
                 and metric(base_url, "nvray_kv_cache_usage_ratio") == 0.0):
+            assert_counters_balance(base_url)
             return
         time.sleep(0.2)
     raise AssertionError("the engine still holds requests or KV blocks after the clients left")
