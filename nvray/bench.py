@@ -181,6 +181,14 @@ def qwen3_0_6b_checkpoint(path: str, std: float = 0.2) -> str:
                             std=std)
 
 
+def default_checkpoint() -> str:
+    """The benchmarks' default model: a Qwen3-0.6B-shaped random checkpoint in the temp dir."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    return qwen3_0_6b_checkpoint(os.path.join(tempfile.gettempdir(), "nvray-qwen3-0.6b-random"))
+
+
 def bench_workload(num_seqs: int = 256, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py workload, drawn with the same calls to ``random``."""
     rng = random.Random(seed)
@@ -235,13 +243,9 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      eager: bool = False, num_seqs: int = 256, max_model_len: int = 4096,
                      floor_tok_per_s: float | None = None,
                      overlaps: tuple[bool, ...] = (True,)) -> dict[str, Any]:
-    import os  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
 
-    if model is None:
-        model = qwen3_0_6b_checkpoint(os.path.join(tempfile.gettempdir(), "nvray-qwen3-0.6b-random"))
+    model = model or default_checkpoint()
     prompts, params = bench_workload(num_seqs)
     if "ray" in runtimes:
         from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415

@@ -105,16 +105,12 @@ def _measure(engine: Any, num_seqs: int, prompt_len: int, steps: int) -> dict[st
 def bench_gpu_busy(model: str | None = None, batch_sizes: tuple[int, ...] = (256, 32),
                    prompt_len: int = 256, steps: int = 30,
                    modes: tuple[bool, ...] = (True, False), max_model_len: int = 4096) -> dict[str, Any]:
-    import os  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
 
     from nvray import LLM  # noqa: PLC0415
-    from nvray.bench import qwen3_0_6b_checkpoint  # noqa: PLC0415
+    from nvray.bench import default_checkpoint  # noqa: PLC0415
 
-    if model is None:
-        model = qwen3_0_6b_checkpoint(os.path.join(tempfile.gettempdir(), "nvray-qwen3-0.6b-random"))
+    model = model or default_checkpoint()
     runs = []
     for overlap in modes:
         llm = LLM(model, runtime="inprocess", overlap_scheduling=overlap, max_model_len=max_model_len,

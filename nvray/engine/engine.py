@@ -67,13 +67,18 @@ class RequestState:
     prompt_token_ids: list[int]
     stream: bool = False  # emit an output every step, not only the final one
     text: str = ""
-    text_each_token: bool = False  # detokenize as tokens come (streams, stop strings)
     num_text_tokens: int = 0  # output tokens given to the detokenizer
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     timestamps: list[float] = field(default_factory=list)  # one per generated token
+
+    @property
+    def text_each_token(self) -> bool:
+        """Detokenize as tokens come: someone reads the text before the end (a stream, or
+        stop strings to look for)."""
+        return self.stream or bool(self.seq.params.stop)
 
 
 class LaunchedStep(NamedTuple):
@@ -167,8 +172,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, token_ids)
         self.requests[request_id] = RequestState(seq, detok, stop_ids,
                                                  prompt if isinstance(prompt, str) else None,
-                                                 token_ids, stream,
-                                                 text_each_token=stream or bool(params.stop))
+                                                 token_ids, stream)
         self.stop_ids_of[seq.seq_id] = stop_ids
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(token_ids)

@@ -62,22 +62,16 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and release its blocks (it leaves its queue)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.num_pending = 0  # a token still being sampled for it is dropped
+        self.finish_many([seq], lambda _: reason)
 
     def finish_many(self, seqs: list[Sequence], reason_of: Callable[[Sequence], str]) -> None:
-        """Finish several sequences at once (one pass over the running list)."""
+        """Finish sequences, running or waiting (one pass over the running list); a token still
+        being sampled for one is dropped."""
         done = {s.seq_id for s in seqs if s.status is SequenceStatus.RUNNING}
         if done:
             self.running = [s for s in self.running if s.seq_id not in done]
         for seq in seqs:
-            if seq.status is SequenceStatus.WAITING:  # preempted while its token was sampled
+            if seq.status is SequenceStatus.WAITING:  # not scheduled yet, or preempted
                 self.waiting.remove(seq)
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED

@@ -294,7 +294,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> list[int]:
         """Run ``step`` and return its sampled ids (rank 0; [] elsewhere)."""
-        return self._launch(step).result()
+        return self._launch(step, share_ids=False).result()
 
     @torch.inference_mode()
     def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
@@ -302,7 +302,7 @@ class ModelRunner:
         before it (None if there is none). The device runs ``step`` while the caller works on
         the returned ids; ``step`` may hold placeholders for the ids still being sampled."""
         if step is not None:
-            self.in_flight.append(self._launch(step))
+            self.in_flight.append(self._launch(step, share_ids=True))
         if len(self.in_flight) < (2 if step is not None else 1):
             return None
         return self.in_flight.popleft().result()
@@ -312,9 +312,10 @@ class ModelRunner:
         self.in_flight.clear()
         self.last_sampled = None
 
-    def _launch(self, step: StepInput) -> SampledIds:
-        """Queue ``step``'s forward and sampling on the device; keep its ids there (every rank
-        gets rank 0's, so the next step can read them) and start their copy to the host."""
+    def _launch(self, step: StepInput, share_ids: bool) -> SampledIds:
+        """Queue ``step``'s forward and sampling on the device; keep its ids there and start
+        their copy to the host. ``share_ids`` (overlapped steps, whose next step reads them on
+        the device): every rank gets rank 0's ids."""
         logits = self.forward_logits(step)
         num_samples = step.num_samples
         if logits is not None:
@@ -322,7 +323,7 @@ class ModelRunner:
             ids = sample(logits, specs, compiled=self.use_torch_compile).to(torch.int32)  # type: ignore[arg-type]
         else:
             ids = torch.empty(num_samples, dtype=torch.int32, device=self.device)
-        if tp_size() > 1 and num_samples:
+        if share_ids and tp_size() > 1 and num_samples:
             dist.broadcast(ids, src=0)
         self.last_sampled = ids
         if tp_rank() != 0:

@@ -11,29 +11,14 @@ import pytest
 from nvray import LLM, EngineConfig, SamplingParams
 from nvray.runtime import EngineDeadError, start_engine
 from oracle import hf_greedy, random_prompts
+from ray_state import live_actors, live_placement_groups
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 NVRAY_CLASSES = ("EngineDriver", "RankWorker")
 
 
-def _cluster_address() -> str:
-    import ray  # other Ray clusters may run on this machine: name ours explicitly
-
-    return ray.get_runtime_context().gcs_address
-
-
 def live_nvray_actors() -> set[str]:
-    from ray.util.state import list_actors
-
-    actors = list_actors(address=_cluster_address(), filters=[("state", "=", "ALIVE")], limit=1000)
-    return {a.actor_id for a in actors if a.class_name in NVRAY_CLASSES}
-
-
-def live_placement_groups() -> set[str]:
-    from ray.util.state import list_placement_groups
-
-    return {p.placement_group_id for p in list_placement_groups(address=_cluster_address(), limit=1000)
-            if p.state != "REMOVED"}
+    return set(live_actors(NVRAY_CLASSES))
 
 
 @pytest.fixture(scope="module")

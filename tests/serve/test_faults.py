@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 import requests
 from ray import serve
-from ray.util.state import list_actors
 
 from deployments import build_app
+from ray_state import live_actors
 from serve_helpers import metric
 
 RECOVERY_S = 120
@@ -31,11 +31,9 @@ NVRAY_CLASSES = ("EngineDriver", "RankWorker", "ServeReplica:faulty:NvrayServer"
 BODY = {"model": "tiny", "prompt": "keep going", "max_tokens": 230, "ignore_eos": True}
 
 
-def live_actors() -> dict[str, str]:
-    """actor id -> class name of the live nvray actors (engines and these tests' replicas)."""
-    address = ray.get_runtime_context().gcs_address
-    actors = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
-    return {a.actor_id: a.class_name for a in actors if a.class_name in NVRAY_CLASSES}
+def live_nvray_actors() -> set[str]:
+    """Ids of the live engine actors and of these tests' replicas."""
+    return set(live_actors(NVRAY_CLASSES))
 
 
 def wait_running(base: str, n: int) -> None:
@@ -51,13 +49,13 @@ def post(url: str, body: dict) -> tuple[int, float, str]:
 
 
 def test_a_killed_driver_fails_requests_fast_and_serve_brings_a_new_engine(serve_http):
-    before = live_actors()
+    before = live_nvray_actors()
     serve.run(build_app({"max_model_len": 256, "num_cpus_per_rank": 0.5}), name="faulty",
               route_prefix="/faulty")
     base, url = f"{serve_http}/faulty", f"{serve_http}/faulty/v1/completions"
     try:
         engine = serve.get_app_handle("faulty").engine_client.remote().result(timeout_s=60)
-        first_engine = set(live_actors()) - set(before)
+        first_engine = live_nvray_actors() - before
         with ThreadPoolExecutor(4) as pool:
             calls = [pool.submit(post, url, {**BODY, "stream": i % 2 == 1}) for i in range(4)]
             wait_running(base, 4)
@@ -83,14 +81,14 @@ def test_a_killed_driver_fails_requests_fast_and_serve_brings_a_new_engine(serve
             time.sleep(1.0)
         recovery_s = time.monotonic() - killed
         print(f"service returned {recovery_s:.1f} s after the driver was killed")
-        assert not first_engine & set(live_actors()), "an actor of the dead engine lives on"
+        assert not first_engine & live_nvray_actors(), "an actor of the dead engine lives on"
     finally:
         serve.delete("faulty")
-    assert set(live_actors()) <= set(before)
+    assert live_nvray_actors() <= before
 
 
 def test_deleting_an_app_lets_its_running_requests_finish(serve_http):
-    before = live_actors()
+    before = live_nvray_actors()
     serve.run(build_app({"max_model_len": 256, "num_cpus_per_rank": 0.5}), name="leaving",
               route_prefix="/leaving")
     base, url = f"{serve_http}/leaving", f"{serve_http}/leaving/v1/completions"
@@ -107,7 +105,7 @@ def test_deleting_an_app_lets_its_running_requests_finish(serve_http):
         else:
             assert json.loads(text)["usage"]["completion_tokens"] == 120
     deadline = time.monotonic() + 30
-    while set(live_actors()) - set(before):
+    while live_nvray_actors() - before:
         assert time.monotonic() < deadline, "the deleted app's engine outlived it"
         time.sleep(0.5)
 
@@ -127,10 +125,7 @@ def test_killing_one_of_two_replicas_under_steady_load_loses_under_one_percent(s
         with ThreadPoolExecutor(4) as pool:
             clients = [pool.submit(steady) for _ in range(4)]
             time.sleep(8)
-            replica = next(a for a in list_actors(
-                address=ray.get_runtime_context().gcs_address,
-                filters=[("state", "=", "ALIVE")], limit=1000)
-                if a.class_name == "ServeReplica:faulty:NvrayServer")
+            [replica, _] = live_actors(("ServeReplica:faulty:NvrayServer",)).values()
             ray.kill(ray.get_actor(replica.name, namespace="serve"), no_restart=True)
             killed_after = len(statuses)
             for c in clients:
