@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from nvray.engine.engine import LLMEngine, ModelLimits
-from nvray.engine.step_input import StepInput
+from nvray.engine.step_input import StepInput, StepOutput
 from nvray.sampling_params import SamplingParams
 
 
@@ -41,12 +41,12 @@ class InstantExecutor:
         self.rng = random.Random(seed)
         self.vocab = vocab
 
-        self.previous: list[int] | None = None
+        self.previous: StepOutput | None = None
 
-    def execute(self, step: StepInput) -> list[int]:
-        return [self.rng.randrange(3, self.vocab) for _ in range(step.num_samples)]
+    def execute(self, step: StepInput) -> StepOutput:
+        return StepOutput([self.rng.randrange(3, self.vocab) for _ in range(step.num_samples)])
 
-    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         previous, self.previous = self.previous, (None if step is None else self.execute(step))
         return previous
 

@@ -9,9 +9,17 @@ request's output the whole RequestOutput.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import NamedTuple, Union
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class TokenLogprobs(NamedTuple):
+    """One token's log-probability, and the most likely tokens' at its position."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass
@@ -24,6 +32,12 @@ class RequestOutput:
     deltas (the other fields stay empty), so a step never copies whole sequences; the deltas of
     all outputs of a request concatenate to its final ``text``/``token_ids``.
     ``finish_reason`` is None until ``finished``.
+
+    Log-probabilities (when the request asked, see ``SamplingParams``): ``logprobs`` has one
+    ``TokenLogprobs`` (the token's log-probability and the top ones at its position: ids and
+    log-probabilities) per token of ``token_ids``, ``delta_logprobs`` one per delta token;
+    ``prompt_logprobs`` one per prompt token, None for the first (in the final output, and in
+    a stream's first output). ``index`` is the choice's index among a request's ``n``.
     """
 
     request_id: str
@@ -37,6 +51,10 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     prompt: str | None = None
+    index: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    delta_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -52,8 +70,11 @@ WireOutput = Union[WireDelta, RequestOutput]
 
 
 def to_wire(out: RequestOutput) -> WireOutput:
-    """The compact form of ``out`` for one step's message (a tuple unless it is final)."""
-    return out if out.finished else (out.request_id, out.delta_token_ids, out.delta_text)
+    """The compact form of ``out`` for one step's message (a tuple unless it is final or
+    carries more than tokens and text)."""
+    if out.finished or out.delta_logprobs or out.prompt_logprobs or out.index:
+        return out
+    return (out.request_id, out.delta_token_ids, out.delta_text)
 
 
 def from_wire(item: WireOutput) -> RequestOutput:
@@ -72,4 +93,8 @@ def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
     merged = RequestOutput(**{**last.__dict__})
     merged.delta_text = "".join(o.delta_text for o in outputs)
     merged.delta_token_ids = [t for o in outputs for t in o.delta_token_ids]
+    if any(o.delta_logprobs for o in outputs):
+        merged.delta_logprobs = [lp for o in outputs for lp in o.delta_logprobs or ()]
+    merged.prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs),
+                                  None)
     return merged

@@ -30,15 +30,15 @@ from nvray.engine.detokenizer import IncrementalDetokenizer
 from nvray.engine.metrics import RequestMetrics
 from nvray.engine.scheduler import Scheduler, SchedulerOutput
 from nvray.engine.sequence import Sequence
-from nvray.engine.step_input import StepInput, build_step_input
-from nvray.outputs import RequestOutput
+from nvray.engine.step_input import SeqPlan, StepInput, StepOutput, build_step_input
+from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.sampling_params import SamplingParams
 
 
 class Executor(Protocol):
-    def execute(self, step: StepInput) -> list[int]: ...
+    def execute(self, step: StepInput) -> StepOutput: ...
 
-    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         """Launch ``step`` (None: nothing new); return the ids of the step launched before."""
 
     def discard_in_flight(self) -> None:
@@ -62,7 +62,7 @@ class ModelLimits:
 class RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
-    stop_ids: tuple[int, ...]
+    plan: SeqPlan
     prompt: str | None
     prompt_token_ids: list[int]
     stream: bool = False  # emit an output every step, not only the final one
@@ -73,6 +73,13 @@ class RequestState:
     finish_reason: str | None = None
     error: str | None = None
     timestamps: list[float] = field(default_factory=list)  # one per generated token
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, if asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (first: None)
+    num_emitted_logprobs: int = 0
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.plan.stop_ids
 
     @property
     def text_each_token(self) -> bool:
@@ -81,13 +88,23 @@ class RequestState:
         return self.stream or bool(self.seq.params.stop)
 
 
+class LaunchRecord(NamedTuple):
+    """One scheduled sequence of a launched step."""
+
+    seq: Sequence
+    kv_end: int  # KV written up to here when the step is done
+    row: int  # its row among the sampled ids, or -1
+    num_preemptions: int  # its preemption count at launch
+    logprob_row: int = -1  # its sampled token's row among the step's logprobs, or -1
+    first_score: int = 0  # its prompt tokens' first row among the step's logprobs ...
+    num_scores: int = 0  # ... and how many
+
+
 class LaunchedStep(NamedTuple):
     """A step handed to the executor, and what its sampled ids will mean."""
 
     step_input: StepInput
-    # per scheduled sequence: (seq, KV written up to here when the step is done,
-    # its row among the sampled ids or -1, its preemption count at launch)
-    records: list[tuple[Sequence, int, int, int]]
+    records: list[LaunchRecord]
 
 
 class LLMEngine:
@@ -107,7 +124,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    scheduling_policy, enable_chunked_prefill, sjf_aging_s, clock)
         self.requests: dict[str, RequestState] = {}
-        self.stop_ids_of: dict[int, tuple[int, ...]] = {}
+        self.plans: dict[int, SeqPlan] = {}  # seq_id -> its plan
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the latest step
@@ -134,6 +151,7 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < lim.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {lim.vocab_size})")
+        self._check_token_ids(params)
         if params.max_tokens is None:
             if len(token_ids) >= lim.max_model_len:
                 raise ValueError(f"prompt ({len(token_ids)} tokens) leaves no room to generate "
@@ -153,6 +171,28 @@ class LLMEngine:
                              f"{lim.num_kvcache_blocks}")
         return params
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.limits.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids, as written and with a leading space (how a word usually
+        appears mid-text)."""
+        variants = []
+        for word in words:
+            for text in dict.fromkeys((word, word if word.startswith(" ") else " " + word)):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    variants.append(ids)
+        return tuple(dict.fromkeys(variants))
+
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     stream: bool = False) -> list[int]:
@@ -168,12 +208,18 @@ class LLMEngine:
         params = self.validate(token_ids, params)
         seq = Sequence(request_id, token_ids, params, self.clock(), priority)
         eos = () if params.ignore_eos else self.limits.eos_token_ids
-        stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        plan = SeqPlan(tuple(dict.fromkeys(eos + params.stop_token_ids)),
+                       self._bad_word_ids(params.bad_words))
+        seq.waits_for_tokens = any(len(word) > 1 for word in plan.bad_words)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids)
-        self.requests[request_id] = RequestState(seq, detok, stop_ids,
-                                                 prompt if isinstance(prompt, str) else None,
-                                                 token_ids, stream)
-        self.stop_ids_of[seq.seq_id] = stop_ids
+        state = RequestState(seq, detok, plan, prompt if isinstance(prompt, str) else None,
+                             token_ids, stream)
+        if params.logprobs is not None:
+            state.logprobs = []
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        self.requests[request_id] = state
+        self.plans[seq.seq_id] = plan
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(token_ids)
         self.num_accepted += 1
@@ -221,33 +267,52 @@ class LLMEngine:
         num_decode = sum(1 for seq, n in out.scheduled
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
-        step_input = build_step_input(out, self.stop_ids_of)
+        step_input = build_step_input(out, self.plans)
         records, row = [], 0
+        num_logprob_rows = sum(1 for s in step_input.seqs if s.sample and s.sample.logprobs >= 0)
+        logprob_row, score_row = 0, num_logprob_rows
         for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
             seq.num_computed_tokens += num_new
-            if seq_step.sample is None:
-                records.append((seq, seq.num_computed_tokens, -1, seq.num_preemptions))
-                continue
-            seq.num_pending += 1
-            seq.pending_row = row
-            records.append((seq, seq.num_computed_tokens, row, seq.num_preemptions))
-            row += 1
+            num_scores = len(seq_step.score.targets) if seq_step.score else 0
+            record = LaunchRecord(seq, seq.num_computed_tokens, -1, seq.num_preemptions,
+                                  first_score=score_row, num_scores=num_scores)
+            score_row += num_scores
+            if seq_step.sample is not None:
+                seq.num_pending += 1
+                seq.pending_row = row
+                record = record._replace(row=row)
+                row += 1
+                if seq_step.sample.logprobs >= 0:
+                    record = record._replace(logprob_row=logprob_row)
+                    logprob_row += 1
+            records.append(record)
         return LaunchedStep(step_input, records)
 
-    def _postprocess(self, launched: LaunchedStep, sampled: list[int]) -> list[RequestOutput]:
+    def _postprocess(self, launched: LaunchedStep, result: StepOutput) -> list[RequestOutput]:
+        sampled = result.ids
         assert len(sampled) == launched.step_input.num_samples, "ranks returned the wrong number of tokens"
         outputs, finished = [], []
         now = self.clock()
-        for seq, kv_end, row, num_preemptions in launched.records:
+        for rec in launched.records:
+            seq = rec.seq
             if seq.is_finished:  # finished or aborted since: this step's work for it is void
                 continue
-            if seq.num_preemptions == num_preemptions:  # its blocks still hold this KV
-                self.block_manager.cache_full_blocks(seq, kv_end)
-            if row < 0:
+            if seq.num_preemptions == rec.num_preemptions:  # its blocks still hold this KV
+                self.block_manager.cache_full_blocks(seq, rec.kv_end)
+            state = self.requests[seq.request_id]
+            if rec.num_scores:
+                state.prompt_logprobs.extend(  # type: ignore[union-attr]
+                    result.logprobs[rec.first_score:rec.first_score + rec.num_scores])  # type: ignore[index]
+            if rec.row < 0:
+                if seq.params.max_tokens == 0 and rec.kv_end >= seq.num_prompt_tokens:
+                    state.finish_reason = "length"  # prefilled (and scored): nothing to generate
+                    finished.append(state)
+                    outputs.append(self._make_output(state))
                 continue
             seq.num_pending -= 1
-            state = self.requests[seq.request_id]
-            self._append_token(state, sampled[row], now)
+            if rec.logprob_row >= 0:
+                state.logprobs.append(result.logprobs[rec.logprob_row])  # type: ignore[union-attr,index]
+            self._append_token(state, sampled[rec.row], now)
             if state.finish_reason is not None:
                 finished.append(state)
                 outputs.append(self._make_output(state))
@@ -319,10 +384,15 @@ class LLMEngine:
                 request_id=seq.request_id, prompt_token_ids=state.prompt_token_ids,
                 text=state.text, token_ids=seq.output_token_ids, delta_text=delta_text,
                 delta_token_ids=delta_token_ids, finished=True, finish_reason=state.finish_reason,
-                error=state.error, num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt)
+                error=state.error, num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt,
+                logprobs=state.logprobs, prompt_logprobs=state.prompt_logprobs)
         else:  # a streaming step: the deltas only
             out = RequestOutput(seq.request_id, [], delta_text=delta_text,
                                 delta_token_ids=delta_token_ids)
+            if state.num_emitted_tokens == 0:
+                out.prompt_logprobs = state.prompt_logprobs
+        if state.logprobs is not None:
+            out.delta_logprobs = state.logprobs[state.num_emitted_tokens:num_tokens]
         state.num_emitted_chars = visible
         state.num_emitted_tokens = num_tokens
         return out
@@ -343,7 +413,7 @@ class LLMEngine:
 
     def _forget(self, state: RequestState) -> None:
         self.requests.pop(state.seq.request_id, None)
-        self.stop_ids_of.pop(state.seq.seq_id, None)
+        self.plans.pop(state.seq.seq_id, None)
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager

@@ -11,7 +11,9 @@ Each ``schedule()`` call builds one batch:
 A long prompt therefore never stalls running decodes.
 
 With overlapped steps a running sequence whose last planned token is its ``max_tokens``-th is
-not scheduled again: the step sampling that token is in flight, and its result finishes it.
+not scheduled again: the step sampling that token is in flight, and its result finishes it;
+nor is one that waits for its newest token (``Sequence.waits_for_tokens``) while it is pending.
+A request for prompt log-probabilities skips the prefix cache (every position is computed).
 """
 
 from __future__ import annotations
@@ -92,10 +94,14 @@ class Scheduler:
         scheduled = out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and seq.num_planned_output_tokens >= seq.params.max_tokens:
-                i += 1  # its last token is being sampled: nothing more to compute
+            if seq.num_pending and (seq.waits_for_tokens
+                                    or seq.num_planned_output_tokens >= seq.params.max_tokens):
+                i += 1  # its last token is being sampled, or its next needs it on the host
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:  # prefilled, nothing to generate (max_tokens=0): it finishes
+                i += 1
+                continue
             if seq.num_computed_tokens + num_new > len(seq.block_table) * bs:  # needs blocks
                 if not self._make_room(seq, num_new, i, out):
                     continue  # seq itself was preempted; the next one moved into slot i
@@ -134,7 +140,8 @@ class Scheduler:
         for seq in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            cached = bm.find_cached_prefix(seq)
+            # prompt log-probabilities need every prompt position computed
+            cached = [] if seq.params.prompt_logprobs is not None else bm.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * bm.block_size
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:

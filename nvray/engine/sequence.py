@@ -7,6 +7,8 @@ step; it advances chunk by chunk, so prefill can be split over steps and resumed
 ``num_pending`` tokens (0, 1 or 2) that launched steps are sampling on the device: they count in
 ``num_tokens`` (the scheduler plans with them) but not in ``token_ids``; ``pending_row`` is the
 row of the newest one among its step's sampled ids, which the next step reads on the device.
+A sequence that ``waits_for_tokens`` (what it samples next depends on its newest token on the
+host, e.g. multi-token bad words) is not scheduled while a token is pending.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
-                 "user_data", "num_pending", "pending_row")
+                 "user_data", "num_pending", "pending_row", "waits_for_tokens")
 
     _counter = itertools.count()
 
@@ -51,6 +53,7 @@ class Sequence:
         self.user_data: Any = None
         self.num_pending = 0
         self.pending_row = -1
+        self.waits_for_tokens = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

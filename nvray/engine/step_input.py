@@ -7,7 +7,15 @@ order.
 
 With overlapped steps a sequence's newest token may still be sampled by the step before this
 one when this one is built: its id is then a placeholder ``-1 - row``, where ``row`` is the
-sequence's row among that step's sampled ids; the ranks fill it in on the device.
+sequence's row among that step's sampled ids; the ranks fill it in on the device (and count it
+among the output tokens that penalties look at: ``Penalties.pending_row``).
+
+Log-probabilities: a ``SampleSpec`` with ``logprobs >= 0`` asks for the sampled token's
+log-probability and the top ``logprobs``; a ``PromptScore`` asks for those of prompt tokens:
+the first ``len(targets)`` rows of the sequence's chunk from ``offset`` on, each scored against
+the prompt token that follows it. The ranks answer with a ``StepOutput``: the sampled ids, then
+``logprobs`` rows — first one per sampling row that asked, in row order, then the score rows
+of each sequence in step order.
 """
 
 from __future__ import annotations
@@ -17,6 +25,18 @@ from typing import NamedTuple
 
 from nvray.engine.scheduler import SchedulerOutput
 from nvray.engine.sequence import Sequence
+from nvray.outputs import TokenLogprobs
+
+
+class Penalties(NamedTuple):
+    """What presence/frequency/repetition penalties need: the tokens seen so far."""
+
+    presence: float
+    frequency: float
+    repetition: float
+    prompt_ids: tuple[int, ...]  # the prompt (only when repetition != 1)
+    output_ids: list[int]  # output tokens known on the host
+    pending_row: int  # >= 0: one more output token, that row of the previous step's ids
 
 
 class SampleSpec(NamedTuple):
@@ -26,7 +46,24 @@ class SampleSpec(NamedTuple):
     min_p: float
     seed: int | None
     step_index: int  # number of output tokens before this one: seeds the per-token noise
-    banned_token_ids: tuple[int, ...] = ()  # EOS/stop ids while min_tokens is not reached
+    banned_token_ids: tuple[int, ...] = ()  # EOS/stop ids before min_tokens; bad words
+    logprobs: int = -1  # >= 0: report the sampled token's log-probability and this many top
+    penalties: Penalties | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return (self.penalties is not None or bool(self.logit_bias)
+                or self.allowed_token_ids is not None)
+
+
+class PromptScore(NamedTuple):
+    """Score prompt tokens: rows ``offset .. offset + len(targets) - 1`` of the chunk."""
+
+    num_logprobs: int
+    offset: int
+    targets: list[int]
 
 
 class SeqStep(NamedTuple):
@@ -35,15 +72,24 @@ class SeqStep(NamedTuple):
     start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
     block_table: list[int]
     sample: SampleSpec | None
+    score: PromptScore | None = None
 
 
 @dataclass(frozen=True)
 class StepInput:
     seqs: list[SeqStep] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy first
 
     @property
     def num_samples(self) -> int:
         return sum(1 for s in self.seqs if s.sample is not None)
+
+
+class StepOutput(NamedTuple):
+    """What rank 0 answers for a step (other ranks: empty)."""
+
+    ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # see the module docstring for the order
 
 
 def placeholder_id(row: int) -> int:
@@ -55,15 +101,57 @@ def placeholder_row(token_id: int) -> int:
     return -1 - token_id
 
 
-def sample_spec_for(seq: Sequence, stop_ids: tuple[int, ...]) -> SampleSpec:
+@dataclass
+class SeqPlan:
+    """What shapes a sequence's steps beyond its SamplingParams: fixed at admission, except
+    ``num_scored`` (prompt positions whose scoring was launched)."""
+
+    stop_ids: tuple[int, ...]  # EOS (unless ignore_eos) and stop_token_ids
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each bad word
+    num_scored: int = 0
+
+
+def banned_by_words(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int]) -> tuple[int, ...]:
+    """Last tokens of the bad words whose other tokens end the output."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(output_ids) >= len(prefix)
+                          and tuple(output_ids[len(output_ids) - len(prefix):]) == prefix):
+            banned.append(word[-1])
+    return tuple(banned)
+
+
+def sample_spec_for(seq: Sequence, plan: SeqPlan) -> SampleSpec:
     p = seq.params
     index = seq.num_planned_output_tokens
-    banned = stop_ids if index < p.min_tokens else ()
-    return SampleSpec(p.temperature, p.top_p, p.top_k, p.min_p, p.seed, index, banned)
+    banned = plan.stop_ids if index < p.min_tokens else ()
+    if plan.bad_words:  # with multi-token words the output is complete here (scheduler)
+        banned += banned_by_words(plan.bad_words, seq.output_token_ids)
+    penalties = None
+    if p.has_penalties:
+        penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                              tuple(seq.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
+                              seq.output_token_ids, seq.pending_row if seq.num_pending else -1)
+    return SampleSpec(p.temperature, p.top_p, p.top_k, p.min_p, p.seed, index, banned,
+                      -1 if p.logprobs is None else p.logprobs, penalties,
+                      tuple(p.logit_bias.items()) if p.logit_bias else (), p.allowed_token_ids)
 
 
-def build_step_input(out: SchedulerOutput, stop_ids_of: dict[int, tuple[int, ...]]) -> StepInput:
-    """Turn a scheduler decision into rank input; ``stop_ids_of`` maps seq_id to EOS+stop ids."""
+def prompt_score_for(seq: Sequence, plan: SeqPlan, start: int, end: int) -> PromptScore | None:
+    """Score the prompt positions of chunk [start, end) not scored before (a recomputed chunk
+    after preemption is not scored twice); advances ``plan.num_scored``."""
+    k = seq.params.prompt_logprobs
+    lo, hi = max(start, plan.num_scored), min(end, seq.num_prompt_tokens - 1)
+    if k is None or hi <= lo:
+        return None
+    plan.num_scored = hi
+    return PromptScore(k, lo - start, seq.token_ids[lo + 1:hi + 1])
+
+
+def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
+                     block_copies: list[tuple[int, int]] | None = None) -> StepInput:
+    """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan."""
     steps = []
     for seq, num_new in out.scheduled:
         start = seq.num_computed_tokens
@@ -72,6 +160,9 @@ def build_step_input(out: SchedulerOutput, stop_ids_of: dict[int, tuple[int, ...
         if len(token_ids) < num_new:  # the newest token is being sampled on the device
             assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
             token_ids.append(placeholder_id(seq.pending_row))
-        sample = sample_spec_for(seq, stop_ids_of[seq.seq_id]) if end == seq.num_tokens else None
-        steps.append(SeqStep(seq.seq_id, token_ids, start, seq.block_table, sample))
-    return StepInput(steps)
+        plan = plans[seq.seq_id]
+        samples = end == seq.num_tokens and seq.params.max_tokens > 0
+        sample = sample_spec_for(seq, plan) if samples else None
+        steps.append(SeqStep(seq.seq_id, token_ids, start, seq.block_table, sample,
+                             prompt_score_for(seq, plan, start, end)))
+    return StepInput(steps, block_copies or [])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nvray.config import EngineConfig
-from nvray.engine.step_input import StepInput
+from nvray.engine.step_input import StepInput, StepOutput
 from nvray.worker.model_runner import ModelRunner
 
 _DIST_TIMEOUT = datetime.timedelta(seconds=120)
@@ -65,12 +65,12 @@ class RankWorker:
         assert self.runner is not None, "load() first"
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> StepOutput:
         assert self.runner is not None, "load() first"
         with self._failing_fast():
             return self.runner.execute(step)
 
-    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         assert self.runner is not None, "load() first"
         with self._failing_fast():
             return self.runner.execute_overlapped(step)

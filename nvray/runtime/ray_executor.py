@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from nvray.config import EngineConfig
-from nvray.engine.step_input import StepInput
+from nvray.engine.step_input import StepInput, StepOutput
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.placement import in_bundle, rank_resources
 from nvray.runtime.rank_worker import RankWorker
@@ -70,14 +70,14 @@ class RayExecutor:
         return worker.execute_overlapped if self.overlap else worker.execute
 
     # ------------------------------------------------------------------ steps
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> StepOutput:
         """Run one step to completion."""
         if not self.overlap:
             return self._call(step)
         assert self._call(step) is None, "execute() while an overlapped step is in flight"
         return self._call(None)
 
-    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         """Hand the ranks ``step``; returns the ids of the step handed to them before."""
         assert self.overlap, "the ranks were set up without overlap_scheduling"
         return self._call(step)
@@ -90,7 +90,7 @@ class RayExecutor:
             except EngineDeadError:
                 pass  # the ranks are gone: nothing is in flight any more
 
-    def _call(self, step: StepInput | None) -> list[int] | None:
+    def _call(self, step: StepInput | None) -> StepOutput | None:
         if self.dead:
             raise EngineDeadError(self.dead)
         try:

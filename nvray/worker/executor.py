@@ -6,7 +6,7 @@ It is the yardstick the Ray executor is measured against, and what a worker acto
 from __future__ import annotations
 
 from nvray.config import EngineConfig
-from nvray.engine.step_input import StepInput
+from nvray.engine.step_input import StepInput, StepOutput
 from nvray.worker.model_runner import ModelRunner
 
 
@@ -21,10 +21,10 @@ class InProcessExecutor:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
 
-    def execute(self, step: StepInput) -> list[int]:
+    def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
 
-    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         return self.runner.execute_overlapped(step)
 
     def discard_in_flight(self) -> None:

@@ -46,11 +46,13 @@ class StepBatch(NamedTuple):
     input_ids: torch.Tensor  # [T] int32 (graph: [graph_bs], padded)
     positions: torch.Tensor  # [T] int32
     meta: AttentionMetadata | None  # None on the graph path: the graph holds its own
-    sample_idx: torch.Tensor | None  # [S] int32 rows of the hidden states to sample; None: 0..S-1
+    sample_idx: torch.Tensor | None  # [S + R] int32 rows of the hidden states to sample, then
+    # to score (prompt log-probabilities); None: rows 0..S-1
     num_samples: int
     num_seqs: int
     graph_bs: int  # batch size of the decode CUDA graph to replay; 0: none
     prefill_q: int = 0  # query length of the prefill CUDA graph to replay; 0: none
+    num_scores: int = 0  # R
 
 
 _Fill = tuple[torch.Tensor, torch.Tensor]  # device (placeholder positions, sampled rows)
@@ -68,6 +70,11 @@ class _HostLists(NamedTuple):
     upd_val: list[int]
     fill_dst: list[int]  # positions in ids of placeholders
     fill_src: list[int]  # ... and the rows of the previous step's sampled ids that fill them
+    score: list[int]  # rows of prompt tokens to score (after the rows to sample)
+
+    @property
+    def gathered(self) -> list[int]:
+        return self.sample + self.score if self.score else self.sample
 
 
 class InputBuilder:
@@ -123,10 +130,13 @@ class InputBuilder:
     def _collect(self, step: StepInput) -> _HostLists:
         bs, tables = self.block_size, self.tables
         tables.begin_step()
-        h = _HostLists([], [], [], [], [], [], [], [], [], [], [])
+        h = _HostLists([], [], [], [], [], [], [], [], [], [], [], [])
         for s in step.seqs:
             n, start, table = len(s.token_ids), s.start_pos, s.block_table
             end = start + n
+            if s.score is not None:
+                first = len(h.ids) + s.score.offset
+                h.score.extend(range(first, first + len(s.score.targets)))
             h.rows.append(tables.sync(s.seq_id, table, h.upd_idx, h.upd_val))
             h.ids.extend(s.token_ids)
             if s.token_ids[-1] < 0:  # a placeholder: always the last token of its sequence
@@ -156,18 +166,18 @@ class InputBuilder:
             a[f * cap:f * cap + n] = values
             a[f * cap + n:f * cap + graph_bs] = pad
         head = STATIC_FIELDS * cap
-        sample_all = len(h.sample) == n
-        tail = self._fill(head, [] if sample_all else h.sample, h.upd_idx, h.upd_val,
-                          h.fill_dst, h.fill_src)
+        sample_all = len(h.sample) == n and not h.score
+        gathered = [] if sample_all else h.gathered
+        tail = self._fill(head, gathered, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
         self.static.copy_(self.host[:head], non_blocking=True)
-        num_idx = 0 if sample_all else len(h.sample)
+        num_idx = len(gathered)
         sample, upd_idx, upd_val, dst, src = self._upload(
             head, tail, [num_idx, len(h.upd_idx), len(h.upd_val), len(h.fill_dst), len(h.fill_src)])
         self.tables.apply(upd_idx, upd_val)
         self._record()
         ids, pos = self.static_views()[:2]
         return StepBatch(ids[:graph_bs], pos[:graph_bs], None, None if sample_all else sample,
-                         len(h.sample), n, graph_bs), (dst, src)
+                         len(h.sample), n, graph_bs, num_scores=len(h.score)), (dst, src)
 
     def _prepare_prefill_graph(self, h: _HostLists, q: int) -> tuple[StepBatch, _Fill]:
         cap, n = self.graph_capacity, len(h.ids)
@@ -178,21 +188,23 @@ class InputBuilder:
             a[f * cap:f * cap + len(values)] = values
             a[f * cap + len(values):f * cap + length] = pad
         head = STATIC_FIELDS * cap
-        tail = self._fill(head, h.sample, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
+        gathered = h.gathered
+        tail = self._fill(head, gathered, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
         self.static.copy_(self.host[:head], non_blocking=True)
         sample, upd_idx, upd_val, dst, src = self._upload(
-            head, tail, [len(h.sample), len(h.upd_idx), len(h.upd_val), len(h.fill_dst),
+            head, tail, [len(gathered), len(h.upd_idx), len(h.upd_val), len(h.fill_dst),
                          len(h.fill_src)])
         self.tables.apply(upd_idx, upd_val)
         self._record()
         ids, pos = self.static_views()[:2]
-        return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q), (dst, src)
+        return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q,
+                         num_scores=len(h.score)), (dst, src)
 
     def _prepare_eager(self, h: _HostLists) -> tuple[StepBatch, _Fill]:
         cu = [0]
         for q in h.q_lens:
             cu.append(cu[-1] + q)
-        parts = [h.ids, h.pos, h.slots, cu, h.seq_lens, h.rows, h.sample, h.upd_idx, h.upd_val,
+        parts = [h.ids, h.pos, h.slots, cu, h.seq_lens, h.rows, h.gathered, h.upd_idx, h.upd_val,
                  h.fill_dst, h.fill_src]
         end = self._fill(0, *parts)
         views = self._upload(0, end, [len(p) for p in parts])
@@ -206,9 +218,9 @@ class InputBuilder:
                                  block_tables=block_tables, max_query_len=max(h.q_lens),
                                  max_seq_len=max_seq_len, query_lens_cpu=h.q_lens,
                                  seq_lens_cpu=h.seq_lens)
-        sample_all = h.sample == list(range(len(h.sample)))  # e.g. a batch of decodes
+        sample_all = not h.score and h.sample == list(range(len(h.sample)))  # e.g. decodes
         return StepBatch(ids, pos, meta, None if sample_all else sample, len(h.sample),
-                         len(h.rows), 0), (dst, src)
+                         len(h.rows), 0, num_scores=len(h.score)), (dst, src)
 
     # -------------------------------------------------------------- buffers
     def _fill(self, offset: int, *parts: list[int]) -> int:

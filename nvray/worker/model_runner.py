@@ -25,13 +25,15 @@ import torch
 import torch.distributed as dist
 
 from nvray.config import EngineConfig
-from nvray.engine.step_input import SampleSpec, SeqStep, StepInput
+from nvray.engine.step_input import SampleSpec, SeqStep, StepInput, StepOutput
 from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank, tp_size
 from nvray.loader import load_model
 from nvray.models import model_class_for
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
 from nvray.worker.inputs import InputBuilder
+from nvray.worker.logits_processors import adjust_logits
+from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import (GpuMemoryReport, free_cached_memory, graph_memory_estimate,
                                  measure_used)
 from nvray.worker.sampled_ids import HostIds, SampledIds
@@ -272,8 +274,11 @@ class ModelRunner:
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
-    def forward_logits(self, step: StepInput) -> torch.Tensor | None:
-        """Logits [S, V] of the rows to sample (rank 0; None elsewhere, or when S is 0)."""
+    def forward(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits [S, V] of the rows to sample: rank 0, None elsewhere or when S is 0;
+        hidden states [R, H] of the prompt rows to score, None when R is 0)."""
+        if step.block_copies:
+            self.copy_blocks(step.block_copies)
         graphs = self.graphs
         batch = self.inputs.prepare(step, graphs.sizes if graphs is not None else [],
                                     graphs.prefill_sizes if graphs is not None else [],
@@ -286,18 +291,30 @@ class ModelRunner:
             self.num_graph_replays += 1
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        if batch.num_samples == 0:
-            return None
         rows = hidden[:batch.num_samples] if batch.sample_idx is None else hidden[batch.sample_idx]
-        return self.model.compute_logits(rows)
+        logits = self.model.compute_logits(rows[:batch.num_samples]) if batch.num_samples else None
+        return logits, (rows[batch.num_samples:] if batch.num_scores else None)
+
+    def forward_logits(self, step: StepInput) -> torch.Tensor | None:
+        """Logits [S, V] of the rows to sample (rank 0; None elsewhere, or when S is 0)."""
+        return self.forward(step)[0]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for layer in self.attention_layers:
+            layer.k_cache.index_copy_(0, dst, layer.k_cache.index_select(0, src))
+            layer.v_cache.index_copy_(0, dst, layer.v_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> list[int]:
-        """Run ``step`` and return its sampled ids (rank 0; [] elsewhere)."""
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run ``step`` and return its sampled ids and log-probabilities (rank 0; empty
+        elsewhere)."""
         return self._launch(step, share_ids=False).result()
 
     @torch.inference_mode()
-    def execute_overlapped(self, step: StepInput | None) -> list[int] | None:
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         """Launch ``step`` (None: nothing new), then return the sampled ids of the step launched
         before it (None if there is none). The device runs ``step`` while the caller works on
         the returned ids; ``step`` may hold placeholders for the ids still being sampled."""
@@ -316,16 +333,43 @@ class ModelRunner:
         """Queue ``step``'s forward and sampling on the device; keep its ids there and start
         their copy to the host. ``share_ids`` (overlapped steps, whose next step reads them on
         the device): every rank gets rank 0's ids."""
-        logits = self.forward_logits(step)
-        num_samples = step.num_samples
+        logits, score_hidden = self.forward(step)
+        specs = [s.sample for s in step.seqs if s.sample is not None]
         if logits is not None:
-            specs = [s.sample for s in step.seqs if s.sample is not None]
+            raw = logits if any(s.logprobs >= 0 for s in specs) else None
+            if any(s.adjusts_logits for s in specs):
+                logits = adjust_logits(logits.to(torch.float32, copy=True), specs,
+                                       self.last_sampled)
             ids = sample(logits, specs, compiled=self.use_torch_compile).to(torch.int32)  # type: ignore[arg-type]
         else:
-            ids = torch.empty(num_samples, dtype=torch.int32, device=self.device)
-        if share_ids and tp_size() > 1 and num_samples:
+            raw = None
+            ids = torch.empty(len(specs), dtype=torch.int32, device=self.device)
+        if share_ids and tp_size() > 1 and specs:
             dist.broadcast(ids, src=0)
+        logprobs, ks = self._logprobs(step, specs, raw, ids, score_hidden)
         self.last_sampled = ids
         if tp_rank() != 0:
             return SampledIds.none()
-        return self.host_ids.copy_from(ids)
+        return self.host_ids.copy_from(ids, logprobs, ks)
+
+    def _logprobs(self, step: StepInput, specs: list[SampleSpec], raw: torch.Tensor | None,
+                  ids: torch.Tensor, score_hidden: torch.Tensor | None
+                  ) -> tuple[HostLogprobs | None, list[int] | None]:
+        """Log-probabilities of the sampled rows that ask, then of the prompt rows to score (in
+        ``step_input``'s order); every rank takes part (the LM head of prompt rows)."""
+        scores = [s.score for s in step.seqs if s.score is not None]
+        asked = [i for i, spec in enumerate(specs) if spec.logprobs >= 0]
+        if not asked and not scores:
+            return None, None
+        ks = [specs[i].logprobs for i in asked] + [sc.num_logprobs for sc in scores
+                                                   for _ in sc.targets]
+        rows = LogprobRows(max(ks))
+        if raw is not None and asked:
+            where = torch.tensor(asked, device=self.device)
+            rows.add_sampled(raw.index_select(0, where), ids.index_select(0, where))
+        if score_hidden is not None:
+            targets = torch.tensor([t for sc in scores for t in sc.targets], device=self.device)
+            rows.add_prompt(score_hidden, targets, self.model.compute_logits)
+        if tp_rank() != 0:
+            return None, None
+        return rows.to_host(), ks

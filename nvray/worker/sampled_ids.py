@@ -4,29 +4,38 @@
 one of two pinned host buffers and returns a ``SampledIds``; its ``result()`` waits for that
 copy only (an event), so the caller can launch the next step first. Two buffers suffice: at
 most two steps are in flight, and the older one's ids are read before a third is launched.
-On the CPU the ids are simply read.
+On the CPU the ids are simply read. A step that reports log-probabilities carries them too
+(``logprobs.py``); ``result()`` gives the rank's ``StepOutput``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nvray.engine.step_input import StepOutput
+from nvray.worker.logprobs import HostLogprobs
+
 
 class SampledIds:
-    def __init__(self, host: torch.Tensor | None, event: torch.cuda.Event | None) -> None:
+    def __init__(self, host: torch.Tensor | None, event: torch.cuda.Event | None,
+                 logprobs: HostLogprobs | None = None, ks: list[int] | None = None) -> None:
         self.host, self.event = host, event
+        self.logprobs, self.ks = logprobs, ks
 
     @classmethod
     def none(cls) -> "SampledIds":
         """What a rank other than 0 returns: it samples nothing of its own."""
         return cls(None, None)
 
-    def result(self) -> list[int]:
+    def result(self) -> StepOutput:
         if self.host is None:
-            return []
+            return StepOutput([])
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        ids = self.host.tolist()
+        if self.logprobs is None:
+            return StepOutput(ids)
+        return StepOutput(ids, self.logprobs.result(self.ks))  # type: ignore[arg-type]
 
 
 class HostIds:
@@ -40,9 +49,10 @@ class HostIds:
         with torch.inference_mode(False):
             return torch.empty(max(capacity, 1), dtype=torch.int32, pin_memory=True)
 
-    def copy_from(self, ids: torch.Tensor) -> SampledIds:
+    def copy_from(self, ids: torch.Tensor, logprobs: HostLogprobs | None = None,
+                  ks: list[int] | None = None) -> SampledIds:
         if not self.cuda:
-            return SampledIds(ids, None)
+            return SampledIds(ids, None, logprobs, ks)
         self.turn ^= 1
         n = ids.numel()
         if n > self.buffers[self.turn].numel():  # rare: more rows than max_num_seqs (warm-up)
@@ -51,4 +61,4 @@ class HostIds:
         host.copy_(ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return SampledIds(host, event)
+        return SampledIds(host, event, logprobs, ks)

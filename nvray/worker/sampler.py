@@ -87,7 +87,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], compiled: bool = False
         greedy = torch.tensor([s.temperature == 0.0 for s in specs], pin_memory=True)
         return _compiled_race()(logits, temps.to(dev, non_blocking=True),
                                 greedy.to(dev, non_blocking=True))
-    logits = logits.float()
+    logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
     for i, spec in enumerate(specs):
         if spec.banned_token_ids:
             logits[i, list(spec.banned_token_ids)] = float("-inf")

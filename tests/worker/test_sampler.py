@@ -60,9 +60,15 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_k=-5),
-                                 dict(min_p=1.5), dict(max_tokens=0), dict(seed=-1),
+                                 dict(min_p=1.5), dict(max_tokens=-1), dict(seed=-1),
                                  dict(min_tokens=20, max_tokens=10), dict(stop=[""]),
-                                 dict(temperature=float("nan")), dict(stop_token_ids=[-3])])
+                                 dict(temperature=float("nan")), dict(stop_token_ids=[-3]),
+                                 dict(n=0), dict(n=1.5), dict(logprobs=21), dict(logprobs=-1),
+                                 dict(prompt_logprobs=-2), dict(presence_penalty=2.5),
+                                 dict(frequency_penalty=float("inf")), dict(repetition_penalty=0),
+                                 dict(logit_bias={"x": 1.0}), dict(logit_bias={5: 101}),
+                                 dict(logit_bias={-1: 1.0}), dict(allowed_token_ids=[]),
+                                 dict(allowed_token_ids=[-1]), dict(bad_words=[" "])])
 def test_bad_sampling_params_are_rejected_naming_the_field(bad):
     from nvray import SamplingParams
 
@@ -74,5 +80,5 @@ def test_bad_sampling_params_are_rejected_naming_the_field(bad):
 def test_unknown_sampling_param_is_rejected():
     from nvray import SamplingParams
 
-    with pytest.raises(ValueError, match="presence_penalty"):
-        SamplingParams.from_dict({"presence_penalty": 1.0})
+    with pytest.raises(ValueError, match="presence_pentaly"):
+        SamplingParams.from_dict({"presence_pentaly": 1.0})

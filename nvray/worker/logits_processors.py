@@ -1,0 +1,98 @@
+"""Penalties, logit biases and allowed ids: batched changes to the logits before sampling.
+
+``adjust_logits(logits, specs, prev_sampled)`` changes, in place, the rows whose ``SampleSpec``
+asks for it (vLLM's definitions):
+
+- repetition penalty ``r`` on every token of the prompt or the output: a positive logit is
+  divided by ``r``, a negative one multiplied;
+- frequency ``f`` and presence ``p`` penalties on the output: ``logit -= f * count + p``
+  for every token that occurs ``count >= 1`` times;
+- ``logit_bias``: ``logit += bias``; ``allowed_token_ids``: every other id gets -inf.
+
+Each change is a few tensor operations over all the rows that need it; the Python loop only
+gathers each row's token ids (never a loop over the vocabulary). A row whose newest output
+token is still on the device (overlapped steps) counts it from ``prev_sampled``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nvray.engine.step_input import Penalties, SampleSpec
+
+
+def adjust_logits(logits: torch.Tensor, specs: list[SampleSpec],
+                  prev_sampled: torch.Tensor | None) -> torch.Tensor:
+    """logits [S, V] float32, changed in place and returned."""
+    rows = [i for i, s in enumerate(specs) if s.penalties is not None]
+    if rows:
+        _apply_penalties(logits, rows, [specs[i].penalties for i in rows], prev_sampled)  # type: ignore[misc]
+    _apply_bias(logits, specs)
+    _apply_allowed(logits, specs)
+    return logits
+
+
+def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(s) for s in seqs))
+    flat = [s + [pad] * (width - len(s)) for s in seqs]
+    return torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _output_counts(penalties: list[Penalties], vocab: int, device: torch.device,
+                   prev_sampled: torch.Tensor | None) -> torch.Tensor:
+    """[R, V] how often each token occurs in each row's output (pending token included)."""
+    ids = _padded([p.output_ids for p in penalties], vocab, device)
+    counts = torch.zeros(len(penalties), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    pending = [(r, p.pending_row) for r, p in enumerate(penalties) if p.pending_row >= 0]
+    if pending:
+        assert prev_sampled is not None, "a pending output token but no previous step's ids"
+        where = torch.tensor(pending, dtype=torch.int64).to(device)
+        newest = prev_sampled[where[:, 1]].long()
+        counts.index_put_((where[:, 0], newest), torch.ones_like(newest, dtype=counts.dtype),
+                          accumulate=True)
+    return counts[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], penalties: list[Penalties],
+                     prev_sampled: torch.Tensor | None) -> None:
+    device, vocab = logits.device, logits.shape[1]
+    index = torch.tensor(rows, device=device)
+    sub = logits.index_select(0, index)
+    counts = _output_counts(penalties, vocab, device, prev_sampled)
+    rep = torch.tensor([p.repetition for p in penalties], device=device).unsqueeze(1)
+    if any(p.repetition != 1.0 for p in penalties):
+        seen = counts > 0
+        prompt = _padded([list(p.prompt_ids) for p in penalties], vocab, device)
+        in_prompt = torch.zeros(len(penalties), vocab + 1, dtype=torch.bool, device=device)
+        in_prompt.scatter_(1, prompt, True)
+        seen |= in_prompt[:, :vocab]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([p.frequency for p in penalties], device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence for p in penalties], device=device).unsqueeze(1)
+    sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    logits.index_copy_(0, index, sub)
+
+
+def _apply_bias(logits: torch.Tensor, specs: list[SampleSpec]) -> None:
+    entries = [(i, token, bias) for i, s in enumerate(specs) for token, bias in s.logit_bias]
+    if not entries:
+        return
+    device = logits.device
+    rows = torch.tensor([e[0] for e in entries], device=device)
+    tokens = torch.tensor([e[1] for e in entries], device=device)
+    biases = torch.tensor([e[2] for e in entries], device=device, dtype=logits.dtype)
+    logits.index_put_((rows, tokens), biases, accumulate=True)
+
+
+def _apply_allowed(logits: torch.Tensor, specs: list[SampleSpec]) -> None:
+    entries = [(i, token) for i, s in enumerate(specs) if s.allowed_token_ids is not None
+               for token in s.allowed_token_ids]
+    if not entries:
+        return
+    device = logits.device
+    restricted = torch.tensor([s.allowed_token_ids is not None for s in specs], device=device)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    where = torch.tensor(entries, device=device)
+    keep[where[:, 0], where[:, 1]] = True
+    logits.masked_fill_(restricted.unsqueeze(1) & ~keep, float("-inf"))
