@@ -62,6 +62,9 @@ class AppArgs(BaseModel):
                                                   "Bearer <key>' (env NVRAY_API_KEY also works)")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is "
                                                               "aborted (HTTP 504)")
+    reasoning_parser: Literal["qwen3"] | None = Field(None, description="'qwen3': chat answers "
+                                                      "move <think>...</think> into "
+                                                      "reasoning_content (streamed too)")
 
     def max_waiting(self) -> int:
         """Requests a replica lets wait for a slot (no limit: Serve's own queue holds them)."""

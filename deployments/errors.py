@@ -1,7 +1,7 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every failure reaching a client goes through here, with a short message: validation failures
-are 400 (never 422 or 500), a missing or wrong API key 401, an unknown model 404, an unhealthy
+are 400 (never 422 or 500; unknown fields too, all named in one error), a missing or wrong API key 401, an unknown model 404, an unhealthy
 or overloaded engine 503, a time-out 504. Exceptions raised in Ray actors are unwrapped to their
 cause so no traceback or file path leaks into a response.
 """
@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nvray.runtime.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-_PARAM_IN_MESSAGE = re.compile(r"^(\w+)=")
+_PARAM_IN_MESSAGE = re.compile(r"^(\w+)(?:=|: )")  # "top_p=2 is invalid", "logit_bias: ..."
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 503: "service_unavailable", 504: "timeout",
           500: "internal_error"}
@@ -69,6 +69,7 @@ def to_openai_error(e: BaseException) -> OpenAIError:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+_MAX_NAMES_SHOWN, _MAX_NAME_CHARS = 5, 64  # keep an error short whatever the body holds
 
 
 def _param_of(loc: list[str]) -> str | None:
@@ -77,16 +78,43 @@ def _param_of(loc: list[str]) -> str | None:
     -> ``messages.0.content``)."""
     path: list[str] = []
     for part in loc:
-        if path and ("[" in part or part.lower() in _TYPE_TAGS or part[:1].isupper()):
+        if path and _is_union_tag(part):
             break
         path.append(part)
     return ".".join(path) or None
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part.lower() in _TYPE_TAGS or part[:1].isupper()
+
+
+def _field_path(loc: list[str]) -> str:
+    """A field's dotted path without pydantic's union-member tags (the name itself is kept
+    whatever its spelling)."""
+    return ".".join([p for p in loc[:-1] if not _is_union_tag(p)] + loc[-1:])
+
+
+def _unknown_fields_error(errors: list[dict[str, Any]]) -> OpenAIError | None:
+    """Fields the request models do not list (``extra="forbid"``): one 400 naming them all
+    (``param``: their paths, comma-separated, e.g. ``frobnicate`` or ``messages.0.colour``)."""
+    paths = [_field_path([str(p) for p in err.get("loc", ()) if p != "body"])
+             for err in errors if err.get("type") == "extra_forbidden"]
+    paths = list(dict.fromkeys(p for p in paths if p))
+    if not paths:
+        return None
+    shown = [p[:_MAX_NAME_CHARS] for p in paths[:_MAX_NAMES_SHOWN]]
+    more = f" and {len(paths) - len(shown)} more" if len(paths) > len(shown) else ""
+    return OpenAIError(400, f"unknown field{'s' if len(paths) > 1 else ''} {', '.join(shown)}"
+                            f"{more}: not a parameter nvray accepts (it rejects rather than "
+                            "ignores them)", ",".join(shown), "unknown_parameter")
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     if not errors:
         return OpenAIError(400, "invalid request body")
+    if unknown := _unknown_fields_error(list(errors)):
+        return unknown
     first = errors[0]
     if first.get("type") == "json_invalid":
         return OpenAIError(400, "request body is not valid JSON", code="json_invalid")

@@ -1,17 +1,24 @@
 """The OpenAI request schema nvray accepts, and its translation to engine requests.
 
 Requests are pydantic models; fields OpenAI defines but nvray does not implement are accepted
-only at their neutral value (e.g. ``n=1``, ``echo=false``) and otherwise rejected with a 400
-that names them. Unknown extra fields are ignored, as OpenAI clients send many.
+only at their neutral value (e.g. ``best_of=1``, no ``suffix``, no ``tools``) and otherwise
+rejected with a 400 that names them. Besides OpenAI's, vLLM's extensions are accepted:
+``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``use_beam_search`` (``n`` is the beam
+width) with ``length_penalty``, ``priority`` and ``chat_template_kwargs``. Unknown fields are rejected too (``extra="forbid"``: a 400 whose ``param``
+names them), never silently dropped: a field nvray accepts is listed here, harmless ones that
+OpenAI clients send included (``user``, ``stream_options``, ``parallel_tool_calls``, a message's
+``name``). Also the bodies of ``/tokenize`` and ``/detokenize`` (vLLM's shapes).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from nvray.sampling_params import SamplingParams
+from nvray.chat_template import ChatPrompt
+from nvray.sampling_params import BeamSearchParams, SamplingParams
 
 TokenIds = list[int]
 
@@ -22,15 +29,20 @@ class UnsupportedParameter(ValueError):
         self.param = param
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    """A request body (or part of one) that rejects fields it does not list."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: running token counts in every chunk
+    include_obfuscation: bool = False  # OpenAI's SDK may send it; nvray pads nothing
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: float | None = None
@@ -43,31 +55,67 @@ class SamplingFields(BaseModel):
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    priority: StrictInt = 0  # lower runs first under the app's scheduling_policy="priority"
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise UnsupportedParameter("n", f"n={self.n} is not supported: only n=1 (parallel "
-                                            "sampling has not landed yet)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise UnsupportedParameter(name, f"{name} is not supported")
-        if self.logit_bias:
-            raise UnsupportedParameter("logit_bias", "logit_bias is not supported")
+        if self.use_beam_search:
+            self._check_beam_search()
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def _check_beam_search(self) -> None:
+        """Beam search ranks beams by the raw log-probabilities: sampling fields don't apply."""
+        if self.stream:
+            raise UnsupportedParameter("stream", "use_beam_search returns the best beams at the "
+                                                 "end: stream must be false")
+        for name in ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
+                     "stop", "stop_token_ids"):
+            if getattr(self, name) not in (None, [], {}):
+                raise UnsupportedParameter(name, f"{name} does not apply to use_beam_search")
+        if self.temperature not in (None, 0, 0.0):
+            raise UnsupportedParameter("temperature", "use_beam_search needs temperature 0 "
+                                                      "(or none)")
+        if self.min_tokens:
+            raise UnsupportedParameter("min_tokens", "min_tokens does not apply to "
+                                                     "use_beam_search")
+
+    def report_logprobs(self) -> int | None:
+        """Top log-probabilities per output token to report (None: none)."""
+        return None
+
+    def sampling_params(self, max_tokens: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search:
+            return self.beam_search_params(max_tokens)
         values: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
                                   "min_tokens": self.min_tokens, "seed": self.seed,
-                                  "stop": self.stop, "stop_token_ids": self.stop_token_ids}
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+                                  "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+                                  "n": self.n, "logit_bias": self.logit_bias,
+                                  "allowed_token_ids": self.allowed_token_ids,
+                                  "bad_words": self.bad_words,
+                                  "logprobs": self.report_logprobs(),
+                                  "prompt_logprobs": prompt_logprobs}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         return SamplingParams(**values)
+
+    def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
+        if max_tokens is None:
+            raise UnsupportedParameter("max_tokens", "use_beam_search needs max_tokens")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens,
+                                ignore_eos=self.ignore_eos, length_penalty=self.length_penalty)
 
     @property
     def include_usage(self) -> bool:
@@ -89,14 +137,23 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedParameter("echo", "echo is not supported")
-        if self.logprobs is not None:
-            raise UnsupportedParameter("logprobs", "logprobs is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedParameter("max_tokens", "max_tokens=0 generates nothing: it is only "
+                                                     "valid with echo (to score the prompt)")
+        if self.use_beam_search and (self.echo or self.logprobs is not None):
+            raise UnsupportedParameter("echo" if self.echo else "logprobs",
+                                       "use_beam_search reports no log-probabilities or echo")
         if self.best_of not in (None, 1):
             raise UnsupportedParameter("best_of", "best_of > 1 is not supported")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix is not supported")
+
+    def report_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def completion_params(self) -> SamplingParams | BeamSearchParams:
+        """With ``echo`` and ``logprobs``, the prompt tokens are scored too."""
+        return self.sampling_params(self.max_tokens, self.logprobs if self.echo else None)
 
     def prompts(self) -> list[str | TokenIds]:
         """The prompt as a list of prompts (a string, token ids, or a batch of either)."""
@@ -108,42 +165,93 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class ContentPart(BaseModel):
+class ContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart]
+    # passed to the chat template when given (Qwen3's reads reasoning_content of past turns)
+    name: str | None = None
+    reasoning_content: str | None = None
+    tool_call_id: str | None = None
 
     def as_template_message(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        for name in ("name", "reasoning_content", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(StrictModel):
+    """How messages become a prompt: shared by chat completions and ``/tokenize``."""
+
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True
+                    ) -> ChatPrompt:
+        return ChatPrompt([m.as_template_message() for m in messages],
+                          dict(self.chat_template_kwargs or {}), add_generation_prompt)
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # without tools, both mean "no tool"
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise UnsupportedParameter("logprobs", "logprobs is not supported")
+        if self.output_limit() == 0:
+            raise UnsupportedParameter("max_tokens", "max_tokens must be at least 1")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.use_beam_search and self.logprobs:
+            raise UnsupportedParameter("logprobs", "use_beam_search reports no log-probabilities")
         if self.tools:
             raise UnsupportedParameter("tools", "tools are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise UnsupportedParameter("response_format", "only response_format type 'text' "
                                                           "is supported")
 
+    def report_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [m.as_template_message() for m in self.messages]
+    def prompt(self) -> ChatPrompt:
+        return self.chat_prompt(self.messages)
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """``POST /tokenize``: exactly one of ``prompt`` (text) or ``messages`` (a chat)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+
+    def to_tokenize(self) -> str | ChatPrompt:
+        if (self.prompt is None) == (self.messages is None):
+            raise UnsupportedParameter("prompt", "give exactly one of prompt (a string) or "
+                                                 "messages (a chat)")
+        if self.messages is None:
+            return self.prompt  # type: ignore[return-value]
+        return self.chat_prompt(self.messages, self.add_generation_prompt)
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from nvray.config import EngineConfig
-from nvray.outputs import RequestOutput
-from nvray.sampling_params import SamplingParams
+from nvray.outputs import RequestOutput, TokenLogprobs
+from nvray.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "EngineConfig", "RequestOutput", "SamplingParams",
+           "TokenLogprobs"]
 __version__ = "0.1.0"
 
 

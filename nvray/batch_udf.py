@@ -27,6 +27,7 @@ import ray
 from nvray.batch_io import output_schema
 from nvray.config import EngineConfig
 from nvray.runtime import EngineDeadError, start_engine
+from nvray.sampling_params import SamplingParams
 
 _MAX_ERROR_CHARS = 300
 
@@ -70,6 +71,8 @@ class GenerateBatch:
                  max_engine_restarts: int = 1,
                  engine_factory: Callable[[EngineConfig], Any] = start_engine) -> None:
         self.config = EngineConfig.from_kwargs(**engine_kwargs)
+        if SamplingParams.coerce(sampling_params).n != 1:
+            raise ValueError("batch inference writes one output row per input row: n must be 1")
         self.sampling_params = sampling_params
         self.restarts_left = max_engine_restarts
         self.engine_factory = engine_factory

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from nvray.config import EngineConfig
 from nvray.outputs import RequestOutput
-from nvray.sampling_params import SamplingParams
+from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -56,23 +56,41 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priorities: Seq[int] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (a string or token ids); one output per prompt, in order."""
+        """Generate for each prompt (a string or token ids); one output per prompt, in order
+        (with ``n > 1``: ``n`` outputs per prompt, by ``index``, prompt after prompt)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         return self._generate(list(prompts), sampling_params, use_tqdm, priorities)  # type: ignore[arg-type]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate a reply to each conversation, formatted with the model's chat template."""
+             use_tqdm: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate a reply to each conversation, formatted with the model's chat template
+        (``chat_template_kwargs``: extra template variables, e.g. ``{"enable_thinking": False}``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.apply_chat_template(c, chat_template_kwargs)  # type: ignore[arg-type]
+                   for c in conversations]
         return self._generate(prompts, sampling_params, use_tqdm, None)
 
-    def apply_chat_template(self, conversation: list[Message]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def apply_chat_template(self, conversation: list[Message],
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The token ids the engine runs for ``conversation`` (the same path as the driver's)."""
+        from nvray.chat_template import ChatPrompt, render_chat  # noqa: PLC0415
+
+        return render_chat(self.tokenizer, ChatPrompt(list(conversation),
+                                                      dict(chat_template_kwargs or {})))
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[list[RequestOutput]]:
+        """Beam search for each prompt: its ``beam_width`` best beams, best first (each with
+        ``token_ids``, ``text``, ``cumulative_logprob`` and ``finish_reason``)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        flat = self._generate(prompts, [params] * len(prompts), use_tqdm, None)
+        width = params.beam_width
+        return [flat[i * width:(i + 1) * width] for i in range(len(prompts))]
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats() if self.engine is not None else self.client.stats()
@@ -91,7 +109,8 @@ class LLM:
     def _params_list(sampling_params: Any, n: int) -> list[SamplingParams]:
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             return [SamplingParams.coerce(sampling_params)] * n
-        params = [SamplingParams.coerce(p) for p in sampling_params]
+        params = [p if isinstance(p, BeamSearchParams) else SamplingParams.coerce(p)
+                  for p in sampling_params]
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
         return params
@@ -101,7 +120,8 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         prios = list(priorities) if priorities is not None else [0] * len(prompts)
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        bar = tqdm(total=sum(map(num_choices, params)), desc="Generating", dynamic_ncols=True,
+                   disable=not use_tqdm)
         try:
             if self.engine is not None:
                 return self._run_inprocess(ids, prompts, params, prios, bar)
@@ -119,7 +139,7 @@ class LLM:
             for rid in ids:  # all or nothing: drop the ones queued before the bad one
                 engine.abort_request(rid)
             raise
-        results: dict[str, RequestOutput] = {}
+        results: dict[tuple[str, int], RequestOutput] = {}
         try:
             while engine.has_unfinished_requests():
                 start = time.perf_counter()
@@ -130,12 +150,12 @@ class LLM:
                                 decode=f"{decode / elapsed:.0f} tok/s")
                 for out in outputs:
                     if out.finished:
-                        results[out.request_id] = out
+                        results[out.request_id, out.index] = out
                         bar.update(1)
         except BaseException as e:  # a failed step or an interrupt: end this call's requests
             engine.fail_all(f"generate was interrupted: {type(e).__name__}: {e}")
             raise
-        return [results[i] for i in ids]
+        return [results[rid, i] for rid, p in zip(ids, params) for i in range(num_choices(p))]
 
     def _run_on_ray(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],
                     prios: list[int], bar: tqdm) -> list[RequestOutput]:
@@ -143,9 +163,9 @@ class LLM:
 
         sink = self.client.submit([Request(p, sp, rid, prio) for rid, p, sp, prio
                                    in zip(ids, prompts, params, prios)])
-        results: list[RequestOutput | None] = [None] * len(ids)
+        results: list[RequestOutput | None] = [None] * len(sink.request_ids)  # n per prompt
         last = (time.perf_counter(), self.client.stats()) if not bar.disable else (0.0, {})
-        remaining = len(ids)
+        remaining = len(results)
         try:
             while remaining:  # no streaming: each request arrives once, finished
                 try:

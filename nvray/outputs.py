@@ -55,6 +55,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     delta_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cumulative_logprob: float | None = None  # a beam search's result: its beam's score basis
 
     @property
     def usage(self) -> dict[str, int]:

@@ -236,3 +236,14 @@ class BeamSearchParams:
                "beam search ranks beams by the model's log-probabilities: only 0 is supported")
         _check(_is_number(self.length_penalty) and -10 <= self.length_penalty <= 10,
                "length_penalty", self.length_penalty, "must be a number in [-10, 10]")
+
+
+def num_choices(params: Any) -> int:
+    """How many outputs a request gives: ``n``, or a beam search's ``beam_width`` (params as a
+    SamplingParams, a BeamSearchParams or a dict); 1 if that is not a valid count (the engine
+    then rejects the request, naming the field)."""
+    if isinstance(params, BeamSearchParams):
+        return params.beam_width
+    n = params.get("n", 1) if isinstance(params, dict) else getattr(params, "n", 1)
+    valid = isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N
+    return n if valid else 1

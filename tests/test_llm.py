@@ -111,7 +111,7 @@ def test_abort_frees_blocks_and_nothing_leaks(llm):
     engine.add_request("drop", "a prompt to abort " * 5, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.block_manager.num_free_blocks < total
-    aborted = engine.abort_request("drop")
+    [aborted] = engine.abort_request("drop")
     assert aborted.finished and aborted.finish_reason == "abort"
     for _ in range(20):
         if not engine.has_unfinished_requests():
@@ -119,7 +119,7 @@ def test_abort_frees_blocks_and_nothing_leaks(llm):
         engine.step()
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == total
-    assert engine.abort_request("drop") is None  # unknown ids are ignored
+    assert engine.abort_request("drop") == []  # unknown ids are ignored
 
 
 def test_a_step_that_fails_midway_ends_the_calls_requests_and_the_engine_runs_on(llm, tiny_path):

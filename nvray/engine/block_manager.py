@@ -9,6 +9,10 @@ Contract:
   (blocks holding no cached content go first of all). Reusing a block drops its stale hash.
 - At most ``(num_tokens - 1) // block_size`` blocks of a sequence are served from the cache,
   so the model always has at least one token to compute (never a zero-length query).
+- Forks: ``fork`` gives a sequence another's blocks up to a token count (ref counted, never
+  copied). Copy-on-write: before a sequence writes into a block it shares (a fork's partly
+  filled last block), it gets a private copy; the (source, copy) pair waits in
+  ``take_copies()`` for the step that must copy the KV before it writes.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class BlockManager:
         self.seq_block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its cached blocks
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet launched
+        self.num_copied_blocks = 0
 
     # ----------------------------------------------------------------- queries
     @property
@@ -93,9 +99,31 @@ class BlockManager:
         new = self.num_blocks_for(num_tokens) - len(cached)
         return revived + new <= len(self.free_blocks)
 
+    def needs_blocks(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Does writing ``num_new_tokens`` more tokens take free blocks (the fast check)?"""
+        return (seq.num_computed_tokens + num_new_tokens > len(seq.block_table) * self.block_size
+                or self._shares_write_block(seq))
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks that writing ``num_new_tokens`` more tokens of ``seq`` takes (new blocks,
+        and a private copy of a shared block it would write into)."""
+        grow = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return max(grow, 0) + self._shares_write_block(seq)
+
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= len(self.free_blocks)
+        return self.num_new_blocks(seq, num_new_tokens) <= len(self.free_blocks)
+
+    def can_fork(self, num_shared_tokens: int, num_new_tokens: int) -> bool:
+        """Can a sequence sharing a fork's first ``num_shared_tokens`` add that many more?"""
+        grow = (self.num_blocks_for(num_shared_tokens + num_new_tokens)
+                - self.num_blocks_for(num_shared_tokens))
+        return grow + (num_shared_tokens % self.block_size != 0) <= len(self.free_blocks)
+
+    def _shares_write_block(self, seq: Sequence) -> bool:
+        if not seq.shares_blocks:
+            return False
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
 
     # ----------------------------------------------------------------- changes
     def allocate_prefix(self, seq: Sequence, cached: list[int]) -> None:
@@ -113,8 +141,33 @@ class BlockManager:
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
 
+    def fork(self, child: Sequence, parent: Sequence, num_tokens: int) -> None:
+        """Give a waiting ``child`` the blocks of ``parent`` that hold its first ``num_tokens``
+        tokens (the same tokens: a request's choices share the prompt)."""
+        assert not child.block_table, f"seq {child.seq_id} already holds blocks"
+        shared = parent.block_table[:self.num_blocks_for(num_tokens)]
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(shared)
+        child.num_computed_tokens = num_tokens
+        child.shares_blocks = parent.shares_blocks = True
+        child.num_cached_tokens = num_tokens
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs since the last call (the next launched step copies them)."""
+        copies, self.copies = self.copies, []
+        return copies
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Make sure the block table covers ``num_computed_tokens + num_new_tokens`` tokens."""
+        """Make sure the block table covers ``num_computed_tokens + num_new_tokens`` tokens,
+        with a private copy of a shared block the tokens would be written into."""
+        if self._shares_write_block(seq):
+            i = seq.num_computed_tokens // self.block_size
+            shared = self.blocks[seq.block_table[i]]
+            shared.ref_count -= 1
+            seq.block_table[i] = self._take_free_block()
+            self.copies.append((shared.block_id, seq.block_table[i]))
+            self.num_copied_blocks += 1
         needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol
 
+from nvray.engine.beam_search import BeamSearcher
 from nvray.engine.block_manager import BlockManager
 from nvray.engine.detokenizer import IncrementalDetokenizer
 from nvray.engine.metrics import RequestMetrics
@@ -32,7 +33,7 @@ from nvray.engine.scheduler import Scheduler, SchedulerOutput
 from nvray.engine.sequence import Sequence
 from nvray.engine.step_input import SeqPlan, StepInput, StepOutput, build_step_input
 from nvray.outputs import RequestOutput, TokenLogprobs
-from nvray.sampling_params import SamplingParams
+from nvray.sampling_params import BeamSearchParams, SamplingParams
 
 
 class Executor(Protocol):
@@ -88,23 +89,16 @@ class RequestState:
         return self.stream or bool(self.seq.params.stop)
 
 
-class LaunchRecord(NamedTuple):
-    """One scheduled sequence of a launched step."""
-
-    seq: Sequence
-    kv_end: int  # KV written up to here when the step is done
-    row: int  # its row among the sampled ids, or -1
-    num_preemptions: int  # its preemption count at launch
-    logprob_row: int = -1  # its sampled token's row among the step's logprobs, or -1
-    first_score: int = 0  # its prompt tokens' first row among the step's logprobs ...
-    num_scores: int = 0  # ... and how many
-
-
 class LaunchedStep(NamedTuple):
-    """A step handed to the executor, and what its sampled ids will mean."""
+    """A step handed to the executor, and what its results will mean."""
 
     step_input: StepInput
-    records: list[LaunchRecord]
+    # per scheduled sequence, a plain tuple (cheapest to build, 256 per step):
+    # (seq, KV written up to here when the step is done, its row among the sampled ids or -1,
+    #  its preemption count at launch, its sampled token's row among the step's logprobs or -1,
+    #  its prompt scores' first row among the score rows, their number)
+    records: list[tuple[Sequence, int, int, int, int, int, int]]
+    num_sample_logprobs: int = 0  # logprob rows of sampled tokens (score rows come after)
 
 
 class LLMEngine:
@@ -123,8 +117,9 @@ class LLMEngine:
                                           enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    scheduling_policy, enable_chunked_prefill, sjf_aging_s, clock)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, list[RequestState]] = {}  # request_id -> its choices
         self.plans: dict[int, SeqPlan] = {}  # seq_id -> its plan
+        self.beams = BeamSearcher(self.scheduler, tokenizer, self.plans)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the latest step
@@ -179,8 +174,6 @@ class LLMEngine:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler.max_num_seqs}")
 
     def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids, as written and with a leading space (how a word usually
@@ -194,42 +187,74 @@ class LLMEngine:
         return tuple(dict.fromkeys(variants))
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, priority: int = 0,
+                    params: SamplingParams | BeamSearchParams | None = None, priority: int = 0,
                     stream: bool = False) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ValueError if it can't run.
 
         A ``stream`` request gets an output every step it makes progress; others get only their
-        final output.
+        final output. With ``n > 1`` each choice is a sequence of its own and its outputs carry
+        its ``index``; the prompt is prefilled once (see ``Scheduler``: forks).
         """
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.beams.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
+        if isinstance(params, BeamSearchParams):
+            return self._add_beam_search(request_id, token_ids, params, priority)
         params = self.validate(token_ids, params)
-        seq = Sequence(request_id, token_ids, params, self.clock(), priority)
         eos = () if params.ignore_eos else self.limits.eos_token_ids
-        plan = SeqPlan(tuple(dict.fromkeys(eos + params.stop_token_ids)),
-                       self._bad_word_ids(params.bad_words))
+        stop_ids = tuple(dict.fromkeys(eos + params.stop_token_ids))
+        bad_words = self._bad_word_ids(params.bad_words)
+        states = [self._new_choice(request_id, i, token_ids, params, stop_ids, bad_words, prompt,
+                                   priority, stream)
+                  for i in range(params.n)]
+        if len(token_ids) > 1 and params.prompt_logprobs is None:  # the others share the
+            # first choice's prompt KV (a scored prompt is computed by each)
+            for state in states[1:]:
+                state.seq.fork_of = states[0].seq
+        self.requests[request_id] = states
+        for state in states:
+            self.plans[state.seq.seq_id] = state.plan
+            self.scheduler.add(state.seq)
+        self.num_prompt_tokens += len(token_ids)
+        self.num_accepted += len(states)
+        return token_ids
+
+    def _add_beam_search(self, request_id: str, token_ids: list[int], params: BeamSearchParams,
+                         priority: int) -> list[int]:
+        """A beam search (``beam_search.py``): its ``beam_width`` results come at the end."""
+        self.validate(token_ids, BeamSearcher.beam_params(params))
+        eos = () if params.ignore_eos else self.limits.eos_token_ids
+        self.beams.add(request_id, token_ids, params, eos, self.clock(), priority)
+        self.num_prompt_tokens += len(token_ids)
+        self.num_accepted += params.beam_width
+        return token_ids
+
+    def _new_choice(self, request_id: str, index: int, token_ids: list[int],
+                    params: SamplingParams, stop_ids: tuple[int, ...],
+                    bad_words: tuple[tuple[int, ...], ...], prompt: str | list[int],
+                    priority: int, stream: bool) -> RequestState:
+        if index and params.seed is not None:  # choice i of a seeded request: seed + i
+            params = dataclasses.replace(params, seed=(params.seed + index) % (2**63))
+        plan = SeqPlan.of(params, stop_ids, bad_words)
+        seq = Sequence(request_id, token_ids, params, self.clock(), priority)
+        seq.index = index
         seq.waits_for_tokens = any(len(word) > 1 for word in plan.bad_words)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
-        state = RequestState(seq, detok, plan, prompt if isinstance(prompt, str) else None,
-                             token_ids, stream)
+        state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, token_ids), plan,
+                             prompt if isinstance(prompt, str) else None, token_ids, stream)
         if params.logprobs is not None:
             state.logprobs = []
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
-        self.requests[request_id] = state
-        self.plans[seq.seq_id] = plan
-        self.scheduler.add(seq)
-        self.num_prompt_tokens += len(token_ids)
-        self.num_accepted += 1
-        return token_ids
+        return state
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        state = self.requests.get(request_id)
-        if state is None:
-            return None
-        return self._finish(state, "abort")
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort every unfinished choice of the request; their final outputs ([] if unknown)."""
+        if request_id in self.beams.groups:
+            return self._count(self.beams.abort(request_id, "abort"))
+        states = self.requests.get(request_id, [])
+        return [self._finish(state, "abort") for state in list(states)
+                if state.finish_reason is None]
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every request with an error (a step failed); the engine holds nothing after, and
@@ -237,13 +262,24 @@ class LLMEngine:
         outputs = []
         self.in_flight = None
         self.executor.discard_in_flight()
-        for state in list(self.requests.values()):
-            state.error = message
-            outputs.append(self._finish(state, "error"))
+        for states in list(self.requests.values()):
+            for state in states:
+                if state.finish_reason is None:
+                    state.error = message
+                    outputs.append(self._finish(state, "error"))
+        for request_id in list(self.beams.groups):
+            outputs += self._count(self.beams.abort(request_id, "error", message))
         return outputs
 
+    def _count(self, finals: list[RequestOutput]) -> list[RequestOutput]:
+        """Count the final outputs of a beam search as finished requests."""
+        for out in finals:
+            reason = out.finish_reason or "abort"
+            self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+        return finals
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or self.in_flight is not None
+        return bool(self.requests) or bool(self.beams.groups) or self.in_flight is not None
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -267,52 +303,58 @@ class LLMEngine:
         num_decode = sum(1 for seq, n in out.scheduled
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
-        step_input = build_step_input(out, self.plans)
-        records, row = [], 0
-        num_logprob_rows = sum(1 for s in step_input.seqs if s.sample and s.sample.logprobs >= 0)
-        logprob_row, score_row = 0, num_logprob_rows
+        step_input = build_step_input(out, self.plans, self.block_manager.take_copies())
+        records, row, logprob_row, score_row = [], 0, 0, 0
         for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
             seq.num_computed_tokens += num_new
-            num_scores = len(seq_step.score.targets) if seq_step.score else 0
-            record = LaunchRecord(seq, seq.num_computed_tokens, -1, seq.num_preemptions,
-                                  first_score=score_row, num_scores=num_scores)
-            score_row += num_scores
-            if seq_step.sample is not None:
+            kv_end = seq.num_computed_tokens
+            sample, score = seq_step.sample, seq_step.score
+            num_scores = len(score.targets) if score is not None else 0
+            if sample is None:
+                records.append((seq, kv_end, -1, seq.num_preemptions, -1, score_row, num_scores))
+            else:
                 seq.num_pending += 1
                 seq.pending_row = row
-                record = record._replace(row=row)
+                lp_row = -1
+                if sample.logprobs >= 0:
+                    lp_row, logprob_row = logprob_row, logprob_row + 1
+                records.append((seq, kv_end, row, seq.num_preemptions, lp_row, score_row,
+                                num_scores))
                 row += 1
-                if seq_step.sample.logprobs >= 0:
-                    record = record._replace(logprob_row=logprob_row)
-                    logprob_row += 1
-            records.append(record)
-        return LaunchedStep(step_input, records)
+            score_row += num_scores
+        return LaunchedStep(step_input, records, logprob_row)
 
     def _postprocess(self, launched: LaunchedStep, result: StepOutput) -> list[RequestOutput]:
         sampled = result.ids
         assert len(sampled) == launched.step_input.num_samples, "ranks returned the wrong number of tokens"
         outputs, finished = [], []
         now = self.clock()
-        for rec in launched.records:
-            seq = rec.seq
+        first_score = launched.num_sample_logprobs
+        for seq, kv_end, row, num_preemptions, lp_row, score_row, num_scores in launched.records:
             if seq.is_finished:  # finished or aborted since: this step's work for it is void
                 continue
-            if seq.num_preemptions == rec.num_preemptions:  # its blocks still hold this KV
-                self.block_manager.cache_full_blocks(seq, rec.kv_end)
-            state = self.requests[seq.request_id]
-            if rec.num_scores:
+            if seq.num_preemptions == num_preemptions:  # its blocks still hold this KV
+                self.block_manager.cache_full_blocks(seq, kv_end)
+            if self.beams.groups and self.beams.owns(seq):
+                if row >= 0:
+                    seq.num_pending -= 1
+                    self.beams.report(seq, result.logprobs[lp_row])  # type: ignore[index]
+                continue
+            state = self.requests[seq.request_id][seq.index]
+            if num_scores:
+                start = first_score + score_row
                 state.prompt_logprobs.extend(  # type: ignore[union-attr]
-                    result.logprobs[rec.first_score:rec.first_score + rec.num_scores])  # type: ignore[index]
-            if rec.row < 0:
-                if seq.params.max_tokens == 0 and rec.kv_end >= seq.num_prompt_tokens:
+                    result.logprobs[start:start + num_scores])  # type: ignore[index]
+            if row < 0:
+                if seq.params.max_tokens == 0 and kv_end >= seq.num_prompt_tokens:
                     state.finish_reason = "length"  # prefilled (and scored): nothing to generate
                     finished.append(state)
                     outputs.append(self._make_output(state))
                 continue
             seq.num_pending -= 1
-            if rec.logprob_row >= 0:
-                state.logprobs.append(result.logprobs[rec.logprob_row])  # type: ignore[union-attr,index]
-            self._append_token(state, sampled[rec.row], now)
+            if lp_row >= 0:
+                state.logprobs.append(result.logprobs[lp_row])  # type: ignore[union-attr,index]
+            self._append_token(state, sampled[row], now)
             if state.finish_reason is not None:
                 finished.append(state)
                 outputs.append(self._make_output(state))
@@ -323,6 +365,8 @@ class LLMEngine:
             for state in finished:
                 self._forget(state)
                 self._record(state)
+        if self.beams.groups:
+            outputs += self._count(self.beams.advance())
         return outputs
 
     def _append_token(self, state: RequestState, token: int, now: float) -> None:
@@ -381,16 +425,17 @@ class LLMEngine:
         delta_token_ids = seq.token_ids[seq.num_prompt_tokens + state.num_emitted_tokens:]
         if finished:
             out = RequestOutput(
-                request_id=seq.request_id, prompt_token_ids=state.prompt_token_ids,
+                request_id=seq.request_id, index=seq.index, prompt_token_ids=state.prompt_token_ids,
                 text=state.text, token_ids=seq.output_token_ids, delta_text=delta_text,
                 delta_token_ids=delta_token_ids, finished=True, finish_reason=state.finish_reason,
                 error=state.error, num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt,
                 logprobs=state.logprobs, prompt_logprobs=state.prompt_logprobs)
         else:  # a streaming step: the deltas only
             out = RequestOutput(seq.request_id, [], delta_text=delta_text,
-                                delta_token_ids=delta_token_ids)
-            if state.num_emitted_tokens == 0:
-                out.prompt_logprobs = state.prompt_logprobs
+                                delta_token_ids=delta_token_ids, index=seq.index)
+            if state.num_emitted_tokens == 0 and state.prompt_logprobs is not None:
+                out.prompt_logprobs = state.prompt_logprobs  # the first output: the prompt's
+                out.prompt_token_ids = state.prompt_token_ids
         if state.logprobs is not None:
             out.delta_logprobs = state.logprobs[state.num_emitted_tokens:num_tokens]
         state.num_emitted_chars = visible
@@ -412,8 +457,11 @@ class LLMEngine:
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
     def _forget(self, state: RequestState) -> None:
-        self.requests.pop(state.seq.request_id, None)
+        """A choice finished: drop its plan, and the request once all its choices finished."""
         self.plans.pop(state.seq.seq_id, None)
+        rid = state.seq.request_id
+        if all(s.finish_reason is not None for s in self.requests.get(rid, ())):
+            self.requests.pop(rid, None)
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
@@ -423,6 +471,7 @@ class LLMEngine:
                 "prefix_cache_hit_rate": bm.prefix_hit_rate,
                 "prefix_cache_queried_tokens": bm.num_queried_tokens,
                 "prefix_cache_hit_tokens": bm.num_hit_tokens,
+                "kv_blocks_copied": bm.num_copied_blocks,
                 "prompt_tokens": self.num_prompt_tokens,
                 "generation_tokens": self.num_generation_tokens,
                 "num_preemptions": self.scheduler.num_preemptions,

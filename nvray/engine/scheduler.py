@@ -14,6 +14,11 @@ With overlapped steps a running sequence whose last planned token is its ``max_t
 not scheduled again: the step sampling that token is in flight, and its result finishes it;
 nor is one that waits for its newest token (``Sequence.waits_for_tokens``) while it is pending.
 A request for prompt log-probabilities skips the prefix cache (every position is computed).
+
+Forks (a request's ``n`` choices): a waiting sequence ``fork_of`` another waits until that one
+has launched all prompt tokens but the last, then takes those blocks (shared, ref counted) and
+computes only the last prompt token itself; writes into a shared block copy it first
+(``BlockManager``). If the source finished first, the fork prefills on its own.
 """
 
 from __future__ import annotations
@@ -59,6 +64,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds its blocks (a beam forked from another) runs next."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -90,7 +100,8 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i, bs = 0, self.block_manager.block_size
+        i, bm = 0, self.block_manager
+        bs = bm.block_size
         scheduled = out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -102,7 +113,8 @@ class Scheduler:
             if num_new == 0:  # prefilled, nothing to generate (max_tokens=0): it finishes
                 i += 1
                 continue
-            if seq.num_computed_tokens + num_new > len(seq.block_table) * bs:  # needs blocks
+            if (seq.num_computed_tokens + num_new > len(seq.block_table) * bs  # new blocks,
+                    or (seq.shares_blocks and bm.needs_blocks(seq, num_new))):  # or a copy
                 if not self._make_room(seq, num_new, i, out):
                     continue  # seq itself was preempted; the next one moved into slot i
                 self.block_manager.append_slots(seq, num_new)
@@ -140,6 +152,15 @@ class Scheduler:
         for seq in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if seq.fork_of is not None:
+                forked = self._try_fork(seq, out, budget)
+                if forked is None:
+                    continue  # its fork source has not computed the shared prompt yet
+                if forked:
+                    budget -= out.scheduled[-1][1]
+                    continue
+                if seq.fork_of is not None:
+                    break  # no room now
             # prompt log-probabilities need every prompt position computed
             cached = [] if seq.params.prompt_logprobs is not None else bm.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached) * bm.block_size
@@ -155,6 +176,30 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+
+    def _try_fork(self, seq: Sequence, out: SchedulerOutput, budget: int) -> bool | None:
+        """Schedule ``seq`` on its fork source's prompt blocks: True if done; None while the
+        source has not launched the shared prompt tokens; False if the blocks aren't free (or
+        the source finished: then ``fork_of`` is cleared and ``seq`` prefills on its own)."""
+        source, bm = seq.fork_of, self.block_manager
+        assert source is not None
+        if source.status is SequenceStatus.FINISHED:
+            seq.fork_of = None
+            return False
+        shared = seq.num_prompt_tokens - 1  # the last prompt token: each choice samples its own
+        if source.status is SequenceStatus.WAITING or source.num_computed_tokens < shared:
+            return None
+        num_new = min(seq.num_tokens - shared, budget)
+        if not bm.can_fork(shared, num_new):
+            return False
+        self.waiting.remove(seq)
+        bm.fork(seq, source, shared)
+        bm.append_slots(seq, num_new)
+        seq.fork_of = None
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append((seq, num_new))
+        return True
 
     def _waiting_in_policy_order(self) -> list[Sequence]:
         if self.policy == "fcfs":

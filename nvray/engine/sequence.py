@@ -7,6 +7,8 @@ step; it advances chunk by chunk, so prefill can be split over steps and resumed
 ``num_pending`` tokens (0, 1 or 2) that launched steps are sampling on the device: they count in
 ``num_tokens`` (the scheduler plans with them) but not in ``token_ids``; ``pending_row`` is the
 row of the newest one among its step's sampled ids, which the next step reads on the device.
+A sequence ``fork_of`` another (a request's choice after the first) takes that one's prompt
+KV blocks instead of prefilling them itself.
 A sequence that ``waits_for_tokens`` (what it samples next depends on its newest token on the
 host, e.g. multi-token bad words) is not scheduled while a token is pending.
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
 
 from nvray.sampling_params import SamplingParams
 
@@ -30,7 +31,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
-                 "user_data", "num_pending", "pending_row", "waits_for_tokens")
+                 "index", "fork_of", "shares_blocks", "num_pending", "pending_row", "waits_for_tokens")
 
     _counter = itertools.count()
 
@@ -50,7 +51,9 @@ class Sequence:
         self.priority = priority
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.user_data: Any = None
+        self.index = 0  # the choice's index among its request's n
+        self.fork_of: Sequence | None = None  # shares that sequence's prompt KV (see Scheduler)
+        self.shares_blocks = False  # forked, or forked from: may write into a shared block
         self.num_pending = 0
         self.pending_row = -1
         self.waits_for_tokens = False

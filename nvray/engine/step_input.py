@@ -26,6 +26,7 @@ from typing import NamedTuple
 from nvray.engine.scheduler import SchedulerOutput
 from nvray.engine.sequence import Sequence
 from nvray.outputs import TokenLogprobs
+from nvray.sampling_params import SamplingParams
 
 
 class Penalties(NamedTuple):
@@ -103,12 +104,25 @@ def placeholder_row(token_id: int) -> int:
 
 @dataclass
 class SeqPlan:
-    """What shapes a sequence's steps beyond its SamplingParams: fixed at admission, except
-    ``num_scored`` (prompt positions whose scoring was launched)."""
+    """What shapes a sequence's steps, fixed at admission (the parts of its SampleSpecs that
+    never change are computed once), except ``num_scored``: prompt positions whose scoring was
+    launched."""
 
     stop_ids: tuple[int, ...]  # EOS (unless ignore_eos) and stop_token_ids
     bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each bad word
     num_scored: int = 0
+    fixed: tuple = ()  # temperature, top_p, top_k, min_p, seed
+    min_tokens: int = 0
+    logprobs: int = -1
+    adjusts_logits: bool = False
+
+    @classmethod
+    def of(cls, params: SamplingParams, stop_ids: tuple[int, ...],
+           bad_words: tuple[tuple[int, ...], ...] = ()) -> "SeqPlan":
+        p = params
+        return cls(stop_ids, bad_words, fixed=(p.temperature, p.top_p, p.top_k, p.min_p, p.seed),
+                   min_tokens=p.min_tokens, logprobs=-1 if p.logprobs is None else p.logprobs,
+                   adjusts_logits=p.adjusts_logits)
 
 
 def banned_by_words(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int]) -> tuple[int, ...]:
@@ -123,18 +137,20 @@ def banned_by_words(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int
 
 
 def sample_spec_for(seq: Sequence, plan: SeqPlan) -> SampleSpec:
-    p = seq.params
     index = seq.num_planned_output_tokens
-    banned = plan.stop_ids if index < p.min_tokens else ()
+    banned = plan.stop_ids if index < plan.min_tokens else ()
     if plan.bad_words:  # with multi-token words the output is complete here (scheduler)
         banned += banned_by_words(plan.bad_words, seq.output_token_ids)
+    if not plan.adjusts_logits:
+        t, p, k, m, seed = plan.fixed
+        return SampleSpec(t, p, k, m, seed, index, banned, plan.logprobs)
+    p = seq.params
     penalties = None
     if p.has_penalties:
         penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                               tuple(seq.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
                               seq.output_token_ids, seq.pending_row if seq.num_pending else -1)
-    return SampleSpec(p.temperature, p.top_p, p.top_k, p.min_p, p.seed, index, banned,
-                      -1 if p.logprobs is None else p.logprobs, penalties,
+    return SampleSpec(*plan.fixed, index, banned, plan.logprobs, penalties,
                       tuple(p.logit_bias.items()) if p.logit_bias else (), p.allowed_token_ids)
 
 
@@ -160,9 +176,12 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         if len(token_ids) < num_new:  # the newest token is being sampled on the device
             assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
             token_ids.append(placeholder_id(seq.pending_row))
-        plan = plans[seq.seq_id]
-        samples = end == seq.num_tokens and seq.params.max_tokens > 0
-        sample = sample_spec_for(seq, plan) if samples else None
-        steps.append(SeqStep(seq.seq_id, token_ids, start, seq.block_table, sample,
-                             prompt_score_for(seq, plan, start, end)))
+        plan, params = plans[seq.seq_id], seq.params
+        sample = None
+        if end == seq.num_tokens and params.max_tokens:
+            sample = sample_spec_for(seq, plan)
+        score = None
+        if params.prompt_logprobs is not None:
+            score = prompt_score_for(seq, plan, start, end)
+        steps.append(SeqStep(seq.seq_id, token_ids, start, seq.block_table, sample, score))
     return StepInput(steps, block_copies or [])

@@ -2,14 +2,17 @@
 
 ``build_checkpoint`` writes a complete HF-format checkpoint — config.json, model.safetensors
 (random weights from a fixed seed), generation_config.json and a byte-level BPE tokenizer with
-special tokens and a ChatML chat template — for any Qwen3/Qwen2 shape; tests use it for other
-random configs too. ``resolve_model("tiny")`` builds the default once into a cache directory
-(``$NVRAY_CACHE_DIR``, default ``~/.cache/nvray``) and returns its path; the engine then loads it
-with exactly the code that loads a real model.
+special tokens, Qwen3's ``<think>``/``</think>`` tokens and a ChatML chat template that honours
+``enable_thinking`` as Qwen3's does — for any Qwen3/Qwen2 shape; tests use it for other random
+configs too. ``resolve_model("tiny")`` builds the default once into a cache directory
+(``$NVRAY_CACHE_DIR``, default ``~/.cache/nvray``) whose name carries a fingerprint of everything
+the build depends on, so a changed tokenizer or template never reuses a stale cache; the engine
+then loads it with exactly the code that loads a real model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,13 +20,20 @@ import tempfile
 from typing import Any
 
 TINY_NAME = "tiny"
-_TINY_VERSION = "tiny-qwen3-v2"
+_TINY_VERSION = "tiny-qwen3-v3"  # bump when the weights' recipe changes
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Like Qwen3's: ordinary added tokens (not special), so decoded output keeps them and a
+# reasoning parser can find them; they take the last ids of the tokenizer's vocabulary.
+THINK_TOKENS = ["<think>", "</think>"]
+# ChatML; with enable_thinking=false the generation prompt closes an empty think block, which is
+# how Qwen3's template switches thinking off.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
 )
 TINY_CONFIG: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -56,17 +66,21 @@ def _synthetic_words(vocab_size: int) -> list[str]:
 
 
 def _train_tokenizer(vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    """A byte-level BPE of ``vocab_size`` tokens in all, the think tokens last."""
+    from tokenizers import (AddedToken, Tokenizer, decoders, models,  # noqa: PLC0415
+                            pre_tokenizers, trainers)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(THINK_TOKENS),
+                                  special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     corpus = _CORPUS.splitlines() * 4
     tok.train_from_iterator(corpus + (_synthetic_words(vocab_size) if vocab_size > 4096 else []),
                             trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     return tok
 
 
@@ -163,9 +177,17 @@ def cache_dir() -> str:
     return os.environ.get("NVRAY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nvray")
 
 
+def tiny_cache_name() -> str:
+    """The tiny model's cache directory name: the recipe's version and a fingerprint of the
+    tokenizer's inputs, the chat template and the shape."""
+    recipe = json.dumps([SPECIAL_TOKENS, THINK_TOKENS, CHAT_TEMPLATE, TINY_CONFIG, _CORPUS],
+                        sort_keys=True)
+    return f"{_TINY_VERSION}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+
+
 def tiny_model_path() -> str:
     """Path of the embedded tiny model, built on first use (atomically: safe across processes)."""
-    final = os.path.join(cache_dir(), _TINY_VERSION)
+    final = os.path.join(cache_dir(), tiny_cache_name())
     if os.path.exists(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(cache_dir(), exist_ok=True)

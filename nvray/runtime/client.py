@@ -95,15 +95,18 @@ class EngineClient:
         return self.router.add(list(requests), stream, all_or_nothing)
 
     def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
-                 priority: int = 0) -> RequestOutput:
-        [result] = self.submit([Request(prompt, sampling_params, request_id, priority)]).results()
-        if isinstance(result, BaseException):
-            raise result
-        return result
+                 priority: int = 0) -> RequestOutput | list[RequestOutput]:
+        """The final output (with ``n > 1``: the list of the ``n`` choices' outputs)."""
+        results = self.submit([Request(prompt, sampling_params, request_id, priority)]).results()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results[0] if len(results) == 1 else results  # type: ignore[return-value]
 
     def generate_many(self, prompts: Sequence[Any], sampling_params: Any = None
                       ) -> list[RequestOutput | BaseException]:
-        """Final outputs of many prompts, in order; a rejected or failed one gives its error."""
+        """Final outputs of many prompts, in order (``n`` consecutive ones per prompt with
+        ``n > 1``); a rejected or failed one gives its error."""
         sink = self.submit([Request(p, sampling_params) for p in prompts], all_or_nothing=False)
         return sink.results()
 

@@ -19,10 +19,14 @@ channel per consumer, one message per engine step whatever the number of its req
 returns one request's final output. Also ``abort``, ``stats``, ``check_health``, ``shutdown``.
 
 A request is ``(request_id, prompt, sampling_params, priority, stream)``: ``prompt`` is a string,
-a list of token ids, or a list of chat messages (dicts with ``role`` and ``content``, formatted
-with the model's chat template); ``sampling_params`` is a dict or a SamplingParams; ``stream``
+a list of token ids, or a chat prompt (a list of messages, dicts with ``role`` and ``content``,
+or a ``nvray.chat_template.ChatPrompt`` that also carries ``chat_template_kwargs``), formatted
+with the model's chat template; ``sampling_params`` is a dict or a SamplingParams; ``stream``
 asks for an output every step (else only the final one). An engine that lost a rank raises
 EngineDeadError for every in-flight and new request.
+
+``tokenize(prompt)`` and ``detokenize(token_ids)`` expose the engine's own tokenizer, so that
+token counts and ids a client sees are the ones the engine runs.
 """
 
 from __future__ import annotations
@@ -36,19 +40,16 @@ from typing import Any, AsyncIterator
 from ray.util.placement_group import PlacementGroup
 
 from nvray.bootstrap import create_engine
+from nvray.chat_template import is_chat, render_chat
 from nvray.config import EngineConfig
 from nvray.outputs import RequestOutput, WireOutput
 from nvray.runtime.consumer_channel import ConsumerChannel, FinalOutput, OutputSink
 from nvray.runtime.engine_loop import EngineLoop, NewRequest
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.ray_executor import RayExecutor
-from nvray.sampling_params import SamplingParams
+from nvray.sampling_params import BeamSearchParams, SamplingParams
 
 RequestSpec = tuple[str, Any, Any, int, bool]  # request_id, prompt, sampling_params, priority, stream
-
-
-def is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
 class EngineDriver:
@@ -72,14 +73,24 @@ class EngineDriver:
 
     # ---------------------------------------------------------------- requests
     def prepare_prompt(self, prompt: Any) -> str | list[int]:
-        if not is_chat(prompt):
-            return prompt
-        for i, m in enumerate(prompt):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must have string 'role' and 'content'")
-        text = self.engine.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                         add_generation_prompt=True)
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        """A chat prompt becomes its template's token ids; other prompts pass unchanged."""
+        return render_chat(self.engine.tokenizer, prompt) if is_chat(prompt) else prompt
+
+    async def tokenize(self, prompt: Any) -> list[int]:
+        """The token ids the engine would run for ``prompt`` (a string or a chat prompt)."""
+        if prompt == "":
+            return []
+        prepared = self.prepare_prompt(prompt)
+        return prepared if isinstance(prepared, list) else self.engine.tokenize(prepared)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included (the inverse of ``tokenize``)."""
+        vocab_size = self.engine.limits.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _live_loop(self) -> EngineLoop:
         assert self.loop is not None, "start() first"
@@ -89,8 +100,9 @@ class EngineDriver:
 
     def _new_request(self, spec: RequestSpec) -> NewRequest:
         request_id, prompt, params, priority, stream = spec
-        return NewRequest(request_id, self.prepare_prompt(prompt), SamplingParams.coerce(params),
-                          priority, stream)
+        if not isinstance(params, BeamSearchParams):
+            params = SamplingParams.coerce(params)
+        return NewRequest(request_id, self.prepare_prompt(prompt), params, priority, stream)
 
     async def _add(self, specs: list[RequestSpec], sink: OutputSink) -> list[int | ValueError]:
         loop = self._live_loop()

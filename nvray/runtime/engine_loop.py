@@ -79,13 +79,13 @@ class EngineLoop:
 
     def abort(self, request_ids: list[str]) -> concurrent.futures.Future:
         return self.call(lambda: self._deliver(
-            [o for o in map(self.engine.abort_request, request_ids) if o is not None]))
+            [o for rid in request_ids for o in self.engine.abort_request(rid)]))
 
     def abort_sink(self, sink: OutputSink) -> concurrent.futures.Future:
         """Abort every request whose outputs go to ``sink`` (its consumer went away)."""
         return self.call(lambda: self._deliver([
             o for rid, s in list(self.sinks.items()) if s is sink
-            if (o := self.engine.abort_request(rid)) is not None]))
+            for o in self.engine.abort_request(rid)]))
 
     def stop(self) -> None:
         self.stopping = True
@@ -129,10 +129,12 @@ class EngineLoop:
         """Hand each sink its share of ``outputs`` in one call."""
         by_sink: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
         for out in outputs:
-            rid = out.request_id
-            sink = self.sinks.pop(rid, None) if out.finished else self.sinks.get(rid)
+            sink = self.sinks.get(out.request_id)
             if sink is not None:
                 by_sink.setdefault(id(sink), (sink, []))[1].append(out)
+        for rid in {out.request_id for out in outputs if out.finished}:
+            if rid not in self.engine.requests:  # its last choice finished
+                self.sinks.pop(rid, None)
         for sink, outs in by_sink.values():
             sink.deliver(outs)
 

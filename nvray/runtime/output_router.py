@@ -21,6 +21,7 @@ from typing import Any
 
 from nvray.outputs import RequestOutput, coalesce, from_wire
 from nvray.runtime.errors import EngineDeadError
+from nvray.sampling_params import num_choices
 
 logger = logging.getLogger(__name__)
 # Steps the driver may run ahead of a slow consumer before its messages merge (Ray-side buffer).
@@ -40,9 +41,11 @@ class Request:
 class RequestSink:
     """The outputs of one caller's requests (the choices of one HTTP request, a batch, ...).
 
-    Outputs are kept per request index until read; ``errors[i]`` is why request ``i`` failed
-    (rejected at admission, or the engine died), else None; ``num_prompt_tokens[i]`` its
-    prompt's length once admitted.
+    Outputs are kept per slot until read: one slot per request, or ``n`` consecutive slots for
+    a request with ``n`` choices (slot = the request's first slot + the output's ``index``).
+    ``request_ids[i]`` is slot ``i``'s request; ``errors[i]`` why it failed (rejected at
+    admission, or the engine died), else None; ``num_prompt_tokens[i]`` its prompt's length
+    once admitted.
     """
 
     def __init__(self, router: "OutputRouter", request_ids: list[str]) -> None:
@@ -54,6 +57,9 @@ class RequestSink:
         self.errors: list[BaseException | None] = [None] * len(request_ids)
         self.num_prompt_tokens = [0] * len(request_ids)
         self.num_open = len(request_ids)
+        self.open_slots: dict[str, int] = {}  # request_id -> its slots still open
+        for rid in request_ids:
+            self.open_slots[rid] = self.open_slots.get(rid, 0) + 1
 
     # ------------------------------------------------------------- router side
     def push(self, index: int, out: RequestOutput) -> None:
@@ -75,7 +81,10 @@ class RequestSink:
 
     def _close(self, index: int) -> None:
         self.num_open -= 1
-        self._unroute(self.request_ids[index])
+        rid = self.request_ids[index]
+        self.open_slots[rid] -= 1
+        if not self.open_slots[rid]:
+            self._unroute(rid)
 
     def _unroute(self, request_id: str) -> None:
         if self.router.sinks.get(request_id, (None,))[0] is self:
@@ -110,8 +119,8 @@ class RequestSink:
 
     def abort(self) -> None:
         """Abort every request of this sink that has not finished (fire and forget)."""
-        open_ids = [rid for i, rid in enumerate(self.request_ids)
-                    if self.finals[i] is None and self.errors[i] is None]
+        open_ids = list(dict.fromkeys(rid for i, rid in enumerate(self.request_ids)
+                                      if self.finals[i] is None and self.errors[i] is None))
         for rid in open_ids:
             self._unroute(rid)
         if open_ids:
@@ -191,7 +200,7 @@ class OutputRouter:
     def _dispatch(self, out: RequestOutput) -> None:
         entry = self.sinks.get(out.request_id)
         if entry is not None:
-            entry[0].push(entry[1], out)
+            entry[0].push(entry[1] + out.index, out)
 
     def _fail_all(self, error: BaseException) -> None:
         self.dead = error
@@ -211,20 +220,23 @@ class OutputRouter:
         taken = next((rid for rid in ids if rid in self.sinks), None)
         if taken is not None or len(set(ids)) < len(ids):
             raise ValueError(f"request_id {taken or 'given twice'!r} is already in use")
-        sink = RequestSink(self, ids)
-        for index, rid in enumerate(ids):  # before the call: outputs may come before its reply
-            self.sinks[rid] = (sink, index)
+        counts = [num_choices(r.params) for r in requests]
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        sink = RequestSink(self, [rid for rid, n in zip(ids, counts) for _ in range(n)])
+        for rid, first in zip(ids, firsts):  # before the call: outputs may come before its reply
+            self.sinks[rid] = (sink, first)
         specs = [(rid, r.prompt, r.params, r.priority, stream) for rid, r in zip(ids, requests)]
         try:
             added_or_errors = await self.driver.add_requests.remote(self.consumer_id, specs)
         except BaseException:
             sink.abort()
             raise
-        for index, added in enumerate(added_or_errors):
-            if isinstance(added, BaseException):
-                sink.fail(index, added)
-            else:
-                sink.num_prompt_tokens[index] = added
+        for first, n, added in zip(firsts, counts, added_or_errors):
+            for slot in range(first, first + n):
+                if isinstance(added, BaseException):
+                    sink.fail(slot, added)
+                else:
+                    sink.num_prompt_tokens[slot] = added
         rejected = next((e for e in added_or_errors if isinstance(e, BaseException)), None)
         if rejected is not None and all_or_nothing:
             sink.abort()

@@ -32,8 +32,7 @@ def _run(engine, arrivals: dict[int, list[tuple]], aborts: dict[int, list[str]])
             engine.add_request(request_id, prompt, params, stream=stream)
             outputs[request_id] = []
         for request_id in aborts.get(k, []):
-            if (out := engine.abort_request(request_id)) is not None:
-                outputs[request_id].append(out)
+            outputs[request_id] += engine.abort_request(request_id)
         if k > max([*arrivals, *aborts]) and not engine.has_unfinished_requests():
             break
         for out in engine.step():

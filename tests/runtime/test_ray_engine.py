@@ -221,3 +221,53 @@ def test_a_request_id_in_use_is_refused_and_the_first_request_is_unharmed(tp2):
         client.submit([Request("second of two", params, "dup-id")])
     [out] = first.results(timeout=120)
     assert out.token_ids == client.generate("first of two", params).token_ids
+
+
+def test_logprobs_penalties_and_n_through_ray_at_tp2_equal_in_process(tp2, tiny_path):
+    """Everything a step reports beyond ids (log-probabilities of samples and prompts) and what
+    the ranks do with the logits (penalties, biases) crosses the Ray hop and the TP=2 ranks
+    unchanged; n choices come back per prompt, by index."""
+    prompts = random_prompts(2, 10, 60, seed=51)
+    params = [SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, ignore_eos=True,
+                             logprobs=2, presence_penalty=1.0, frequency_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1,
+                             repetition_penalty=1.4, logit_bias={17: 3.0})]
+    outs = tp2.generate(prompts, params, use_tqdm=False)
+    assert [o.index for o in outs] == [0, 1, 2, 0]
+    local = LLM(tiny_path, runtime="inprocess", max_model_len=512)
+    try:
+        expected = local.generate(prompts, params, use_tqdm=False)
+    finally:
+        local.shutdown()
+    for got, want in zip(outs, expected):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs or got.prompt_logprobs[1:],
+                        want.logprobs or want.prompt_logprobs[1:]):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top_ids == b.top_ids
+    both = tp2.client.generate(prompts[0], {"n": 2, "max_tokens": 3, "seed": 1})
+    assert [o.index for o in both] == [0, 1]
+    streamed = list(tp2.client.stream(prompts[0], {"n": 2, "max_tokens": 5, "seed": 1,
+                                                    "ignore_eos": True}))
+    finals = sorted((o for o in streamed if o.finished), key=lambda o: o.index)
+    assert [o.index for o in finals] == [0, 1]
+    for final in finals:
+        deltas = [t for o in streamed if o.index == final.index for t in o.delta_token_ids]
+        assert deltas == final.token_ids
+
+
+def test_beam_search_through_ray_at_tp2_equals_in_process(tp2, tiny_path):
+    from nvray import BeamSearchParams
+
+    prompts = random_prompts(2, 6, 30, seed=61)
+    params = BeamSearchParams(beam_width=3, max_tokens=5)
+    got = tp2.beam_search(prompts, params, use_tqdm=False)
+    local = LLM(tiny_path, runtime="inprocess", max_model_len=512)
+    try:
+        want = local.beam_search(prompts, params, use_tqdm=False)
+    finally:
+        local.shutdown()
+    for a, b in zip(got, want):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        assert [o.cumulative_logprob for o in a] == pytest.approx(
+            [o.cumulative_logprob for o in b], abs=1e-4)

@@ -102,13 +102,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hello", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": ""}, 400, None),
     ("completions", {"prompt": [1, 2, 10**7]}, 400, None),
-    ("completions", {"prompt": "hello", "n": 2}, 400, "n"),
-    ("completions", {"prompt": "hello", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("completions", {"prompt": "hello", "n": -1}, 400, "n"),
+    ("completions", {"prompt": "hello", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("completions", {"max_tokens": 3}, 400, "prompt"),
     ("completions", {"prompt": "hello", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}, 400,
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 9}, 400,
      "frequency_penalty"),
 ]
 

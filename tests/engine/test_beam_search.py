@@ -1,0 +1,110 @@
+"""Beam search against a reference beam search written here over HF transformers' logits, and
+the block accounting of its forks. In-process (the tests look at the block manager); the same
+engine code runs behind Ray (tests/runtime)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import hf_model, random_prompts
+from nvray import LLM, BeamSearchParams
+
+BLOCK = 8
+
+
+def reference_beam_search(path: str, prompt: list[int], width: int, max_tokens: int,
+                          eos: tuple[int, ...], length_penalty: float = 1.0):
+    """[(generated tokens, cumulative log-probability)], best first."""
+    def score(tokens, cum):
+        ended = bool(tokens) and tokens[-1] in eos
+        return cum / ((len(prompt) + len(tokens) - ended) ** length_penalty)
+
+    beams, done = [([], 0.0)], []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cum in beams:
+            with torch.no_grad():
+                logits = hf_model(path)(torch.tensor([prompt + tokens])).logits[0, -1]
+            top = logits.float().log_softmax(-1).topk(2 * width)
+            candidates += [(tokens + [t], cum + lp) for lp, t in zip(top.values.tolist(),
+                                                                     top.indices.tolist())]
+        candidates.sort(key=lambda c: score(*c), reverse=True)
+        beams = []
+        for tokens, cum in candidates[:width]:
+            (done if tokens[-1] in eos else beams).append((tokens, cum))
+        if not beams:
+            break
+    return sorted(done + beams, key=lambda c: score(*c), reverse=True)[:width]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "no-overlap"])
+def llm(request):
+    llm = LLM("tiny", runtime="inprocess", max_model_len=128, kvcache_block_size=BLOCK,
+              overlap_scheduling=request.param)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("width,max_tokens,length_penalty", [(1, 5, 1.0), (3, 7, 1.0),
+                                                             (4, 6, 0.5)])
+def test_beams_equal_the_reference(llm, tiny_path, width, max_tokens, length_penalty):
+    prompts = random_prompts(2, 5, 19, seed=width)
+    eos = llm.engine.limits.eos_token_ids
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                              length_penalty=length_penalty)
+    results = llm.beam_search(prompts, params, use_tqdm=False)
+    for prompt, beams in zip(prompts, results):
+        expected = reference_beam_search(tiny_path, prompt, width, max_tokens, eos, length_penalty)
+        assert [b.token_ids for b in beams] == [tokens for tokens, _ in expected]
+        assert [b.cumulative_logprob for b in beams] == pytest.approx(
+            [cum for _, cum in expected], abs=1e-4)
+        assert [b.index for b in beams] == list(range(width))
+        assert all(b.text == llm.tokenizer.decode(b.token_ids, skip_special_tokens=True)
+                   for b in beams)
+
+
+def test_beams_share_blocks_and_give_every_block_back(llm):
+    engine, bm = llm.engine, llm.engine.block_manager
+    prompt = random_prompts(1, 29, 29, seed=7)[0]  # 3 full blocks and a partial one
+    copied = bm.num_copied_blocks
+    engine.add_request("beams", prompt, BeamSearchParams(beam_width=4, max_tokens=12))
+    seen_sharing = False
+    for _ in range(200):
+        group = engine.beams.groups.get("beams")
+        if group is None:
+            break
+        tables = [b.block_table for b in group.beams.values() if b.block_table]
+        if len(tables) == 4:  # every beam of a round holds blocks: the prompt's are shared
+            first = tables[0][:len(prompt) // BLOCK]
+            assert all(t[:len(first)] == first for t in tables)
+            assert all(bm.blocks[b].ref_count == 4 for b in first)
+            seen_sharing = True
+        engine.step()
+    assert seen_sharing and "beams" not in engine.beams.groups
+    assert bm.num_copied_blocks > copied  # a shared partial block is copied, never overwritten
+    for _ in range(5):
+        engine.step()
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+    stats = engine.stats()
+    assert stats["num_accepted"] == sum(stats["num_finished"].values())
+
+
+def test_aborting_a_beam_search_ends_it_and_frees_its_blocks(llm):
+    engine, bm = llm.engine, llm.engine.block_manager
+    engine.add_request("gone", "abort this search", BeamSearchParams(beam_width=2, max_tokens=30))
+    for _ in range(4):
+        engine.step()
+    outs = engine.abort_request("gone")
+    assert [o.index for o in outs] == [0, 1] and {o.finish_reason for o in outs} == {"abort"}
+    for _ in range(5):
+        engine.step()
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("bad", [dict(beam_width=0), dict(beam_width=11), dict(max_tokens=0),
+                                 dict(temperature=0.5), dict(length_penalty=float("nan"))])
+def test_bad_beam_search_params_are_rejected_naming_the_field(bad):
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
