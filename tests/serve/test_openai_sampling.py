@@ -154,3 +154,30 @@ def test_bad_values_are_a_400_naming_the_parameter(base_url, path, fields, param
     resp = requests.post(f"{base_url}/v1/{path}", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+
+
+def test_handles_take_n_logprobs_and_beam_search(base_url, ray_cluster, offline):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0.1)
+    def call_handle(prompt: str) -> tuple:
+        from ray import serve as s
+
+        from nvray import BeamSearchParams as Beams
+
+        handle = s.get_app_handle("default")
+        choices = handle.generate.remote(prompt, {"n": 2, "seed": 3, "max_tokens": 4,
+                                                  "logprobs": 1, "ignore_eos": True}).result()
+        beams = handle.generate.remote(prompt, Beams(beam_width=2, max_tokens=4)).result()
+        return ([(c.index, c.token_ids, [lp.logprob for lp in c.logprobs]) for c in choices],
+                [(b.token_ids, b.cumulative_logprob) for b in beams])
+
+    choices, beams = ray.get(call_handle.remote(PROMPT), timeout=120)
+    want = offline.generate(PROMPT, SamplingParams(n=2, seed=3, max_tokens=4, logprobs=1,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert [(i, ids) for i, ids, _ in choices] == [(w.index, w.token_ids) for w in want]
+    assert [lp for _, _, lps in choices for lp in lps] == pytest.approx(
+        [lp.logprob for w in want for lp in w.logprobs], abs=1e-4)
+    want_beams = offline.beam_search(PROMPT, BeamSearchParams(beam_width=2, max_tokens=4),
+                                     use_tqdm=False)[0]
+    assert [ids for ids, _ in beams] == [b.token_ids for b in want_beams]
