@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nvray.chat_template import ChatPrompt
-from nvray.sampling_params import BeamSearchParams, SamplingParams
+from nvray.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 TokenIds = list[int]
 
@@ -74,6 +74,10 @@ class SamplingFields(StrictModel):
 
     def _check_beam_search(self) -> None:
         """Beam search ranks beams by the raw log-probabilities: sampling fields don't apply."""
+        widest = MAX_LOGPROBS // 2
+        if not 1 <= self.n <= widest:
+            raise UnsupportedParameter("n", f"n={self.n} is invalid: with use_beam_search n is "
+                                            f"the beam width, in [1, {widest}]")
         if self.stream:
             raise UnsupportedParameter("stream", "use_beam_search returns the best beams at the "
                                                  "end: stream must be false")
@@ -215,6 +219,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise UnsupportedParameter("max_tokens", "max_tokens must be at least 1")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise UnsupportedParameter("top_logprobs", f"top_logprobs={self.top_logprobs} is "
+                                                       f"invalid: must be in [0, {MAX_LOGPROBS}]")
         if self.use_beam_search and self.logprobs:
             raise UnsupportedParameter("logprobs", "use_beam_search reports no log-probabilities")
         if self.tools:

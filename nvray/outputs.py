@@ -96,6 +96,8 @@ def coalesce(outputs: list[RequestOutput]) -> RequestOutput:
     merged.delta_token_ids = [t for o in outputs for t in o.delta_token_ids]
     if any(o.delta_logprobs for o in outputs):
         merged.delta_logprobs = [lp for o in outputs for lp in o.delta_logprobs or ()]
-    merged.prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs),
-                                  None)
+    with_prompt = next((o for o in outputs if o.prompt_logprobs), None)
+    if with_prompt is not None:  # the first output of a stream: the prompt's ids and scores
+        merged.prompt_logprobs = with_prompt.prompt_logprobs
+        merged.prompt_token_ids = merged.prompt_token_ids or with_prompt.prompt_token_ids
     return merged

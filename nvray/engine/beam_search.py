@@ -3,11 +3,16 @@ time.
 
 Each live beam is a sequence that computes one token per round and reports the top
 ``2 * beam_width`` log-probabilities of the raw logits at its end (the engine never appends what
-it sampled). When every live beam of the round has reported, ``select`` ranks all
-(beam, candidate token) pairs by score and keeps the ``beam_width`` best: those ending in EOS
-(unless ``ignore_eos``) become finished hypotheses, the others the next round's beams, each a
-fork of its parent (the engine shares the parent's KV blocks with it). After ``max_tokens``
-rounds, or when no beam is left alive, the ``beam_width`` best hypotheses are the result.
+it sampled). When every live beam of the round has reported, ``select`` looks at all
+(beam, candidate token) pairs, as vLLM's beam search does: a candidate that is EOS (unless
+``ignore_eos``) becomes a finished hypothesis; of the others the ``beam_width`` best by score
+become the next round's beams, each a fork of its parent (the engine shares the parent's KV
+blocks with it). After ``max_tokens`` rounds the beams join the finished hypotheses, and the
+``beam_width`` best of those are the result.
+
+A beam that has reported holds its blocks while its siblings compute; when a sibling waits for
+blocks (preempted), the reported ones give theirs back (their children then prefill from the
+prefix cache), so a search never waits on itself.
 
 Score (vLLM's): cumulative log-probability / length ** length_penalty, where length counts the
 prompt and the generated tokens, less a final EOS.
@@ -76,27 +81,27 @@ class BeamGroup:
             report, base = self.reports[seq_id], self.live[seq_id]
             generated = seq.output_token_ids
             for token, logprob in zip(report.top_ids, report.top_logprobs):
-                eos = token in self.eos_token_ids and not p.ignore_eos
-                hyp = Hypothesis(generated + [token], base + logprob, eos)
-                candidates.append((beam_score(len(self.prompt_token_ids), hyp, p.length_penalty),
-                                   hyp, seq, token))
+                hyp = Hypothesis(generated + [token], base + logprob,
+                                 token in self.eos_token_ids and not p.ignore_eos)
+                if hyp.ended_by_eos:
+                    self.finished.append(hyp)
+                else:
+                    candidates.append((self._score(hyp), hyp, seq, token))
         candidates.sort(key=lambda c: c[0], reverse=True)
         self.num_rounds += 1
-        children = []
-        for _, hyp, seq, token in candidates[:width]:
-            if hyp.ended_by_eos:
-                self.finished.append(hyp)
-            elif self.num_rounds >= p.max_tokens:
-                self.finished.append(hyp)  # the length limit: a hypothesis as it stands
-            else:
-                children.append(Child(seq, token, hyp.cumulative_logprob))
         self.reports.clear()
-        return children
+        kept = candidates[:width]
+        if self.num_rounds >= p.max_tokens:  # the length limit: the beams as they stand
+            self.finished += [hyp for _, hyp, _, _ in kept]
+            return []
+        return [Child(seq, token, hyp.cumulative_logprob) for _, hyp, seq, token in kept]
+
+    def _score(self, hyp: Hypothesis) -> float:
+        return beam_score(len(self.prompt_token_ids), hyp, self.params.length_penalty)
 
     def best(self) -> list[Hypothesis]:
         """The ``beam_width`` best finished hypotheses, best first."""
-        key = lambda h: beam_score(len(self.prompt_token_ids), h, self.params.length_penalty)  # noqa: E731
-        return sorted(self.finished, key=key, reverse=True)[:self.params.beam_width]
+        return sorted(self.finished, key=self._score, reverse=True)[:self.params.beam_width]
 
 
 class BeamSearcher:
@@ -143,11 +148,24 @@ class BeamSearcher:
     def advance(self) -> list[RequestOutput]:
         """End every round that is complete; the final outputs of the searches that ended."""
         outputs = []
-        for group in [g for g in self.groups.values() if g.round_complete]:
+        for group in list(self.groups.values()):
+            if not group.round_complete:
+                self._release_idle_beams(group)
+                continue
             self._next_round(group, group.select())
             if not group.beams:
                 outputs += self._finish(group, None)
         return outputs
+
+    def _release_idle_beams(self, group: BeamGroup) -> None:
+        """A beam waits for blocks while its reported siblings hold theirs: free those."""
+        beams = group.beams.values()
+        if any(b.status is SequenceStatus.WAITING and b.seq_id not in group.reports
+               for b in beams):
+            idle = [b for b in beams if b.seq_id in group.reports
+                    and b.status is SequenceStatus.RUNNING]
+            if idle:
+                self.scheduler.finish_many(idle, lambda _: "stop")
 
     def _next_round(self, group: BeamGroup, children: list[Child]) -> None:
         old = list(group.beams.values())

@@ -47,7 +47,7 @@ from nvray.runtime.consumer_channel import ConsumerChannel, FinalOutput, OutputS
 from nvray.runtime.engine_loop import EngineLoop, NewRequest
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.ray_executor import RayExecutor
-from nvray.sampling_params import BeamSearchParams, SamplingParams
+from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
 RequestSpec = tuple[str, Any, Any, int, bool]  # request_id, prompt, sampling_params, priority, stream
 
@@ -129,7 +129,11 @@ class EngineDriver:
 
     async def generate(self, prompt: Any, sampling_params: Any = None,
                        request_id: str | None = None, priority: int = 0) -> RequestOutput:
-        """One request's final output (for single calls; consumers with many use a channel)."""
+        """One request's final output (for single calls; consumers with many use a channel,
+        as ``EngineClient.generate`` does, which also takes ``n > 1`` and beam searches)."""
+        if num_choices(sampling_params) != 1:
+            raise ValueError("n: the driver's generate returns one output; use a channel "
+                             "(EngineClient.generate) for n > 1 or a beam search")
         sink = FinalOutput()
         request_id = request_id or uuid.uuid4().hex
         [added] = await self._add([(request_id, prompt, sampling_params, priority, False)], sink)

@@ -3,11 +3,11 @@
 ``adjust_logits(logits, specs, prev_sampled)`` changes, in place, the rows whose ``SampleSpec``
 asks for it (vLLM's definitions):
 
-- repetition penalty ``r`` on every token of the prompt or the output: a positive logit is
-  divided by ``r``, a negative one multiplied;
+- ``allowed_token_ids``: every other id gets -inf; ``logit_bias``: ``logit += bias``;
+- then (vLLM's order) repetition penalty ``r`` on every token of the prompt or the output: a
+  positive logit is divided by ``r``, a negative one multiplied;
 - frequency ``f`` and presence ``p`` penalties on the output: ``logit -= f * count + p``
-  for every token that occurs ``count >= 1`` times;
-- ``logit_bias``: ``logit += bias``; ``allowed_token_ids``: every other id gets -inf.
+  for every token that occurs ``count >= 1`` times.
 
 Each change is a few tensor operations over all the rows that need it; the Python loop only
 gathers each row's token ids (never a loop over the vocabulary). A row whose newest output
@@ -19,23 +19,24 @@ from __future__ import annotations
 import torch
 
 from nvray.engine.step_input import Penalties, SampleSpec
+from nvray.worker.device_lists import to_device
 
 
 def adjust_logits(logits: torch.Tensor, specs: list[SampleSpec],
                   prev_sampled: torch.Tensor | None) -> torch.Tensor:
     """logits [S, V] float32, changed in place and returned."""
+    _apply_allowed(logits, specs)
+    _apply_bias(logits, specs)
     rows = [i for i, s in enumerate(specs) if s.penalties is not None]
     if rows:
         _apply_penalties(logits, rows, [specs[i].penalties for i in rows], prev_sampled)  # type: ignore[misc]
-    _apply_bias(logits, specs)
-    _apply_allowed(logits, specs)
     return logits
 
 
 def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(len(s) for s in seqs))
     flat = [s + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(flat, device)
 
 
 def _output_counts(penalties: list[Penalties], vocab: int, device: torch.device,
@@ -47,7 +48,7 @@ def _output_counts(penalties: list[Penalties], vocab: int, device: torch.device,
     pending = [(r, p.pending_row) for r, p in enumerate(penalties) if p.pending_row >= 0]
     if pending:
         assert prev_sampled is not None, "a pending output token but no previous step's ids"
-        where = torch.tensor(pending, dtype=torch.int64).to(device)
+        where = to_device(pending, device)
         newest = prev_sampled[where[:, 1]].long()
         counts.index_put_((where[:, 0], newest), torch.ones_like(newest, dtype=counts.dtype),
                           accumulate=True)
@@ -57,10 +58,10 @@ def _output_counts(penalties: list[Penalties], vocab: int, device: torch.device,
 def _apply_penalties(logits: torch.Tensor, rows: list[int], penalties: list[Penalties],
                      prev_sampled: torch.Tensor | None) -> None:
     device, vocab = logits.device, logits.shape[1]
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, device)
     sub = logits.index_select(0, index)
     counts = _output_counts(penalties, vocab, device, prev_sampled)
-    rep = torch.tensor([p.repetition for p in penalties], device=device).unsqueeze(1)
+    rep = to_device([p.repetition for p in penalties], device, logits.dtype).unsqueeze(1)
     if any(p.repetition != 1.0 for p in penalties):
         seen = counts > 0
         prompt = _padded([list(p.prompt_ids) for p in penalties], vocab, device)
@@ -68,8 +69,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], penalties: list[Pena
         in_prompt.scatter_(1, prompt, True)
         seen |= in_prompt[:, :vocab]
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([p.frequency for p in penalties], device=device).unsqueeze(1)
-    pres = torch.tensor([p.presence for p in penalties], device=device).unsqueeze(1)
+    freq = to_device([p.frequency for p in penalties], device, logits.dtype).unsqueeze(1)
+    pres = to_device([p.presence for p in penalties], device, logits.dtype).unsqueeze(1)
     sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
     logits.index_copy_(0, index, sub)
 
@@ -79,9 +80,9 @@ def _apply_bias(logits: torch.Tensor, specs: list[SampleSpec]) -> None:
     if not entries:
         return
     device = logits.device
-    rows = torch.tensor([e[0] for e in entries], device=device)
-    tokens = torch.tensor([e[1] for e in entries], device=device)
-    biases = torch.tensor([e[2] for e in entries], device=device, dtype=logits.dtype)
+    rows = to_device([e[0] for e in entries], device)
+    tokens = to_device([e[1] for e in entries], device)
+    biases = to_device([e[2] for e in entries], device, logits.dtype)
     logits.index_put_((rows, tokens), biases, accumulate=True)
 
 
@@ -91,8 +92,8 @@ def _apply_allowed(logits: torch.Tensor, specs: list[SampleSpec]) -> None:
     if not entries:
         return
     device = logits.device
-    restricted = torch.tensor([s.allowed_token_ids is not None for s in specs], device=device)
+    restricted = to_device([s.allowed_token_ids is not None for s in specs], device, torch.bool)
     keep = torch.zeros_like(logits, dtype=torch.bool)
-    where = torch.tensor(entries, device=device)
+    where = to_device(entries, device)
     keep[where[:, 0], where[:, 1]] = True
     logits.masked_fill_(restricted.unsqueeze(1) & ~keep, float("-inf"))

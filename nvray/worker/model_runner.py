@@ -31,6 +31,7 @@ from nvray.layers.tp import tp_rank, tp_size
 from nvray.loader import load_model
 from nvray.models import model_class_for
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
+from nvray.worker.device_lists import to_device
 from nvray.worker.inputs import InputBuilder
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
@@ -301,8 +302,8 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = to_device([c[0] for c in copies], self.device)
+        dst = to_device([c[1] for c in copies], self.device)
         for layer in self.attention_layers:
             layer.k_cache.index_copy_(0, dst, layer.k_cache.index_select(0, src))
             layer.v_cache.index_copy_(0, dst, layer.v_cache.index_select(0, src))
@@ -365,10 +366,10 @@ class ModelRunner:
                                                    for _ in sc.targets]
         rows = LogprobRows(max(ks))
         if raw is not None and asked:
-            where = torch.tensor(asked, device=self.device)
+            where = to_device(asked, self.device)
             rows.add_sampled(raw.index_select(0, where), ids.index_select(0, where))
         if score_hidden is not None:
-            targets = torch.tensor([t for sc in scores for t in sc.targets], device=self.device)
+            targets = to_device([t for sc in scores for t in sc.targets], self.device)
             rows.add_prompt(score_hidden, targets, self.model.compute_logits)
         if tp_rank() != 0:
             return None, None

@@ -27,14 +27,9 @@ def reference_beam_search(path: str, prompt: list[int], width: int, max_tokens: 
             with torch.no_grad():
                 logits = hf_model(path)(torch.tensor([prompt + tokens])).logits[0, -1]
             top = logits.float().log_softmax(-1).topk(2 * width)
-            candidates += [(tokens + [t], cum + lp) for lp, t in zip(top.values.tolist(),
-                                                                     top.indices.tolist())]
-        candidates.sort(key=lambda c: score(*c), reverse=True)
-        beams = []
-        for tokens, cum in candidates[:width]:
-            (done if tokens[-1] in eos else beams).append((tokens, cum))
-        if not beams:
-            break
+            for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+                (done if t in eos else candidates).append((tokens + [t], cum + lp))
+        beams = sorted(candidates, key=lambda c: score(*c), reverse=True)[:width]
     return sorted(done + beams, key=lambda c: score(*c), reverse=True)[:width]
 
 
@@ -108,3 +103,31 @@ def test_bad_beam_search_params_are_rejected_naming_the_field(bad):
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
+
+
+def test_a_search_under_kv_pressure_ends_with_the_same_beams(tiny_path):
+    """A cache that holds little more than one beam: beams are preempted, idle ones give their
+    blocks back, and the search still ends (within a bounded number of steps) with the beams a
+    roomy cache gives."""
+    prompt = random_prompts(1, 20, 20, seed=17)[0]
+    params = BeamSearchParams(beam_width=3, max_tokens=20)
+    roomy = LLM("tiny", runtime="inprocess", max_model_len=64, kvcache_block_size=BLOCK)
+    tight = LLM("tiny", runtime="inprocess", max_model_len=64, kvcache_block_size=BLOCK,
+                num_kvcache_blocks=8)
+    try:
+        want = roomy.beam_search(prompt, params, use_tqdm=False)[0]
+        engine = tight.engine
+        engine.add_request("tight", prompt, params)
+        outs = []
+        for _ in range(2000):
+            outs += engine.step()
+            if not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests(), "the search stalled"
+        assert engine.scheduler.num_preemptions > 0  # the cache was really too small
+        assert [o.token_ids for o in sorted(outs, key=lambda o: o.index)] == \
+            [w.token_ids for w in want]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        roomy.shutdown()
+        tight.shutdown()

@@ -19,17 +19,17 @@ def reference_greedy(path: str, prompt: list[int], steps: int, presence=0.0, fre
     for _ in range(steps):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+        if allowed is not None:  # vLLM's order: allowed ids, biases, then penalties
+            keep = torch.full_like(logits, float("-inf"))
+            keep[list(allowed)] = 0
+            logits += keep
+        for token, b in (bias or {}).items():
+            logits[token] += b
         for token in set(prompt) | set(out):  # repetition: prompt and output
             if repetition != 1.0:
                 logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
         for token in set(out):  # frequency and presence: output only
             logits[token] -= frequency * out.count(token) + presence
-        for token, b in (bias or {}).items():
-            logits[token] += b
-        if allowed is not None:
-            keep = torch.full_like(logits, float("-inf"))
-            keep[list(allowed)] = 0
-            logits += keep
         for word in bad_words:
             if len(word) == 1 or out[len(out) - len(word) + 1:] == list(word[:-1]):
                 logits[word[-1]] = float("-inf")
@@ -50,7 +50,8 @@ def _greedy(**kw) -> SamplingParams:
 
 CASES = [dict(presence=1.5), dict(frequency=0.8), dict(presence=-0.5, frequency=1.2),
          dict(repetition=1.8), dict(repetition=0.6), dict(repetition=1.3, frequency=0.5),
-         dict(bias={5: 30.0, 9: 29.5}), dict(allowed=(11, 12, 13, 40))]
+         dict(bias={5: 30.0, 9: 29.5}), dict(allowed=(11, 12, 13, 40)),
+         dict(bias={5: 8.0, 9: 7.0, 12: 6.0}, repetition=3.0)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(sorted(c)) for c in CASES])
