@@ -371,23 +371,25 @@ class LLMEngine:
 
     def _append_token(self, state: RequestState, token: int, now: float) -> None:
         seq, params = state.seq, state.seq.params
-        seq.append_token(token)
+        seq.token_ids.append(token)
         state.timestamps.append(now)
         self.num_generation_tokens += 1
-        can_stop = seq.num_output_tokens >= params.min_tokens
-        if can_stop and token in state.stop_ids:
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        can_stop = num_output >= params.min_tokens
+        if can_stop and token in state.plan.stop_ids:
             state.finish_reason = "stop"  # the stop token stays in token_ids, not in text
-            self._complete_text(state, seq.num_output_tokens - 1, flush=True)
+            self._complete_text(state, num_output - 1, flush=True)
             return
-        if state.text_each_token:
+        if state.stream or params.stop:  # text_each_token
             prev_len = len(state.text)
-            self._complete_text(state, seq.num_output_tokens, flush=False)
+            self._complete_text(state, num_output, flush=False)
             if can_stop and params.stop and self._apply_stop_strings(state, prev_len):
                 state.finish_reason = "stop"
                 return  # text is cut at the stop string: nothing held back matters
-        if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.limits.max_model_len:
+        if num_output >= params.max_tokens or num_tokens >= self.limits.max_model_len:
             state.finish_reason = "length"
-            self._complete_text(state, seq.num_output_tokens, flush=True)
+            self._complete_text(state, num_output, flush=True)
 
     @staticmethod
     def _complete_text(state: RequestState, num_tokens: int, flush: bool) -> None:

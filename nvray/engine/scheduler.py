@@ -105,11 +105,12 @@ class Scheduler:
         scheduled = out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and (seq.waits_for_tokens
-                                    or seq.num_planned_output_tokens >= seq.params.max_tokens):
+            num_tokens = len(seq.token_ids) + seq.num_pending  # seq.num_tokens, inlined
+            if seq.num_pending and (seq.waits_for_tokens or num_tokens - seq.num_prompt_tokens
+                                    >= seq.params.max_tokens):
                 i += 1  # its last token is being sampled, or its next needs it on the host
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:  # prefilled, nothing to generate (max_tokens=0): it finishes
                 i += 1
                 continue

@@ -137,7 +137,7 @@ def banned_by_words(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int
 
 
 def sample_spec_for(seq: Sequence, plan: SeqPlan) -> SampleSpec:
-    index = seq.num_planned_output_tokens
+    index = len(seq.token_ids) - seq.num_prompt_tokens + seq.num_pending  # planned outputs
     banned = plan.stop_ids if index < plan.min_tokens else ()
     if plan.bad_words:  # with multi-token words the output is complete here (scheduler)
         banned += banned_by_words(plan.bad_words, seq.output_token_ids)
@@ -173,12 +173,13 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         start = seq.num_computed_tokens
         end = start + num_new
         token_ids = seq.token_ids[start:end]
+        num_tokens = len(seq.token_ids) + seq.num_pending
         if len(token_ids) < num_new:  # the newest token is being sampled on the device
             assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
             token_ids.append(placeholder_id(seq.pending_row))
         plan, params = plans[seq.seq_id], seq.params
         sample = None
-        if end == seq.num_tokens and params.max_tokens:
+        if end == num_tokens and params.max_tokens:
             sample = sample_spec_for(seq, plan)
         score = None
         if params.prompt_logprobs is not None:
