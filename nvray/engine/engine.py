@@ -16,6 +16,12 @@ runs each step to completion before scheduling the next; both give the same toke
 
 Text: a request that streams or has stop strings is detokenized token by token; any other is
 detokenized once, when it finishes (the per-token cost only where someone reads it).
+
+A request with ``n > 1`` is ``n`` sequences (its choices, by ``index``) that share the prompt's
+KV blocks (``Scheduler``: forks); a beam search (``BeamSearchParams``) is run by the
+``BeamSearcher``, which gets each beam's reported log-probabilities instead of a token. Outputs
+carry the log-probabilities a request asked for (``TokenLogprobs``), from the ranks'
+``StepOutput``.
 """
 
 from __future__ import annotations
@@ -76,17 +82,6 @@ class RequestState:
     timestamps: list[float] = field(default_factory=list)  # one per generated token
     logprobs: list[TokenLogprobs] | None = None  # one per output token, if asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (first: None)
-    num_emitted_logprobs: int = 0
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return self.plan.stop_ids
-
-    @property
-    def text_each_token(self) -> bool:
-        """Detokenize as tokens come: someone reads the text before the end (a stream, or
-        stop strings to look for)."""
-        return self.stream or bool(self.seq.params.stop)
 
 
 class LaunchedStep(NamedTuple):
@@ -381,7 +376,7 @@ class LLMEngine:
             state.finish_reason = "stop"  # the stop token stays in token_ids, not in text
             self._complete_text(state, num_output - 1, flush=True)
             return
-        if state.stream or params.stop:  # text_each_token
+        if state.stream or params.stop:  # someone reads the text before the end: as it comes
             prev_len = len(state.text)
             self._complete_text(state, num_output, flush=False)
             if can_stop and params.stop and self._apply_stop_strings(state, prev_len):
