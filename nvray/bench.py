@@ -11,7 +11,8 @@ Subcommands:
   through ``LLM``, in-process and on Ray (TP=1), CUDA graphs on and (``--eager``) off; output
   tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
   checkpoint with random bf16 weights (throughput does not depend on weight values here).
-  ``--overlap on,off`` runs each runtime with overlapped steps and without.
+  ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
+  plain,logprobs,penalties`` adds top-5 log-probabilities or penalties to every request.
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
   (``nvray/bench_gpu_busy.py``).
 - ``soak``: minutes of streaming load with random disconnects against the app: unexpected
@@ -189,12 +190,23 @@ def default_checkpoint() -> str:
     return qwen3_0_6b_checkpoint(os.path.join(tempfile.gettempdir(), "nvray-qwen3-0.6b-random"))
 
 
-def bench_workload(num_seqs: int = 256, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
-    """nano-vllm's bench.py workload, drawn with the same calls to ``random``."""
+# what ``--features`` adds to every request of the throughput workload
+FEATURES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "logprobs": {"logprobs": 5},
+    "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+}
+
+
+def bench_workload(num_seqs: int = 256, seed: int = 0, **extra: Any
+                   ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py workload, drawn with the same calls to ``random`` (``extra``:
+    more SamplingParams fields for every request)."""
     rng = random.Random(seed)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
                for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024),
+                             **extra)
               for _ in range(num_seqs)]
     return prompts, params
 
@@ -242,11 +254,11 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
 def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inprocess", "ray"),
                      eager: bool = False, num_seqs: int = 256, max_model_len: int = 4096,
                      floor_tok_per_s: float | None = None,
-                     overlaps: tuple[bool, ...] = (True,)) -> dict[str, Any]:
+                     overlaps: tuple[bool, ...] = (True,),
+                     features: tuple[str, ...] = ("plain",)) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     model = model or default_checkpoint()
-    prompts, params = bench_workload(num_seqs)
     if "ray" in runtimes:
         from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
 
@@ -254,11 +266,13 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     cuda = torch.cuda.is_available()
     baseline = (lambda f, t: t - f)(*torch.cuda.mem_get_info()) if cuda else 0
     runs = []
-    for enforce_eager in ((False, True) if eager else (False,)):
+    for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
+                                   for f in features):
+        prompts, params = bench_workload(num_seqs, **FEATURES[feature])
         for runtime, overlap in ((r, o) for o in overlaps for r in runtimes):
-            runs.append(_throughput_run(model, runtime, enforce_eager, prompts, params,
-                                        {"max_model_len": max_model_len,
-                                         "overlap_scheduling": overlap}))
+            runs.append({"features": feature, **_throughput_run(
+                model, runtime, enforce_eager, prompts, params,
+                {"max_model_len": max_model_len, "overlap_scheduling": overlap})})
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
                 _wait_gpu_memory_released(baseline)
@@ -278,6 +292,14 @@ def _on_off(text: str) -> tuple[bool, ...]:
     if not words or any(w not in values for w in words):
         raise SystemExit(f"--overlap {text!r}: give on, off or on,off")
     return tuple(values[w] for w in words)
+
+
+def _features(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise SystemExit(f"--features: unknown {unknown}; choose from {list(FEATURES)}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--floor", type=float, default=26600.0,
                     help="physical floor in output tok/s for the %% column (design.md: H100)")
     tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
+    tp.add_argument("--features", default="plain",
+                    help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
     gb = sub.add_parser("gpu-busy", parents=[common],
                         help="GPU busy share of decode steps (torch profiler), overlap on and off")
     gb.add_argument("--model", default=None)
@@ -333,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "throughput":
         result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,
                                   args.num_seqs, args.max_model_len, args.floor,
-                                  _on_off(args.overlap))
+                                  _on_off(args.overlap), _features(args.features))
     elif args.cmd == "gpu-busy":
         from nvray.bench_gpu_busy import bench_gpu_busy  # noqa: PLC0415
 

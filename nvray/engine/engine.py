@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -235,6 +236,8 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, self.clock(), priority)
         seq.index = index
         seq.waits_for_tokens = any(len(word) > 1 for word in plan.bad_words)
+        if params.has_penalties:
+            seq.history = array("i", token_ids)
         state = RequestState(seq, IncrementalDetokenizer(self.tokenizer, token_ids), plan,
                              prompt if isinstance(prompt, str) else None, token_ids, stream)
         if params.logprobs is not None:
@@ -367,6 +370,8 @@ class LLMEngine:
     def _append_token(self, state: RequestState, token: int, now: float) -> None:
         seq, params = state.seq, state.seq.params
         seq.token_ids.append(token)
+        if seq.history is not None:
+            seq.history.append(token)
         state.timestamps.append(now)
         self.num_generation_tokens += 1
         num_tokens = len(seq.token_ids)

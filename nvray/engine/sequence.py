@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from array import array
 
 from nvray.sampling_params import SamplingParams
 
@@ -31,7 +32,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
-                 "index", "fork_of", "shares_blocks", "num_pending", "pending_row", "waits_for_tokens")
+                 "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens")
 
     _counter = itertools.count()
 
@@ -54,6 +55,7 @@ class Sequence:
         self.index = 0  # the choice's index among its request's n
         self.fork_of: Sequence | None = None  # shares that sequence's prompt KV (see Scheduler)
         self.shares_blocks = False  # forked, or forked from: may write into a shared block
+        self.history: array | None = None  # token ids as int32 (penalized requests: see Penalties)
         self.num_pending = 0
         self.pending_row = -1
         self.waits_for_tokens = False

@@ -30,13 +30,15 @@ from nvray.sampling_params import SamplingParams
 
 
 class Penalties(NamedTuple):
-    """What presence/frequency/repetition penalties need: the tokens seen so far."""
+    """What presence/frequency/repetition penalties need: the tokens seen so far, as the bytes
+    of an int32 array (prompt, then the output tokens known on the host): one buffer per
+    sequence, cheap to send and to gather on the rank."""
 
     presence: float
     frequency: float
     repetition: float
-    prompt_ids: tuple[int, ...]  # the prompt (only when repetition != 1)
-    output_ids: list[int]  # output tokens known on the host
+    tokens: bytes
+    num_prompt_tokens: int
     pending_row: int  # >= 0: one more output token, that row of the previous step's ids
 
 
@@ -147,9 +149,10 @@ def sample_spec_for(seq: Sequence, plan: SeqPlan) -> SampleSpec:
     p = seq.params
     penalties = None
     if p.has_penalties:
+        assert seq.history is not None, "a penalized sequence keeps its history"
         penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-                              tuple(seq.prompt_token_ids) if p.repetition_penalty != 1.0 else (),
-                              seq.output_token_ids, seq.pending_row if seq.num_pending else -1)
+                              seq.history.tobytes(), seq.num_prompt_tokens,
+                              seq.pending_row if seq.num_pending else -1)
     return SampleSpec(*plan.fixed, index, banned, plan.logprobs, penalties,
                       tuple(p.logit_bias.items()) if p.logit_bias else (), p.allowed_token_ids)
 

@@ -1,4 +1,4 @@
-"""Small host lists to device tensors without waiting for the device.
+"""Host lists and arrays to device tensors without waiting for the device.
 
 ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for everything
 already queued on the stream — with overlapped steps, the step in flight. ``to_device`` stages
@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+    """``values``: a list (of lists) or a numpy array."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values).to(dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -9,13 +9,15 @@ asks for it (vLLM's definitions):
 - frequency ``f`` and presence ``p`` penalties on the output: ``logit -= f * count + p``
   for every token that occurs ``count >= 1`` times.
 
-Each change is a few tensor operations over all the rows that need it; the Python loop only
-gathers each row's token ids (never a loop over the vocabulary). A row whose newest output
+Each change is a few tensor operations over all the rows that need it; each row's tokens come as
+one int32 buffer, joined with numpy into one (row, token) list for the device (never a Python
+loop over tokens or the vocabulary). A row whose newest output
 token is still on the device (overlapped steps) counts it from ``prev_sampled``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from nvray.engine.step_input import Penalties, SampleSpec
@@ -33,18 +35,22 @@ def adjust_logits(logits: torch.Tensor, specs: list[SampleSpec],
     return logits
 
 
-def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(s) for s in seqs))
-    flat = [s + [pad] * (width - len(s)) for s in seqs]
-    return to_device(flat, device)
+def _gathered(penalties: list[Penalties], prompt: bool, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) of every prompt (``prompt``) or known output token of each row, flat."""
+    arrays = [np.frombuffer(p.tokens, dtype=np.int32) for p in penalties]
+    parts = [a[:p.num_prompt_tokens] if prompt else a[p.num_prompt_tokens:]
+             for a, p in zip(arrays, penalties)]
+    rows = np.repeat(np.arange(len(parts)), [len(part) for part in parts])
+    return to_device(rows, device), to_device(np.concatenate(parts), device)
 
 
 def _output_counts(penalties: list[Penalties], vocab: int, device: torch.device,
                    prev_sampled: torch.Tensor | None) -> torch.Tensor:
     """[R, V] how often each token occurs in each row's output (pending token included)."""
-    ids = _padded([p.output_ids for p in penalties], vocab, device)
-    counts = torch.zeros(len(penalties), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    counts = torch.zeros(len(penalties), vocab, device=device)
+    rows, tokens = _gathered(penalties, False, device)
+    counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)
     pending = [(r, p.pending_row) for r, p in enumerate(penalties) if p.pending_row >= 0]
     if pending:
         assert prev_sampled is not None, "a pending output token but no previous step's ids"
@@ -52,7 +58,7 @@ def _output_counts(penalties: list[Penalties], vocab: int, device: torch.device,
         newest = prev_sampled[where[:, 1]].long()
         counts.index_put_((where[:, 0], newest), torch.ones_like(newest, dtype=counts.dtype),
                           accumulate=True)
-    return counts[:, :vocab]
+    return counts
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[int], penalties: list[Penalties],
@@ -64,10 +70,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], penalties: list[Pena
     rep = to_device([p.repetition for p in penalties], device, logits.dtype).unsqueeze(1)
     if any(p.repetition != 1.0 for p in penalties):
         seen = counts > 0
-        prompt = _padded([list(p.prompt_ids) for p in penalties], vocab, device)
-        in_prompt = torch.zeros(len(penalties), vocab + 1, dtype=torch.bool, device=device)
-        in_prompt.scatter_(1, prompt, True)
-        seen |= in_prompt[:, :vocab]
+        prompt_rows, prompt_tokens = _gathered(penalties, True, device)
+        seen[prompt_rows, prompt_tokens] = True
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     freq = to_device([p.frequency for p in penalties], device, logits.dtype).unsqueeze(1)
     pres = to_device([p.presence for p in penalties], device, logits.dtype).unsqueeze(1)
