@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray import serve
 from ray.serve import Application
 
 from deployments.args import AppArgs, parse_args

@@ -272,9 +272,12 @@ class LLMEngine:
     def _count(self, finals: list[RequestOutput]) -> list[RequestOutput]:
         """Count the final outputs of a beam search as finished requests."""
         for out in finals:
-            reason = out.finish_reason or "abort"
-            self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+            self._count_finished(out.finish_reason)
         return finals
+
+    def _count_finished(self, reason: str | None) -> None:
+        reason = reason or "abort"
+        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.beams.groups) or self.in_flight is not None
@@ -455,8 +458,7 @@ class LLMEngine:
 
     def _record(self, state: RequestState) -> None:
         self.metrics.observe_request(state.seq.arrival_time, state.timestamps)
-        reason = state.finish_reason or "abort"
-        self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
+        self._count_finished(state.finish_reason)
 
     def _forget(self, state: RequestState) -> None:
         """A choice finished: drop its plan, and the request once all its choices finished."""

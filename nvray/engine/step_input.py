@@ -55,11 +55,6 @@ class SampleSpec(NamedTuple):
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
 
-    @property
-    def adjusts_logits(self) -> bool:
-        return (self.penalties is not None or bool(self.logit_bias)
-                or self.allowed_token_ids is not None)
-
 
 class PromptScore(NamedTuple):
     """Score prompt tokens: rows ``offset .. offset + len(targets) - 1`` of the chunk."""
@@ -82,6 +77,11 @@ class SeqStep(NamedTuple):
 class StepInput:
     seqs: list[SeqStep] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy first
+    # whether some SampleSpec adjusts logits / asks for log-probabilities (build_step_input
+    # sets them, so the ranks need not scan every spec each step; a hand-built step that uses
+    # either must set them too)
+    adjusts_logits: bool = False
+    samples_logprobs: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -171,7 +171,7 @@ def prompt_score_for(seq: Sequence, plan: SeqPlan, start: int, end: int) -> Prom
 def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
                      block_copies: list[tuple[int, int]] | None = None) -> StepInput:
     """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan."""
-    steps = []
+    steps, adjusts, logprobs = [], False, False
     for seq, num_new in out.scheduled:
         start = seq.num_computed_tokens
         end = start + num_new
@@ -184,8 +184,10 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         sample = None
         if end == num_tokens and params.max_tokens:
             sample = sample_spec_for(seq, plan)
+            adjusts = adjusts or plan.adjusts_logits
+            logprobs = logprobs or plan.logprobs >= 0
         score = None
         if params.prompt_logprobs is not None:
             score = prompt_score_for(seq, plan, start, end)
         steps.append(SeqStep(seq.seq_id, token_ids, start, seq.block_table, sample, score))
-    return StepInput(steps, block_copies or [])
+    return StepInput(steps, block_copies or [], adjusts, logprobs)

@@ -206,7 +206,8 @@ class EngineDriver:
         try:
             await asyncio.to_thread(self.engine.executor.check_health)
         except EngineDeadError as e:
-            self.loop.call(lambda: self.loop.fail(str(e)))  # type: ignore[union-attr]
+            reason = str(e)  # ``e`` is unbound once the except clause ends: the loop runs later
+            self.loop.call(lambda: self.loop.fail(reason))  # type: ignore[union-attr]
             raise
 
     def shutdown(self) -> None:

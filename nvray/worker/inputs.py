@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from nvray.engine.step_input import StepInput, placeholder_row

@@ -337,8 +337,8 @@ class ModelRunner:
         logits, score_hidden = self.forward(step)
         specs = [s.sample for s in step.seqs if s.sample is not None]
         if logits is not None:
-            raw = logits if any(s.logprobs >= 0 for s in specs) else None
-            if any(s.adjusts_logits for s in specs):
+            raw = logits if step.samples_logprobs else None
+            if step.adjusts_logits:
                 logits = adjust_logits(logits.to(torch.float32, copy=True), specs,
                                        self.last_sampled)
             ids = sample(logits, specs, compiled=self.use_torch_compile).to(torch.int32)  # type: ignore[arg-type]
@@ -358,10 +358,10 @@ class ModelRunner:
                   ) -> tuple[HostLogprobs | None, list[int] | None]:
         """Log-probabilities of the sampled rows that ask, then of the prompt rows to score (in
         ``step_input``'s order); every rank takes part (the LM head of prompt rows)."""
+        if not step.samples_logprobs and score_hidden is None:
+            return None, None
         scores = [s.score for s in step.seqs if s.score is not None]
         asked = [i for i, spec in enumerate(specs) if spec.logprobs >= 0]
-        if not asked and not scores:
-            return None, None
         ks = [specs[i].logprobs for i in asked] + [sc.num_logprobs for sc in scores
                                                    for _ in sc.targets]
         rows = LogprobRows(max(ks))

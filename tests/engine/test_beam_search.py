@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from oracle import hf_model, random_prompts
-from nvray import LLM, BeamSearchParams
+from nvray import BeamSearchParams
+from tiny_engines import BLOCK, tiny_inprocess
 
-BLOCK = 8
 
 
 def reference_beam_search(path: str, prompt: list[int], width: int, max_tokens: int,
@@ -33,12 +33,9 @@ def reference_beam_search(path: str, prompt: list[int], width: int, max_tokens: 
     return sorted(done + beams, key=lambda c: score(*c), reverse=True)[:width]
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "no-overlap"])
-def llm(request):
-    llm = LLM("tiny", runtime="inprocess", max_model_len=128, kvcache_block_size=BLOCK,
-              overlap_scheduling=request.param)
-    yield llm
-    llm.shutdown()
+@pytest.fixture(scope="module")
+def llm(overlap_llm):
+    return overlap_llm
 
 
 @pytest.mark.parametrize("width,max_tokens,length_penalty", [(1, 5, 1.0), (3, 7, 1.0),
@@ -111,9 +108,8 @@ def test_a_search_under_kv_pressure_ends_with_the_same_beams(tiny_path):
     roomy cache gives."""
     prompt = random_prompts(1, 20, 20, seed=17)[0]
     params = BeamSearchParams(beam_width=3, max_tokens=20)
-    roomy = LLM("tiny", runtime="inprocess", max_model_len=64, kvcache_block_size=BLOCK)
-    tight = LLM("tiny", runtime="inprocess", max_model_len=64, kvcache_block_size=BLOCK,
-                num_kvcache_blocks=8)
+    roomy = tiny_inprocess(max_model_len=64)
+    tight = tiny_inprocess(max_model_len=64, num_kvcache_blocks=8)
     try:
         want = roomy.beam_search(prompt, params, use_tqdm=False)[0]
         engine = tight.engine

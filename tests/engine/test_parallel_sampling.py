@@ -7,17 +7,14 @@ from __future__ import annotations
 import pytest
 
 from oracle import random_prompts
-from nvray import LLM, SamplingParams
+from nvray import SamplingParams
+from tiny_engines import BLOCK, tiny_inprocess
 
-BLOCK = 8
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "no-overlap"])
-def llm(request):
-    llm = LLM("tiny", runtime="inprocess", max_model_len=128, kvcache_block_size=BLOCK,
-              overlap_scheduling=request.param)
-    yield llm
-    llm.shutdown()
+@pytest.fixture(scope="module")
+def llm(overlap_llm):
+    return overlap_llm
 
 
 def _sampled(seed: int, n: int = 1, **kw) -> SamplingParams:
@@ -72,8 +69,7 @@ def test_the_prompt_is_prefilled_once_and_forks_copy_the_shared_partial_block(ll
 def test_choices_that_cannot_fork_prefill_on_their_own(tiny_path):
     """With one sequence per batch, choice 0 finishes before the others can start: they
     prefill on their own (prefix cache) and still equal their single-request twins."""
-    llm = LLM("tiny", runtime="inprocess", max_model_len=128, kvcache_block_size=BLOCK,
-              max_num_seqs=1)
+    llm = tiny_inprocess(max_num_seqs=1)
     try:
         prompt = random_prompts(1, 20, 20, seed=9)[0]
         params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, n=3, ignore_eos=True,

@@ -5,6 +5,7 @@ shutdown."""
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import pytest
 
@@ -15,6 +16,15 @@ from ray_state import live_actors, live_placement_groups
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 NVRAY_CLASSES = ("EngineDriver", "RankWorker")
+
+
+def in_process(path: str, call: Callable[[LLM], Any]) -> Any:
+    """``call`` on a TP=1 in-process engine of ``path`` (shut down after)."""
+    llm = LLM(path, runtime="inprocess", max_model_len=512)
+    try:
+        return call(llm)
+    finally:
+        llm.shutdown()
 
 
 def live_nvray_actors() -> set[str]:
@@ -234,11 +244,7 @@ def test_logprobs_penalties_and_n_through_ray_at_tp2_equal_in_process(tp2, tiny_
                              repetition_penalty=1.4, logit_bias={17: 3.0})]
     outs = tp2.generate(prompts, params, use_tqdm=False)
     assert [o.index for o in outs] == [0, 1, 2, 0]
-    local = LLM(tiny_path, runtime="inprocess", max_model_len=512)
-    try:
-        expected = local.generate(prompts, params, use_tqdm=False)
-    finally:
-        local.shutdown()
+    expected = in_process(tiny_path, lambda llm: llm.generate(prompts, params, use_tqdm=False))
     for got, want in zip(outs, expected):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs or got.prompt_logprobs[1:],
@@ -262,11 +268,7 @@ def test_beam_search_through_ray_at_tp2_equals_in_process(tp2, tiny_path):
     prompts = random_prompts(2, 6, 30, seed=61)
     params = BeamSearchParams(beam_width=3, max_tokens=5)
     got = tp2.beam_search(prompts, params, use_tqdm=False)
-    local = LLM(tiny_path, runtime="inprocess", max_model_len=512)
-    try:
-        want = local.beam_search(prompts, params, use_tqdm=False)
-    finally:
-        local.shutdown()
+    want = in_process(tiny_path, lambda llm: llm.beam_search(prompts, params, use_tqdm=False))
     for a, b in zip(got, want):
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         assert [o.cumulative_logprob for o in a] == pytest.approx(

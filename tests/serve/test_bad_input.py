@@ -5,7 +5,6 @@ free, and a greedy canary still returns the offline engine's text."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import requests
