@@ -6,7 +6,12 @@
   ``serve run deployments/config.yaml`` — any checkpoint, autoscaled engine replicas.
 
 ``build_app(args)`` validates the args (AppArgs: unknown or invalid ones fail here, naming
-them) and returns the bound deployment: one replica = one engine in its own placement group.
+them) and returns the bound application, in one of two shapes:
+- one deployment, NvrayServer, each replica one whole engine in its own placement group,
+  Serve's default router in front (``prefix_routing`` off: the default with one replica);
+- prefix-routed (the default when ``max_replicas > 1``): an NvrayServer ingress (HTTP and
+  handles, ``ingress_replicas`` of them) in front of the NvrayEngine deployment, whose replicas
+  are the engines, autoscaled, reached through the PrefixAwareRouter.
 """
 
 from __future__ import annotations
@@ -14,15 +19,19 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deployments.args import AppArgs, parse_args
+from deployments.engine_replica import NvrayEngine
 from deployments.server import NvrayServer
 from nvray.config import EngineConfig
 from nvray.runtime.client import resolve_device
 from nvray.runtime.placement import engine_bundles
 
-__all__ = ["AppArgs", "NvrayServer", "app", "build_app"]
-REPLICA_CPUS = 0.1  # the replica mostly relays; it shares bundle 0 with the engine's driver
+__all__ = ["AppArgs", "NvrayEngine", "NvrayServer", "app", "build_app"]
+REPLICA_CPUS = 0.1  # a replica mostly relays; an engine's shares bundle 0 with its driver
+_ROUTER = "deployments.prefix_router:PrefixAwareRouter"
+_INGRESS_QUEUE_MARGIN = 64  # requests an ingress takes beyond what its engines admit
 
 
 def _bundles(config: EngineConfig) -> list[dict[str, float]]:
@@ -31,28 +40,44 @@ def _bundles(config: EngineConfig) -> list[dict[str, float]]:
     return bundles
 
 
+def _engine_options(parsed: AppArgs, config: EngineConfig) -> dict[str, Any]:
+    """Serve options of a deployment whose replicas are whole engines."""
+    return {
+        "ray_actor_options": {"num_cpus": REPLICA_CPUS},
+        "placement_group_bundles": _bundles(config),
+        "placement_group_strategy": config.placement_strategy,
+        "autoscaling_config": {"min_replicas": parsed.min_replicas,
+                               "max_replicas": parsed.max_replicas,
+                               "target_ongoing_requests": parsed.target_ongoing_requests,
+                               "upscale_delay_s": parsed.upscale_delay_s,
+                               "downscale_delay_s": parsed.downscale_delay_s},
+        # a bounded queue is kept by the replica (deployments/admission.py), refusing in JSON
+        "max_ongoing_requests": parsed.serve_max_ongoing_requests(),
+        "max_queued_requests": -1,
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
+        "graceful_shutdown_timeout_s": 20,
+    }
+
+
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     parsed = parse_args(args)
     config = resolve_device(parsed.engine_config())
     parsed = parsed.model_copy(update={"device": config.device})
-    deployment = NvrayServer.options(
-        name="NvrayServer",
-        ray_actor_options={"num_cpus": REPLICA_CPUS},
-        placement_group_bundles=_bundles(config),
-        placement_group_strategy=config.placement_strategy,
-        autoscaling_config={"min_replicas": parsed.min_replicas,
-                            "max_replicas": parsed.max_replicas,
-                            "target_ongoing_requests": parsed.target_ongoing_requests,
-                            "upscale_delay_s": parsed.upscale_delay_s,
-                            "downscale_delay_s": parsed.downscale_delay_s},
-        # a bounded queue is kept by the replica (deployments/admission.py), refusing in JSON
-        max_ongoing_requests=parsed.serve_max_ongoing_requests(),
-        max_queued_requests=-1,
-        health_check_period_s=10,
-        health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=20,
-    )
-    return deployment.bind(parsed.model_dump())
+    if not parsed.routes_by_prefix():
+        return NvrayServer.options(name="NvrayServer",
+                                   **_engine_options(parsed, config)).bind(parsed.model_dump())
+    router = RequestRouterConfig(
+        request_router_class=_ROUTER,
+        request_router_kwargs={"max_load_imbalance": parsed.prefix_routing_max_imbalance})
+    engines = NvrayEngine.options(name="NvrayEngine", request_router_config=router,
+                                  **_engine_options(parsed, config)).bind(parsed.model_dump())
+    ingress_limit = parsed.max_replicas * parsed.serve_max_ongoing_requests() + _INGRESS_QUEUE_MARGIN
+    return NvrayServer.options(
+        name="NvrayServer", num_replicas=parsed.ingress_replicas,
+        ray_actor_options={"num_cpus": REPLICA_CPUS}, max_ongoing_requests=ingress_limit,
+        max_queued_requests=-1, graceful_shutdown_timeout_s=20,
+    ).bind(parsed.model_dump(), engines)
 
 
 app = build_app({})

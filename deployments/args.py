@@ -2,17 +2,18 @@
 config file's ``args``), validated by pydantic; every field has a description.
 
 Unknown or invalid arguments fail at start-up with a message naming them. ``engine_config()``
-turns the args into the engine's EngineConfig; ``deployment_options()`` into Serve's
-autoscaling, queueing and placement options.
+turns the args into the engine's EngineConfig; ``routes_by_prefix()`` says which shape
+``deployments.build_app`` gives the app.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from deployments.admission import AdmissionGate
 from nvray.config import EngineConfig
@@ -44,7 +45,8 @@ class AppArgs(BaseModel):
     num_cpus_per_rank: float = Field(0.9, gt=0, description="CPUs per rank actor (CPU engines; "
                                      "0.9 lets a TP=2 engine and its replica fit 2 cores)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
-                                           "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1}")
+                                           "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1} "
+                                           "(a JSON object string on the command line)")
     min_replicas: int = Field(1, ge=0, description="autoscaling: fewest engine replicas")
     max_replicas: int = Field(1, ge=1, description="autoscaling: most engine replicas")
     target_ongoing_requests: float = Field(16, gt=0, description="autoscaling: ongoing requests "
@@ -65,6 +67,29 @@ class AppArgs(BaseModel):
     reasoning_parser: Literal["qwen3"] | None = Field(None, description="'qwen3': chat answers "
                                                       "move <think>...</think> into "
                                                       "reasoning_content (streamed too)")
+    prefix_routing: bool | None = Field(None, description="route each request to the engine "
+                                        "replica most likely to hold its prompt's prefix in "
+                                        "its KV cache (load permitting); default: on when "
+                                        "max_replicas > 1")
+    prefix_routing_max_imbalance: int = Field(4, ge=0, description="prefix routing: ongoing "
+                                              "requests above the least-loaded replica's that "
+                                              "prefix affinity may add")
+    ingress_replicas: int = Field(1, ge=1, description="prefix routing: replicas of the "
+                                  "HTTP/handle ingress in front of the engine replicas")
+
+    def routes_by_prefix(self) -> bool:
+        return self.max_replicas > 1 if self.prefix_routing is None else self.prefix_routing
+
+    @field_validator("engine_options", mode="before")
+    @classmethod
+    def _engine_options_from_json(cls, value: Any) -> Any:
+        """``serve run ... engine_options='{"num_kvcache_blocks": 4096}'`` passes a string."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a JSON object: {e}") from None
+        return value
 
     def max_waiting(self) -> int:
         """Requests a replica lets wait for a slot (no limit: Serve's own queue holds them)."""

@@ -1,4 +1,5 @@
-"""/metrics: the engine's stats in Prometheus text format (version 0.0.4)."""
+"""/metrics: engines' stats (and an ingress's routing decisions) in Prometheus text format
+(version 0.0.4)."""
 
 from __future__ import annotations
 
@@ -41,25 +42,36 @@ def _histogram(name: str, snap: dict[str, Any], labels: dict[str, str]) -> list[
     return lines
 
 
-def render_metrics(stats: dict[str, Any], model: str, prefix: str = "nvray") -> str:
-    labels = {"model_name": model}
+def render_metrics(stats_by_engine: dict[str | None, dict[str, Any]], model: str,
+                   routing: dict[str, int] | None = None, prefix: str = "nvray") -> str:
+    """Each engine's stats (labelled ``engine="<id>"`` unless the key is None: the replica's
+    own engine) and, for a prefix-routed ingress, its routing decisions."""
+    engines = [({"model_name": model} if eid is None else {"model_name": model, "engine": eid},
+                stats) for eid, stats in stats_by_engine.items()]
     lines = [f"# HELP {prefix}_engine_healthy 1 if the engine is healthy",
-             f"# TYPE {prefix}_engine_healthy gauge",
-             f"{prefix}_engine_healthy{_fmt_labels(labels)} {1 if stats.get('healthy') else 0}"]
-    if not stats.get("healthy"):
-        return "\n".join(lines) + "\n"
+             f"# TYPE {prefix}_engine_healthy gauge"]
+    lines += [f"{prefix}_engine_healthy{_fmt_labels(labels)} {1 if stats.get('healthy') else 0}"
+              for labels, stats in engines]
+    healthy = [(labels, stats) for labels, stats in engines if stats.get("healthy")]
     for kind, table in (("gauge", _GAUGES), ("counter", _COUNTERS)):
         for name, key, help_text in table:
             full = f"{prefix}_{name}"
-            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}",
-                      f"{full}{_fmt_labels(labels)} {stats[key]}"]
+            lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+            lines += [f"{full}{_fmt_labels(labels)} {stats[key]}" for labels, stats in healthy]
     finished = f"{prefix}_requests_finished_total"
     lines += [f"# HELP {finished} Requests finished, by reason (stop, length, abort, error)",
               f"# TYPE {finished} counter"]
     lines += [f"{finished}{_fmt_labels({**labels, 'reason': reason})} {count}"
-              for reason, count in sorted(stats["num_finished"].items())]
+              for labels, stats in healthy for reason, count in sorted(stats["num_finished"].items())]
     for name, help_text in _HISTOGRAMS:
         full = f"{prefix}_{name}"
         lines += [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]
-        lines += _histogram(full, stats[name], labels)
+        for labels, stats in healthy:
+            lines += _histogram(full, stats[name], labels)
+    if routing is not None:
+        full = f"{prefix}_router_requests_total"
+        lines += [f"# HELP {full} Requests this ingress routed to an engine replica by prefix "
+                  "affinity or by load", f"# TYPE {full} counter"]
+        lines += [f"{full}{_fmt_labels({'model_name': model, 'by': by})} {count}"
+                  for by, count in sorted(routing.items())]
     return "\n".join(lines) + "\n"

@@ -1,20 +1,24 @@
-"""NvrayServer: the Serve deployment — one replica = one whole nvray engine.
+"""NvrayServer: the app's ingress — the OpenAI-compatible HTTP API (FastAPI) and a Python handle
+API (``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks.
 
-The replica lives in bundle 0 of its own placement group (laid out by
-``nvray.runtime.placement.engine_bundles``); its EngineDriver shares that bundle and the rank
-actors take the others, so autoscaling adds and removes whole engines. The replica serves the
-OpenAI-compatible HTTP API (FastAPI ingress) and a Python handle API (``generate``,
-``generate_stream``) for other Ray tasks; ``check_health`` reflects the engine's health so Serve
-replaces a replica whose engine died.
+It finds its engine one of two ways (``deployments/engines.py``):
+- without prefix routing, each replica is one whole nvray engine: the replica lives in bundle 0
+  of its own placement group (``nvray.runtime.placement.engine_bundles``) beside its
+  EngineDriver and rank 0, so autoscaling adds and removes whole engines, and ``check_health``
+  is the engine's, so Serve replaces a replica whose engine died;
+- with prefix routing (``deployments.build_app``), the engines are the replicas of the app's
+  NvrayEngine deployment, and each request leases one through the PrefixAwareRouter, which
+  sends it where its prompt's prefix is most likely cached. Outputs still come from the
+  engine's driver straight to this replica, one message per engine step.
 
-``/tokenize`` and ``/detokenize`` ask the engine's driver rather than load a second tokenizer
+``/tokenize`` and ``/detokenize`` ask an engine's driver rather than load a second tokenizer
 here: the driver holds the tokenizer the engine runs and renders chat prompts on the one code
 path (``nvray.chat_template``) that requests take, so the ids and counts a client sees are the
 engine's by construction, at the cost of one Ray call (the replica shares its node and
 placement-group bundle with the driver) and no second copy of a large tokenizer per replica.
 
-All of the replica's requests, HTTP and handle alike, receive their outputs through ONE output
-channel to the driver (an OutputRouter): one message per engine step. Each SSE body writes
+All of the replica's requests to one engine, HTTP and handle alike, receive their outputs through
+ONE output channel to its driver (an OutputRouter): one message per engine step. Each SSE body writes
 everything that arrived for its request since its last write as one chunk per choice, so a
 slow client or a slow hop merges tokens instead of queueing one chunk per token.
 
@@ -29,25 +33,25 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from ray import serve
 
-from deployments.admission import AdmissionGate, Ticket
 from deployments.args import AppArgs, parse_args
 from deployments.body_limit import BodySizeLimit
+from deployments.engines import Lease, LeasedEngines, LocalEngine
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
 from deployments.metrics import render_metrics
+from deployments.prefix_router import routing_key
+from deployments.routing_stats import routing_counts
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
 from deployments.logprobs_format import TokenTexts
 from deployments.responses import DONE, ChatFormat, CompletionFormat, sse, with_usage
 from nvray.outputs import RequestOutput
 from nvray.reasoning import reasoning_parser_for
-from nvray.runtime import start_engine
-from nvray.runtime.output_router import OutputRouter, RequestSink
+from nvray.runtime.output_router import RequestSink
 from nvray.runtime.output_router import Request as EngineRequest
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
@@ -72,27 +76,24 @@ def _params(value: Any) -> SamplingParams | BeamSearchParams:
     return value if isinstance(value, BeamSearchParams) else SamplingParams.coerce(value)
 
 
-def _end_stream(sink: RequestSink, ticket: Ticket) -> None:
-    """A stream is over (or never began): abort what still runs, give its slot back."""
+def _end_stream(sink: RequestSink, lease: Lease) -> None:
+    """A stream is over (or never began): abort what still runs, give its engine back."""
     sink.abort()
-    ticket.release()
+    lease.release()
 
 
 @serve.deployment
 @serve.ingress(api)
 class NvrayServer:
-    def __init__(self, args: dict[str, Any] | AppArgs) -> None:
+    def __init__(self, args: dict[str, Any] | AppArgs, engines: Any = None) -> None:
+        """``engines``: the NvrayEngine deployment's handle (prefix routing), or None to host
+        this replica's own engine."""
         self.args = parse_args(args)
         self.model_name = self.args.name_to_serve()
         self.api_key = self.args.resolved_api_key()
         self.timeout = self.args.request_timeout_s
         self.reasoning = reasoning_parser_for(self.args.reasoning_parser)
-        self.gate = AdmissionGate(self.args.max_ongoing_requests, self.args.max_waiting())
-        pg = ray.util.get_current_placement_group()
-        self.client = start_engine(self.args.engine_config(), pg=pg)
-        self.driver = self.client.driver
-        self.router = OutputRouter(self.driver)
-        self.router.open_now()  # here, not in a request: see OutputRouter.open_now
+        self.engines = LocalEngine(self.args) if engines is None else LeasedEngines(engines)
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
@@ -129,10 +130,15 @@ class NvrayServer:
         self._check_model(body.model)
         body.check_supported()
 
-    def _model_card(self) -> dict[str, Any]:
+    async def _model_card(self) -> dict[str, Any]:
+        info = await self.engines.info()
         return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "nvray", "max_model_len": self.client.info.get("max_model_len"),
-                "vocab_size": self.client.info.get("vocab_size")}
+                "owned_by": "nvray", "max_model_len": info.get("max_model_len"),
+                "vocab_size": info.get("vocab_size")}
+
+    async def _lease(self, prompts: list[Any]) -> Lease:
+        """An engine for these prompts (routed by the first one's prefix, with routing on)."""
+        return await self.engines.lease(routing_key(prompts[0]), self.timeout)
 
     async def _ask_driver(self, call: Any, param: str) -> Any:
         """A driver call's result; a ValueError it raises is a 400 naming ``param`` (unless it
@@ -149,12 +155,17 @@ class NvrayServer:
     async def _finals(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,
                       priority: int = 0) -> list[RequestOutput]:
         """Final outputs of ``prompts`` (all admitted or none: a rejected one raises)."""
-        sink = await self.router.add([EngineRequest(p, params, priority=priority) for p in prompts])
+        lease = await self._lease(prompts)
         try:
-            async with asyncio.timeout(self.timeout):
-                results = await sink.results()
+            sink = await lease.router.add([EngineRequest(p, params, priority=priority)
+                                           for p in prompts])
+            try:
+                async with asyncio.timeout(self.timeout):
+                    results = await sink.results()
+            finally:
+                sink.abort()  # time-out, disconnect or failure: free what still runs
         finally:
-            sink.abort()  # time-out, disconnect or failure: free what still runs
+            lease.release()
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -164,7 +175,7 @@ class NvrayServer:
     @api.get("/health")
     async def health(self) -> JSONResponse:
         try:
-            await self.driver.check_health.remote()
+            await self.engines.check_health()
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             return OpenAIError(503, "the engine is unhealthy", code="engine_unavailable").response()
         return JSONResponse({"status": "ok"})
@@ -172,35 +183,37 @@ class NvrayServer:
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [await self._model_card()]})
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self._authorize(request)
         self._check_model(model_id, param=None)
-        return JSONResponse(self._model_card())
+        return JSONResponse(await self._model_card())
 
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, request: Request) -> JSONResponse:
         self._authorize(request)
         self._check_model(body.model)
         prompt = body.to_tokenize()
-        tokens = await self._ask_driver(self.driver.tokenize.remote(prompt),
+        tokens = await self._ask_driver(self.engines.tokenize(prompt),
                                         "prompt" if isinstance(prompt, str) else "messages")
+        info = await self.engines.info()
         return JSONResponse({"tokens": tokens, "count": len(tokens),
-                             "max_model_len": self.client.info.get("max_model_len")})
+                             "max_model_len": info.get("max_model_len")})
 
     @api.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> JSONResponse:
         self._authorize(request)
         self._check_model(body.model)
-        text = await self._ask_driver(self.driver.detokenize.remote(body.tokens), "tokens")
+        text = await self._ask_driver(self.engines.detokenize(body.tokens), "tokens")
         return JSONResponse({"prompt": text})
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        stats = await self.driver.stats.remote()
-        return PlainTextResponse(render_metrics(stats, self.model_name),
+        stats = await self.engines.stats_by_engine()
+        routing = routing_counts() if isinstance(self.engines, LeasedEngines) else None
+        return PlainTextResponse(render_metrics(stats, self.model_name, routing),
                                  media_type="text/plain; version=0.0.4")
 
     @api.post("/v1/completions")
@@ -212,8 +225,7 @@ class NvrayServer:
                                self._echo_texts(body.prompts(), params) if body.echo else None)
         if body.stream:
             return await self._streaming_response(body.prompts(), params, fmt, body)
-        async with self.gate.slot(self.timeout):
-            return JSONResponse(fmt.full(await self._finals(body.prompts(), params, body.priority)))
+        return JSONResponse(fmt.full(await self._finals(body.prompts(), params, body.priority)))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -224,30 +236,29 @@ class NvrayServer:
                          self.token_texts() if body.logprobs else None)
         if body.stream:
             return await self._streaming_response(prompts, params, fmt, body)
-        async with self.gate.slot(self.timeout):
-            return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority)))
+        return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority)))
 
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,
                                   fmt: CompletionFormat | ChatFormat,
                                   body: SamplingFields) -> StreamingResponse:
         """Admit every prompt first, so a request the engine rejects gets an HTTP 400 instead
-        of a stream that fails at once; then stream. The slot is given back when the body ends
+        of a stream that fails at once; then stream. The engine is given back when the body ends
         (or, if the client left before it began, when the response is done)."""
-        ticket = await self.gate.enter(self.timeout)
+        lease = await self._lease(prompts)
         try:
-            sink = await self.router.add([EngineRequest(p, params, priority=body.priority)
-                                          for p in prompts], stream=True)
+            sink = await lease.router.add([EngineRequest(p, params, priority=body.priority)
+                                           for p in prompts], stream=True)
         except BaseException:
-            ticket.release()
+            lease.release()
             raise
-        events = self._sse_body(sink, fmt, body.include_usage, body.continuous_usage, ticket)
+        events = self._sse_body(sink, fmt, body.include_usage, body.continuous_usage, lease)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                 background=BackgroundTask(_end_stream, sink, ticket))
+                                 background=BackgroundTask(_end_stream, sink, lease))
 
     async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat,
                         include_usage: bool, continuous_usage: bool,
-                        ticket: Ticket) -> AsyncIterator[str]:
+                        lease: Lease) -> AsyncIterator[str]:
         counts = [0] * len(sink.request_ids)  # completion tokens so far, per choice
         deadline = time.monotonic() + self.timeout
         try:
@@ -270,7 +281,7 @@ class NvrayServer:
         except Exception as e:  # noqa: BLE001 - after the 200 header: an SSE error event
             yield to_openai_error(e).sse()
         finally:
-            _end_stream(sink, ticket)  # disconnect or failure: free the blocks of what still runs
+            _end_stream(sink, lease)  # disconnect or failure: free the blocks of what still runs
         yield DONE
 
     # ------------------------------------------------------------ handle API
@@ -278,17 +289,17 @@ class NvrayServer:
                        ) -> RequestOutput | list[RequestOutput]:
         """Handle API: the final output (text, token_ids, finish_reason, usage); with ``n > 1``
         or a BeamSearchParams, the list of the choices' (beams', best first) final outputs."""
-        async with self.gate.slot(self.timeout):
-            outs = await self._finals([prompt], _params(sampling_params))
+        outs = await self._finals([prompt], _params(sampling_params))
         return outs[0] if len(outs) == 1 else outs
 
     async def generate_stream(self, prompt: Any, sampling_params: Any = None
                               ) -> AsyncIterator[RequestOutput]:
         """Handle API (``handle.options(stream=True)``): deltas (coalesced while the caller
         reads slower than the engine steps), then the final output."""
-        async with self.gate.slot(self.timeout):
-            sink = await self.router.add([EngineRequest(prompt, _params(sampling_params))],
-                                         stream=True)
+        lease = await self._lease([prompt])
+        try:
+            sink = await lease.router.add([EngineRequest(prompt, _params(sampling_params))],
+                                          stream=True)
             deadline = time.monotonic() + self.timeout
             try:
                 while batch := await sink.next_batch(deadline - time.monotonic()):
@@ -296,24 +307,23 @@ class NvrayServer:
                         yield out
             finally:
                 sink.abort()
+        finally:
+            lease.release()
 
     async def engine_client(self) -> Any:
         """Handle API: this replica's EngineClient, to call its engine directly from a Ray task
-        (``client.stream(...)`` opens the caller's own output channel to the driver)."""
-        return self.client
+        (``client.stream(...)`` opens the caller's own output channel to the driver); with
+        prefix routing, one engine replica's."""
+        return await self.engines.engine_client()
 
     async def check_health(self) -> None:
-        """Serve's health check: raises if the engine, one of its ranks or this replica's
-        output channel is gone."""
-        if self.router.dead is not None:
-            raise self.router.dead
-        await self.driver.check_health.remote()
+        """Serve's health check: raises if this replica's own engine, one of its ranks or its
+        output channel is gone (an ingress of leased engines has none: Serve checks those)."""
+        if isinstance(self.engines, LocalEngine):
+            await self.engines.check_health()
 
     def __del__(self) -> None:
-        router = getattr(self, "router", None)
-        if router is not None:
-            router.close()
-        client = getattr(self, "client", None)
-        if client is not None:
-            client.shutdown()
+        engines = getattr(self, "engines", None)
+        if engines is not None:
+            engines.close()
 

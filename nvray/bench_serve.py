@@ -14,6 +14,9 @@ errors, and the engine's median step time while the batch was full (from ``/metr
 per chunk come from ``stream_options.continuous_usage_stats``; a server that ignores it is
 counted as one token per chunk. The floor of the path is a bare ``GET /v1/models`` round trip.
 
+``--workload multiturn`` runs multi-turn chats instead (``nvray/bench_multiturn.py``): prefix-
+cache hit rate and TTFT with and without prefix-aware routing.
+
 ``--out results.json`` writes the figures, and a PNG chart next to it (throughput and latency
 against concurrency) when matplotlib is installed.
 """
@@ -53,6 +56,9 @@ class RequestRecord:
     output_tokens: int = 0
     num_chunks: int = 0
     itl_s: list[float] = field(default_factory=list)  # one per token after the first
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
+    text: str = ""  # the streamed answer
 
 
 def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | None]:
@@ -120,7 +126,12 @@ async def read_stream(resp: Any, rec: RequestRecord, start: float) -> None:
         if not chunk_has_output(chunk):
             if chunk.get("usage") and not chunk.get("choices"):
                 tokens = chunk["usage"]["completion_tokens"]  # the final usage chunk
+                rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details")
+                                     or {}).get("cached_tokens", 0)
             continue
+        rec.text += "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                            for c in chunk["choices"])
         usage = chunk.get("usage")
         new = (usage["completion_tokens"] - tokens) if usage else 1
         tokens += new
@@ -232,8 +243,9 @@ async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requ
             "levels": results}
 
 
-def start_app(app_args: dict[str, Any], port: int) -> str:
-    """Start the nvray app on this machine's Ray cluster; returns its base URL."""
+def start_app(app_args: dict[str, Any], port: int, name: str | None = None) -> str:
+    """Start the nvray app on this machine's Ray cluster (at ``/name`` if named, else at
+    ``/``); returns its base URL."""
     from ray import serve  # noqa: PLC0415
 
     from deployments import build_app  # noqa: PLC0415
@@ -241,8 +253,9 @@ def start_app(app_args: dict[str, Any], port: int) -> str:
 
     ensure_ray()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_args), name="nvray-bench", route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    prefix = f"/{name}" if name else "/"
+    serve.run(build_app(app_args), name=name or "nvray-bench", route_prefix=prefix)
+    return f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
 
 
 def save_chart(result: dict[str, Any], path: str) -> str | None:
@@ -291,6 +304,10 @@ def parse_app_args(items: list[str]) -> dict[str, Any]:
 
 
 def run(args: Any) -> dict[str, Any]:
+    if args.workload == "multiturn":
+        from nvray.bench_multiturn import run as run_multiturn  # noqa: PLC0415
+
+        return run_multiturn(args, parse_app_args(args.app_args or []))
     url = args.url
     if url is None:
         url = start_app(parse_app_args(args.app_args or []), args.port)
@@ -306,6 +323,10 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def add_arguments(p: Any) -> None:
+    p.add_argument("--workload", choices=("sweep", "multiturn"), default="sweep",
+                   help="sweep: concurrency sweep (below); multiturn: chats resending their "
+                        "history (nvray/bench_multiturn.py), without --url against the app with "
+                        "and without prefix routing")
     p.add_argument("--url", help="base URL of a running app (default: start one here)")
     p.add_argument("--app-args", nargs="*", metavar="KEY=VALUE",
                    help="arguments of the app to start (as serve run deployments:build_app takes)")
@@ -322,3 +343,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--api-key")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--conversations", type=int, default=64, help="multiturn: conversations")
+    p.add_argument("--turns", type=int, default=6, help="multiturn: turns per conversation")
+    p.add_argument("--parallel", type=int, default=16,
+                   help="multiturn: conversations in flight at once")
+    p.add_argument("--system-len", type=int, default=200,
+                   help="multiturn: words of the system prompt all conversations share")

@@ -53,6 +53,7 @@ class EngineConfig:
     ray_dispatch: str = "compiled"  # per-step calls to the ranks: a Ray compiled graph or plain calls
     placement_strategy: str = "STRICT_PACK"
     num_cpus_per_rank: float = 0.9  # CPU per rank actor (CPU engines): TP=2 + driver fit 2 cores
+    num_gpus_per_rank: float = 1.0  # GPU share per rank actor: 0.5 lets two TP=1 engines share one
     step_timeout_s: float = 600.0  # a step taking longer means a hung rank: the engine fails
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -86,6 +87,10 @@ class EngineConfig:
                  self.tensor_parallel_size, "must be in [1, 64]")
         _require(self.num_cpus_per_rank > 0, "num_cpus_per_rank", self.num_cpus_per_rank,
                  "must be > 0")
+        _require(0 < self.num_gpus_per_rank <= 1 and (self.num_gpus_per_rank == 1
+                                                       or self.tensor_parallel_size == 1),
+                 "num_gpus_per_rank", self.num_gpus_per_rank,
+                 "must be in (0, 1], and 1 when tensor_parallel_size > 1 (a rank per GPU)")
         _require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
         _require(self.runtime == "ray" or self.tensor_parallel_size == 1, "runtime", self.runtime,
                  "tensor_parallel_size > 1 needs runtime='ray'")

@@ -89,6 +89,22 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def two_nodes(tmp_path_factory):
+    """A real two-node Ray cluster on this machine (``ray start --head`` on 127.0.0.1 and
+    ``ray start --address`` on 127.0.0.2, 2 CPUs each, own ports and temp dirs; see
+    ``ray_nodes``), started when a test first asks, stopped at the end of the session."""
+    from ray_nodes import add_node, start_head
+
+    logs = tmp_path_factory.mktemp("two-nodes")
+    cluster = start_head(logs, num_cpus=2)
+    try:
+        add_node(cluster, logs, num_cpus=2)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 def free_port() -> int:
     import socket
 

@@ -41,9 +41,10 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
 def start_engine(config: EngineConfig, pg: PlacementGroup | None = None) -> "EngineClient":
     """Start one engine (driver + ranks in one placement group) on the current Ray cluster.
 
-    With ``pg`` (bundles laid out as ``placement.engine_bundles``: driver in bundle 0, rank r in
-    bundle 1 + r), the engine lives in that placement group and its owner removes it — this is
-    how a Serve replica hosts its engine in the replica's own placement group.
+    With ``pg`` (bundles laid out as ``placement.engine_bundles``: rank r in bundle r, the
+    driver in bundle 0 beside rank 0), the engine lives in that placement group and its owner
+    removes it — this is how a Serve replica hosts its engine in the replica's own placement
+    group.
     """
     ensure_ray()
     if config.model != TINY_NAME:

@@ -14,6 +14,7 @@ All methods run on one asyncio event loop (the replica's, or a SyncRouter's thre
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from dataclasses import dataclass
@@ -169,7 +170,10 @@ class OutputRouter:
             raise self.dead
         if self._opening is None:
             self._loop = asyncio.get_running_loop()
-            self._opening = asyncio.ensure_future(self._open())
+            # In a fresh context: Ray tells an async actor's tasks apart by a context variable,
+            # so a subscription opened from inside a request would be that request's child
+            # task and end when it is cancelled (see open_now); opened here, it is nobody's.
+            self._opening = contextvars.Context().run(self._loop.create_task, self._open())
         try:
             await asyncio.shield(self._opening)
         except Exception:

@@ -1,5 +1,7 @@
-"""Placement of one engine: a placement group with the driver's bundle (index 0) and one
-bundle per tensor-parallel rank (index 1 + rank), so Ray places or refuses the engine whole."""
+"""Placement of one engine: a placement group with one bundle per tensor-parallel rank (rank r
+in bundle r), the driver sharing bundle 0 with rank 0, so Ray places or refuses the engine
+whole. Every strategy works on any number of nodes that can hold the bundles: ``STRICT_SPREAD``
+puts each rank on its own node (TP=2 over two nodes), ``STRICT_PACK`` all of them on one."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ _READY_TIMEOUT_S = 120.0
 
 def rank_resources(config: EngineConfig, use_gpu: bool) -> dict[str, float]:
     if use_gpu:
-        return {"CPU": 1.0, "GPU": 1.0}
+        return {"CPU": 1.0, "GPU": config.num_gpus_per_rank}
     return {"CPU": config.num_cpus_per_rank}
 
 
 def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
-    return [{"CPU": DRIVER_CPUS}] + [rank_resources(config, use_gpu)] * config.tensor_parallel_size
+    bundles = [rank_resources(config, use_gpu) for _ in range(config.tensor_parallel_size)]
+    bundles[0] = {**bundles[0], "CPU": round(bundles[0]["CPU"] + DRIVER_CPUS, 6)}
+    return bundles
 
 
 def check_engines_fit(config: EngineConfig, use_gpu: bool, count: int = 1,

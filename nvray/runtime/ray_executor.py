@@ -46,7 +46,7 @@ class RayExecutor:
         res = rank_resources(config, config.device == "cuda")
         actor = ray.remote(RankWorker)
         return [actor.options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_concurrency=2,
-                              max_restarts=0, scheduling_strategy=in_bundle(pg, 1 + rank)
+                              max_restarts=0, scheduling_strategy=in_bundle(pg, rank)
                               ).remote(config, rank)
                 for rank in range(config.tensor_parallel_size)]
 

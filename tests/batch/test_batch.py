@@ -1,11 +1,13 @@
 """Batch inference as a Ray job (``python -m nvray.batch``).
 
-A real head is started with ``ray start --head`` (its own ports and temp dir, so it never meets
-the session's ``ray_cluster``), with Ray's token authentication on; the job is submitted with the real ``ray job submit`` CLI and
-its greedy outputs are compared with the offline in-process LLM. The same input as Parquet,
-run directly against that head with two engines, must give the same rows. Malformed inputs
-fail before anything runs, naming the row; engine failures inside a pool actor are retried on
-a new engine (checked with a fake engine, no Ray).
+The jobs run on the session's two-node cluster (``ray start --head`` + ``ray start --address``,
+own ports and temp dirs, so it never meets the session's ``ray_cluster``), with Ray's token
+authentication on; the job is submitted with the real ``ray job submit`` CLI and its greedy
+outputs are compared with the offline in-process LLM. The same input as Parquet, run directly
+against that cluster with two engines sized so that one node holds only one, must give the
+same rows, with an engine on each node. Malformed inputs fail before anything runs, naming the
+row; engine failures inside a pool actor are retried on a new engine (checked with a fake
+engine, no Ray).
 """
 
 from __future__ import annotations
@@ -13,15 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +26,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from nvray.batch_io import input_schema
+from ray_nodes import RAY_CLI, REPO, SECOND_NODE_IP, TOKEN, Cluster, child_env
 
-REPO = Path(__file__).resolve().parents[2]
-PYTHON_BIN = os.path.dirname(sys.executable)
-RAY_CLI = os.path.join(PYTHON_BIN, "ray")
 MAX_TOKENS, MAX_MODEL_LEN = 8, 96
-HEAD_START_TIMEOUT_S = 180
 JOB_TIMEOUT_S = 420
 GOOD_ROWS = [
     {"id": "p0", "prompt": "Hello, nvray"},
@@ -67,147 +60,15 @@ def read_output(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-# Ray's token authentication is on for this head: it, the job CLI and the job share the token
-HEAD_TOKEN = secrets.token_hex(16)
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token",
-               RAY_AUTH_TOKEN=HEAD_TOKEN, TOKENIZERS_PARALLELISM="false",
-               PATH=PYTHON_BIN + os.pathsep + env.get("PATH", ""), PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
 def run_batch(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nvray.batch", *args], cwd=REPO,
                           env=child_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
-def process_tree(root: int) -> set[int]:
-    """``root`` and every process descended from it, from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        kids = [c for c, p in parents.items() if p == pid and c not in tree]
-        tree.update(kids)
-        frontier.extend(kids)
-    return tree
-
-
-def processes_using(marker: str) -> set[int]:
-    """Processes whose command line mentions ``marker`` (this head's unique temp dir)."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                if marker in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
-                    found.add(int(entry))
-            except OSError:
-                continue
-    return found
-
-
-def signal_all(pids: set[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def alive(pids: set[int]) -> set[int]:
-    """The pids still running (zombies count as gone)."""
-    running = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            running.add(pid)
-    return running
-
-
-@dataclass
-class Head:
-    gcs_address: str
-    dashboard_url: str
-    temp_dir: str
-
-
-def wait_for_job_api(url: str, proc: subprocess.Popen, log: Path) -> None:
-    """Until ``ray job list`` answers: the dashboard and its job agent are up."""
-    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            probe = subprocess.run([RAY_CLI, "job", "list", "--address", url], env=child_env(),
-                                   capture_output=True, timeout=60)
-            if probe.returncode == 0:
-                return
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"the head's job API did not come up in {HEAD_START_TIMEOUT_S} s:\n"
-                       f"{log.read_text()}")
-
-
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """A real head (4 logical CPUs) on 127.0.0.1, with its own ports and temp dir."""
-    temp_dir = tempfile.mkdtemp(prefix="nvb-", dir="/tmp")  # short: Unix socket paths
-    gcs, dash, client, agent, agent_grpc, metrics, node, obj, rtenv = free_ports(9)
-    log = tmp_path_factory.mktemp("head") / "ray-start.log"
-    cmd = [RAY_CLI, "start", "--head", "--block",
-           "--node-ip-address=127.0.0.1", f"--port={gcs}", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
-           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-           f"--metrics-export-port={metrics}", f"--node-manager-port={node}",
-           f"--object-manager-port={obj}", f"--runtime-env-agent-port={rtenv}",
-           "--num-cpus=4", "--num-gpus=0", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        wait_for_job_api(url, proc, log)
-        yield Head(f"127.0.0.1:{gcs}", url, temp_dir)
-    finally:
-        stop_head(proc, temp_dir)
-
-
-def stop_head(proc: subprocess.Popen, temp_dir: str) -> None:
-    """Stop only this head's processes, by pid (``ray stop`` would stop every Ray here)."""
-    pids = process_tree(proc.pid) | processes_using(temp_dir)
-    signal_all(pids, signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and alive(pids):
-        time.sleep(0.5)
-        pids |= processes_using(temp_dir)
-    signal_all(alive(pids), signal.SIGKILL)
-    proc.wait(timeout=30)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+def ray_head(two_nodes) -> Cluster:
+    """The session's two-node cluster (``ray start --head`` + ``ray start --address``)."""
+    return two_nodes
 
 
 def test_the_head_refuses_callers_without_its_token(ray_head):
@@ -218,7 +79,7 @@ def test_the_head_refuses_callers_without_its_token(ray_head):
                          headers={"Authorization": "Bearer not-the-token"})
     assert wrong.status_code in (401, 403)
     right = requests.get(f"{ray_head.dashboard_url}/api/jobs/", timeout=30,
-                         headers={"Authorization": f"Bearer {HEAD_TOKEN}"})
+                         headers={"Authorization": f"Bearer {TOKEN}"})
     assert right.status_code == 200
 
 
@@ -282,19 +143,13 @@ def test_submitted_job_matches_offline_greedy_and_reports_bad_rows(submitted, ex
     check_rows(read_output(submitted), expected)
 
 
-def head_cli(head: Head, group: str, command: str, *args: str, timeout: float = 60) -> str:
-    """``ray <group> <command> --address <head> <args>``, e.g. ``ray job status <id>``."""
-    proc = subprocess.run([RAY_CLI, group, command, "--address", head.dashboard_url, *args],
-                          env=child_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+def head_cli(head: Cluster, group: str, command: str, *args: str, timeout: float = 60) -> str:
+    return head.cli(group, command, *args, timeout=timeout)
 
 
-def live_engine_actors(head: Head) -> list[str]:
-    out = head_cli(head, "list", "actors", "--filter", "state=ALIVE", "--format", "json",
-                   "--limit", "1000")
-    actors = json.loads(out) if out.lstrip().startswith("[") else []  # else "No resource ..."
-    return [a["class_name"] for a in actors if a["class_name"] in ("EngineDriver", "RankWorker")]
+def live_engine_actors(head: Cluster) -> list[str]:
+    return [a["class_name"] for a in head.live_actors()
+            if a["class_name"] in ("EngineDriver", "RankWorker")]
 
 
 def test_a_job_stopped_mid_run_leaves_no_engine_and_no_output(ray_head, tmp_path):
@@ -327,12 +182,26 @@ def test_a_job_stopped_mid_run_leaves_no_engine_and_no_output(ray_head, tmp_path
     assert not out.exists() and not list(tmp_path.glob("out.jsonl*"))
 
 
+def rank_actor_nodes(head: Cluster) -> dict[str, str]:
+    """actor id -> node IP of every RankWorker the cluster has known, live or gone."""
+    out = head.cli("list", "actors", "--filter", "class_name=RankWorker", "--format", "json",
+                   "--limit", "1000", "--detail")
+    ips = head.node_ips()
+    actors = json.loads(out) if out.lstrip().startswith("[") else []
+    return {a["actor_id"]: ips.get(a["node_id"], a["node_id"]) for a in actors}
+
+
 def test_parquet_with_two_engines_gives_the_same_rows(ray_head, submitted, expected, tmp_path):
+    """Two engines that cannot share a 2-CPU node (1.2 + 0.1 CPUs each): one per node."""
     src, out = tmp_path / "prompts.parquet", tmp_path / "out.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS, schema=input_schema(pa.string())), src)
+    before = rank_actor_nodes(ray_head)
     proc = run_batch(["--input", str(src), "--output", str(out), "--concurrency", "2",
-                      *COMMON_ARGS], timeout=JOB_TIMEOUT_S, RAY_ADDRESS=ray_head.gcs_address)
+                      "--num-cpus-per-rank", "1.2", *COMMON_ARGS], timeout=JOB_TIMEOUT_S,
+                     RAY_ADDRESS=ray_head.gcs_address)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    ranks = {a: ip for a, ip in rank_actor_nodes(ray_head).items() if a not in before}
+    assert sorted(ranks.values()) == ["127.0.0.1", SECOND_NODE_IP]  # an engine on each node
     rows = read_output(out)
     check_rows(rows, expected)
     assert rows == read_output(submitted)  # concurrency 2 == concurrency 1, row for row

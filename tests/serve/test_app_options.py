@@ -44,7 +44,9 @@ def test_api_key_is_required_on_v1_but_health_stays_open(serve_http):
 
 
 def running_replicas(app: str) -> int:
-    status = serve.status().applications[app].deployments["NvrayServer"]
+    """Running engine replicas (NvrayEngine when prefix-routed, else NvrayServer)."""
+    deployments = serve.status().applications[app].deployments
+    status = deployments.get("NvrayEngine") or deployments["NvrayServer"]
     return status.replica_states.get("RUNNING", 0)
 
 

@@ -6,8 +6,9 @@
   ``RECOVERY_S``, and no actor of the dead engine is left behind.
 - Graceful shutdown: deleting an app while requests run lets them finish (complete answers),
   and leaves none of its actors.
-- One of two replicas killed under a steady load of short requests: at most 1% of the requests
-  fail (those on the killed replica at that moment); the other replica carries on.
+- One of two engine replicas of a prefix-routed app killed under a steady load of short
+  requests: at most 1% of the requests fail (those on the killed engine at that moment); the
+  other replica carries on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from serve_helpers import metric
 RECOVERY_S = 120
 FAIL_FAST_S = 10
 NVRAY_CLASSES = ("EngineDriver", "RankWorker", "ServeReplica:faulty:NvrayServer",
-                 "ServeReplica:leaving:NvrayServer")
+                 "ServeReplica:faulty:NvrayEngine", "ServeReplica:leaving:NvrayServer")
 BODY = {"model": "tiny", "prompt": "keep going", "max_tokens": 230, "ignore_eos": True}
 
 
@@ -125,7 +126,7 @@ def test_killing_one_of_two_replicas_under_steady_load_loses_under_one_percent(s
         with ThreadPoolExecutor(4) as pool:
             clients = [pool.submit(steady) for _ in range(4)]
             time.sleep(8)
-            [replica, _] = live_actors(("ServeReplica:faulty:NvrayServer",)).values()
+            [replica, _] = live_actors(("ServeReplica:faulty:NvrayEngine",)).values()
             ray.kill(ray.get_actor(replica.name, namespace="serve"), no_restart=True)
             killed_after = len(statuses)
             for c in clients:

@@ -1,0 +1,166 @@
+"""Prefix-aware routing: two apps of two engine replicas each, one with nvray's PrefixAwareRouter
+(``prefix_routing``: the ingress leases an engine per request) and one with Serve's default
+router in front of the same engines. Conversations whose every turn resends the history hit the
+prefix cache more through the prefix router than through the default one, in the same test;
+its decisions show in ``/metrics``; a skewed load (one hot prompt, many at once) still reaches
+both engines; handle calls are routed too; and a request cancelled while its engine's output
+channel was opened for it ends no other request.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+import requests
+from ray import serve
+
+from deployments import build_app
+from serve_helpers import greedy
+
+MAX_MODEL_LEN = 1024
+CONVERSATIONS, TURNS = 6, 4
+HOT_CLIENTS = 16
+
+
+def app_args(prefix_routing: bool) -> dict:
+    return {"max_model_len": MAX_MODEL_LEN, "min_replicas": 2, "max_replicas": 2,
+            "prefix_routing": prefix_routing}
+
+
+@pytest.fixture(scope="module")
+def apps(serve_http):
+    """``/on``: prefix-routed; ``/off``: Serve's default router (both 2 engine replicas)."""
+    serve.run(build_app(app_args(True)), name="prefix-on", route_prefix="/on")
+    serve.run(build_app(app_args(False)), name="prefix-off", route_prefix="/off")
+    yield {"on": f"{serve_http}/on", "off": f"{serve_http}/off"}
+    serve.delete("prefix-on")
+    serve.delete("prefix-off")
+
+
+def counter(url: str, name: str, **labels: str) -> dict[str, float]:
+    """A /metrics family's samples whose labels include ``labels``: {label text: value}."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    found = {}
+    for label_text, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            found[label_text] = float(value)
+    return found
+
+
+def stream_until_cut(url: str, body: dict, cut_after: int | None,
+                     hold: threading.Event | None = None, started: threading.Event | None = None
+                     ) -> int:
+    """Stream a completion; with ``cut_after``, leave after that many SSE events (once ``hold``
+    is set, if given; ``started`` is set when they have arrived). Returns the events read."""
+    events = 0
+    with requests.post(f"{url}/v1/completions", json={**body, "stream": True}, stream=True,
+                       timeout=120) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                events += 1
+                if cut_after is not None and events >= cut_after:
+                    if started is not None:
+                        started.set()
+                    if hold is not None:
+                        hold.wait(timeout=60)
+                    break
+    return events
+
+
+def test_a_cancelled_first_request_ends_no_other(apps, offline):
+    """The ingress opens its channel to an engine inside its first request there; when that
+    request is cancelled (its client leaves) while another runs on the same engine, the other
+    must still get its whole answer."""
+    prompt = "A long shared prefix that pins both requests to one engine by its affinity. " * 2
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    expected = offline.generate([prompt], greedy(400), use_tqdm=False)[0].text
+    survivor: dict = {}
+
+    def full() -> None:
+        r = requests.post(f"{apps['on']}/v1/completions", json=body, timeout=120)
+        survivor["status"], survivor["body"] = r.status_code, r.json()
+
+    opened, leave = threading.Event(), threading.Event()
+    first = threading.Thread(target=stream_until_cut, args=(apps["on"], body, 2, leave, opened))
+    first.start()  # the first request to the app: it opens the channel to its engine
+    assert opened.wait(timeout=120)
+    other = threading.Thread(target=full)
+    other.start()
+    time.sleep(1.0)  # the other request runs on the same engine (prefix affinity)
+    leave.set()  # the first client leaves: its request is cancelled
+    first.join(timeout=120)
+    other.join(timeout=120)
+    assert survivor["status"] == 200, survivor
+    assert survivor["body"]["choices"][0]["text"] == expected
+
+
+def converse(url: str) -> tuple[int, int]:
+    """CONVERSATIONS chats of TURNS turns, turn by turn across them (each turn resends its
+    history); returns (cached prompt tokens, prompt tokens) over all turns."""
+    histories = [[{"role": "user", "content": f"Conversation {c}: let us talk at length about "
+                                              f"paged KV caches, block tables and topic {c}."}]
+                 for c in range(CONVERSATIONS)]
+    cached = prompt = 0
+    for _ in range(TURNS):
+        for history in histories:
+            r = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "messages": history, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            cached += body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            prompt += body["usage"]["prompt_tokens"]
+            history += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                        {"role": "user", "content": "Go on, and tell me more."}]
+    return cached, prompt
+
+
+def routed(url: str) -> dict[str, float]:
+    """The ingress's routing decisions so far: {"prefix": n, "load": m}."""
+    return {by: sum(counter(url, "nvray_router_requests_total", by=by).values())
+            for by in ("prefix", "load")}
+
+
+def test_conversations_hit_the_cache_more_with_the_prefix_router(apps):
+    before = routed(apps["on"])
+    on_cached, on_prompt = converse(apps["on"])
+    off_cached, off_prompt = converse(apps["off"])
+    assert on_prompt == off_prompt  # the same conversations, token for token
+    assert on_cached > off_cached
+    # a conversation's first turn went by load, every later one where its history was
+    after = routed(apps["on"])
+    assert after["load"] - before["load"] == CONVERSATIONS
+    assert after["prefix"] - before["prefix"] == CONVERSATIONS * (TURNS - 1)
+
+
+def test_a_hot_prompt_still_reaches_both_engines(apps):
+    """Many requests for one prompt at once: affinity yields to load past the imbalance bound."""
+    accepted = counter(apps["on"], "nvray_requests_accepted_total")
+    load_before = routed(apps["on"])["load"]
+    body = {"model": "tiny", "prompt": "One hot prompt that every client sends at once, " * 3,
+            "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    threads = [threading.Thread(target=stream_until_cut, args=(apps["on"], body, None))
+               for _ in range(HOT_CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    after = counter(apps["on"], "nvray_requests_accepted_total")
+    took = {engine: after[engine] - accepted.get(engine, 0) for engine in after}
+    assert len(took) == 2 and min(took.values()) > 0, took  # both engines took some
+    assert sum(took.values()) == HOT_CLIENTS
+    assert routed(apps["on"])["load"] > load_before
+
+
+def test_handle_calls_are_routed_by_prefix(apps):
+    handle = serve.get_app_handle("prefix-on")
+    before = routed(apps["on"])["prefix"]
+    prompt = "A handle caller's long prompt about Ray Serve request routers and caches. " * 2
+    first = handle.generate.remote(prompt, greedy(8)).result(timeout_s=120)
+    again = handle.generate.remote(prompt + first.text, greedy(8)).result(timeout_s=120)
+    assert again.num_cached_tokens > 0  # the second call found the first one's blocks
+    assert routed(apps["on"])["prefix"] == before + 1
