@@ -74,7 +74,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                                   **_engine_options(parsed, config)).bind(parsed.model_dump())
     ingress_limit = parsed.max_replicas * parsed.serve_max_ongoing_requests() + _INGRESS_QUEUE_MARGIN
     return NvrayServer.options(
-        name="NvrayServer", num_replicas=parsed.ingress_replicas,
+        name="NvrayServer", num_replicas=parsed.ingress_replicas or parsed.max_replicas,
         ray_actor_options={"num_cpus": REPLICA_CPUS}, max_ongoing_requests=ingress_limit,
         max_queued_requests=-1, graceful_shutdown_timeout_s=20,
     ).bind(parsed.model_dump(), engines)

@@ -74,8 +74,9 @@ class AppArgs(BaseModel):
     prefix_routing_max_imbalance: int = Field(4, ge=0, description="prefix routing: ongoing "
                                               "requests above the least-loaded replica's that "
                                               "prefix affinity may add")
-    ingress_replicas: int = Field(1, ge=1, description="prefix routing: replicas of the "
-                                  "HTTP/handle ingress in front of the engine replicas")
+    ingress_replicas: int | None = Field(None, ge=1, description="prefix routing: replicas of "
+                                         "the HTTP/handle ingress in front of the engine "
+                                         "replicas; default: max_replicas")
 
     def routes_by_prefix(self) -> bool:
         return self.max_replicas > 1 if self.prefix_routing is None else self.prefix_routing

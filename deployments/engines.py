@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import ray
+from ray import serve
 
+from deployments import prefix_index
 from deployments.admission import AdmissionGate
 from deployments.args import AppArgs
 from nvray.runtime import start_engine
@@ -74,6 +76,9 @@ class LocalEngine:
 
     async def stats_by_engine(self) -> dict[str | None, dict[str, Any]]:
         return {None: await self.driver.stats.remote()}
+
+    async def routing_counts(self) -> None:
+        return None  # no router in front of this engine
 
     async def check_health(self) -> None:
         """Raises if the engine, one of its ranks or this replica's output channel is gone."""
@@ -152,6 +157,10 @@ class LeasedEngines:
 
     async def check_health(self) -> None:
         await self.handle.check_health.remote()
+
+    async def routing_counts(self) -> dict[str, int]:
+        """The app's prefix-router decisions (shared by its ingress replicas)."""
+        return await prefix_index.routing_counts(serve.get_replica_context().app_name)
 
     async def engine_client(self) -> Any:
         return await self.handle.engine_client.remote()

@@ -8,37 +8,46 @@ the ingress replica, which leases an engine replica for each HTTP or handle requ
 alike. The routing key is the prompt's text (chat messages joined in order), so a
 conversation's next turn, which resends the history, starts with the key of the turn before.
 
-The router remembers, in a bounded LRU table, which replica last took a request whose key
-started with each block of ``block_chars`` characters (chained xxh64 hashes of the leading
-blocks, like the engine's prefix cache does with token blocks). A new request goes to the
-replica that took its longest remembered prefix — *prefix affinity* — while that replica's
-ongoing requests exceed the least-loaded candidate's by at most ``max_load_imbalance``;
-otherwise, or with no remembered prefix, to the least-loaded replica (Serve's cached queue
-lengths; ties broken at random). The chosen replica comes first and the others after it, taken
-only if it refuses (its queue is full). Every request then marks its blocks as held by the
-replica chosen for it, so under a skewed load a hot prefix spreads to a second replica instead
-of piling onto one.
+The app's routers share one table (``deployments/prefix_index.py``, a small actor per app, since
+Serve's proxy spreads a conversation's turns over the ingress replicas): which replicas took a
+request whose key started with each block of ``block_chars`` characters (chained xxh64 hashes
+of the leading blocks, like the engine's prefix cache does with token blocks; an LRU of 200k
+blocks; ``deployments/prefix_table.py``). If the index does not answer within 0.5 s (5 s while
+it starts), a router decides from the requests it routed itself. A new request goes to the least-loaded of
+the replicas that hold its longest remembered prefix — *prefix affinity* — while that
+replica's ongoing requests exceed the least-loaded candidate's by at most
+``max_load_imbalance``; otherwise, or with no remembered prefix, to the least-loaded replica
+(Serve's cached queue lengths; ties broken at random). A prefix every replica holds (a shared
+system prompt) thus steers nothing: load decides among them, and only what one replica alone
+holds (a conversation's own history) pulls a request there. The chosen replica comes first and
+the others after it, taken only if it refuses (its queue is full). Every request then marks its
+blocks as held by the replica chosen for it, so under a skewed load a hot prefix spreads to a
+second replica instead of piling onto one.
 
-Decisions are counted per process (``deployments.routing_stats``; the ingress's ``/metrics`` exports them
-as ``nvray_router_requests_total{by="prefix"|"load"}``).
+Decisions are counted in the index, per app: "prefix" when affinity narrowed the choice to
+the replicas holding the prefix, "load" otherwise (``/metrics`` exports them as
+``nvray_router_requests_total{by="prefix"|"load"}``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import OrderedDict
 from typing import Any
 
-import xxhash
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+import ray
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments import routing_stats
+from deployments.prefix_index import get_or_create_index
+from deployments.prefix_table import BLOCK_CHARS, PrefixTable, prefix_hashes
 from nvray.chat_template import as_chat_prompt, is_chat
 
-BLOCK_CHARS = 64  # about a 16-token KV block of English text
 MAX_LOAD_IMBALANCE = 4  # ongoing requests above the least-loaded replica that affinity may add
-TABLE_SIZE = 200_000  # remembered prefix blocks (LRU)
+_INDEX_TIMEOUT_S = 0.5  # a slower shared index is skipped: this router's own table decides
+_INDEX_START_TIMEOUT_S = 5.0  # ... once it has answered; before, it may still be starting
 _MAX_DECIDED = 10_000  # request ids remembered so that a retried routing counts once
+
 
 def routing_key(prompt: Any) -> str:
     """The text a prompt is routed by: a string as is, token ids as digits, chat messages as
@@ -59,39 +68,6 @@ def _content_text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def prefix_hashes(key: str, block_chars: int = BLOCK_CHARS) -> list[int]:
-    """Chained hashes of the key's whole leading blocks: hash i covers blocks 0..i."""
-    hashes, prev = [], 0
-    data = key.encode("utf-8", "surrogatepass")
-    for start in range(0, len(data) - block_chars + 1, block_chars):
-        prev = xxhash.xxh64_intdigest(data[start:start + block_chars], seed=prev)
-        hashes.append(prev)
-    return hashes
-
-
-class PrefixTable:
-    """Prefix block hash -> the replica that last took a request starting with it (LRU)."""
-
-    def __init__(self, capacity: int = TABLE_SIZE) -> None:
-        self.capacity = capacity
-        self.owners: OrderedDict[int, ReplicaID] = OrderedDict()
-
-    def longest_owner(self, hashes: list[int], live: set[ReplicaID]) -> ReplicaID | None:
-        """The live replica holding the longest of these prefixes, if any holds one."""
-        for h in reversed(hashes):
-            owner = self.owners.get(h)
-            if owner is not None and owner in live:
-                return owner
-        return None
-
-    def record(self, hashes: list[int], replica: ReplicaID) -> None:
-        for h in hashes:
-            self.owners[h] = replica
-            self.owners.move_to_end(h)
-        while len(self.owners) > self.capacity:
-            self.owners.popitem(last=False)
-
-
 def _key_of(request: PendingRequest | None) -> str | None:
     """The routing key a request carries: the ``routing_key`` keyword of a ``lease`` call;
     other calls (engine facts, tokenizer, stats) carry none (None)."""
@@ -101,11 +77,13 @@ def _key_of(request: PendingRequest | None) -> str | None:
 
 class PrefixAwareRouter(RequestRouter):
     def initialize_state(self, block_chars: int = BLOCK_CHARS,
-                         max_load_imbalance: int = MAX_LOAD_IMBALANCE,
-                         table_size: int = TABLE_SIZE) -> None:
+                         max_load_imbalance: int = MAX_LOAD_IMBALANCE) -> None:
         self.block_chars = block_chars
         self.max_load_imbalance = max_load_imbalance
-        self.table = PrefixTable(table_size)
+        self.table = PrefixTable()  # what this router saw: used when the shared index is not
+        self.index: Any = None
+        self.index_answered = False
+        self._shared_index()  # created now, so that it has started by the first request
         self.decided: OrderedDict[str, None] = OrderedDict()  # requests counted (retries are not)
 
     def _load(self, replica: RunningReplica) -> int:
@@ -121,27 +99,64 @@ class PrefixAwareRouter(RequestRouter):
         if key is None:  # not a request for an engine: Serve's shortest queue
             return [candidate_replicas]
         hashes = prefix_hashes(key, self.block_chars)
-        chosen, by = self._choose(candidate_replicas, hashes)
-        self.table.record(hashes, chosen.replica_id)
-        self._count_once(pending_request, by)
+        holders = await self._holders(hashes, [r.replica_id.unique_id for r in candidate_replicas])
+        chosen, by = self._choose(candidate_replicas, set(holders))
+        self._record(hashes, chosen.replica_id.unique_id, by if self._first_time(pending_request)
+                     else None)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
-    def _choose(self, candidates: list[RunningReplica], hashes: list[int]
+    def _choose(self, candidates: list[RunningReplica], holders: set[str]
                 ) -> tuple[RunningReplica, str]:
-        loads = [self._load(r) for r in candidates]
-        least = min(loads)
-        by_id = {r.replica_id: (r, load) for r, load in zip(candidates, loads)}
-        owner = self.table.longest_owner(hashes, set(by_id)) if hashes else None
-        if owner is not None and by_id[owner][1] <= least + self.max_load_imbalance:
-            return by_id[owner][0], "prefix"
-        return random.choice([r for r, load in zip(candidates, loads) if load == least]), "load"
+        """The least-loaded of the replicas holding the longest known prefix, while within the
+        imbalance bound ("prefix"; "load" if every replica holds it); else the least-loaded."""
+        loads = {r.replica_id.unique_id: self._load(r) for r in candidates}
+        least = min(loads.values())
+        if holders:
+            nearest = min(loads[h] for h in holders)
+            if nearest <= least + self.max_load_imbalance:
+                chosen = random.choice([r for r in candidates if r.replica_id.unique_id in holders
+                                        and loads[r.replica_id.unique_id] == nearest])
+                return chosen, "prefix" if len(holders) < len(candidates) else "load"
+        return random.choice([r for r in candidates
+                              if loads[r.replica_id.unique_id] == least]), "load"
 
-    def _count_once(self, request: PendingRequest | None, by: str) -> None:
+    # ------------------------------------------------------------- the shared index
+    def _shared_index(self) -> Any:
+        if self.index is None:
+            self.index = get_or_create_index(self.app_name)
+        return self.index
+
+    async def _holders(self, hashes: list[int], live: list[str]) -> list[str]:
+        """Holders of the longest known prefix: the app's shared index, or (if it does not
+        answer in time) this router's own table."""
+        if not hashes:
+            return []
+        timeout = _INDEX_TIMEOUT_S if self.index_answered else _INDEX_START_TIMEOUT_S
+        try:
+            holders = await asyncio.wait_for(self._shared_index().holders.remote(hashes, live),
+                                             timeout)
+        except Exception as e:  # noqa: BLE001 - slow or gone: decide alone
+            if isinstance(e, ray.exceptions.RayActorError):
+                self.index, self.index_answered = None, False  # the next call makes a new one
+            return self.table.longest_holders(hashes, set(live))
+        self.index_answered = True
+        return holders
+
+    def _record(self, hashes: list[int], replica: str, by: str | None) -> None:
+        self.table.record(hashes, replica)
+        try:
+            self._shared_index().record.remote(hashes, replica, by)
+        except Exception:  # noqa: BLE001 - the index is an optimisation, never a failure
+            self.index = None
+
+    def _first_time(self, request: PendingRequest | None) -> bool:
+        """Whether this request is routed for the first time (a retry is not counted again)."""
         rid = request.metadata.internal_request_id if request is not None else None
-        if rid is not None and rid in self.decided:
-            return  # a retry of a request already counted
-        if rid is not None:
-            self.decided[rid] = None
-            while len(self.decided) > _MAX_DECIDED:
-                self.decided.popitem(last=False)
-        routing_stats.count(by)
+        if rid is None:
+            return True
+        if rid in self.decided:
+            return False
+        self.decided[rid] = None
+        while len(self.decided) > _MAX_DECIDED:
+            self.decided.popitem(last=False)
+        return True

@@ -44,7 +44,6 @@ from deployments.engines import Lease, LeasedEngines, LocalEngine
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
-from deployments.routing_stats import routing_counts
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
 from deployments.logprobs_format import TokenTexts
@@ -212,7 +211,7 @@ class NvrayServer:
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
         stats = await self.engines.stats_by_engine()
-        routing = routing_counts() if isinstance(self.engines, LeasedEngines) else None
+        routing = await self.engines.routing_counts()
         return PlainTextResponse(render_metrics(stats, self.model_name, routing),
                                  media_type="text/plain; version=0.0.4")
 
