@@ -36,3 +36,52 @@ def test_tp2_greedy_tokens_are_oracle_argmaxes_with_overlap(gpu_ray, qwen3_06b_p
     for prompt, out in zip(prompts, first + last):
         assert len(out.token_ids) == 24
         check_greedy_near_argmax(qwen3_06b_path, prompt, out.token_ids)
+
+
+def test_a_tp2_serve_replica_answers_openai_requests(gpu_ray, qwen3_06b_path):
+    """One Serve replica whose engine spans both GPUs (NCCL), through Serve's HTTP proxy on
+    127.0.0.1: a completion, and a chat answer streamed (SSE) equal to the same request not
+    streamed. (The GPU machine has no ``openai`` package: its HTTP API is spoken directly;
+    the openai client itself is exercised by the CPU tier.)"""
+    import json
+    import socket
+
+    import requests
+    from ray import serve
+
+    from deployments import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # no prefix cache: the streamed request recomputes the prompt exactly as the first did
+    # (a cache hit changes the bf16 arithmetic, and a random model's near-ties with it)
+    serve.run(build_app({"model": qwen3_06b_path, "tensor_parallel_size": 2,
+                         "max_model_len": 1024, "gpu_memory_utilization": 0.5,
+                         "enable_prefix_caching": False}),
+              name="tp2", route_prefix="/")
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        model = requests.get(f"{base}/models", timeout=60).json()["data"][0]["id"]
+        done = requests.post(f"{base}/completions", timeout=120, json={
+            "model": model, "prompt": "Hello, nvray", "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}).json()
+        assert done["usage"]["completion_tokens"] == 16
+        assert done["choices"][0]["finish_reason"] == "length"
+        chat = {"model": model, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Tell me about tensor parallelism."}]}
+        whole = requests.post(f"{base}/chat/completions", json=chat, timeout=120).json()
+        assert whole["usage"]["completion_tokens"] == 24
+        streamed = ""
+        with requests.post(f"{base}/chat/completions", json={**chat, "stream": True},
+                           stream=True, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    for choice in json.loads(line[6:])["choices"]:
+                        streamed += choice["delta"].get("content") or ""
+        assert streamed == whole["choices"][0]["message"]["content"]
+    finally:
+        serve.delete("tp2")
+        serve.shutdown()
