@@ -1,4 +1,5 @@
-"""Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention.
+"""Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention, and the
+attention prologue (per-head q/k RMSNorm + rotary).
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -48,6 +49,7 @@ _patch_interpreter_for_numpy_2_4()
 
 from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref  # noqa: E402
 from .store_kv import store_kvcache, store_kvcache_ref  # noqa: E402
 
 __all__ = [
@@ -57,4 +59,6 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "qk_norm_rope",
+    "qk_norm_rope_ref",
 ]

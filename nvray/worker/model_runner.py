@@ -18,6 +18,7 @@ gives the GPU memory back.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import logging
 from typing import Any
 
@@ -100,6 +101,7 @@ class ModelRunner:
         self.use_torch_compile = self.device.type == "cuda"  # enforce_eager turns off graphs only
         if self.use_torch_compile:
             self._enable_torch_compile()
+            self._use_triton_kernels()
         graphs = self._graphs_wanted()
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
         self.prefill_sizes = prefill_graph_sizes(config.max_prefill_graph_tokens) if graphs else []
@@ -134,6 +136,15 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "enable_torch_compile"):
                 module.enable_torch_compile()
+
+    def _use_triton_kernels(self) -> None:
+        """Fused Triton kernels where the model has them: the q/k norms and rotary of each layer
+        in one kernel instead of four."""
+        if importlib.util.find_spec("triton") is None:
+            return
+        for module in self.model.modules():
+            if hasattr(module, "use_triton_kernels"):
+                module.use_triton_kernels()
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:

@@ -8,8 +8,9 @@ noise from a generator seeded by (seed, index of the token in the output), so it
 depend on which other requests share the batch, nor on preemption.
 
 ``compiled=True`` (the model runner's choice on the GPU): a batch without filters, bans or seeds
-— the common case — runs the same draw as one ``torch.compile``d kernel chain (measured on an
-H100, 256 rows x 151936: 0.41 ms instead of 1.0 ms); other batches take the eager path.
+— the common case — runs the same draw as one ``torch.compile``d pass over the logits, in log
+space (argmax of logits / T - log E; measured on an H100, 256 rows x 151936: three kernels,
+0.40 ms, before this form); other batches take the eager path.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def _exponential_noise(shape: tuple[int, int], specs: list[SampleSpec], device: 
 
 
 def _race(logits: torch.Tensor, temps: torch.Tensor, is_greedy: torch.Tensor) -> torch.Tensor:
-    """Greedy rows: argmax; others: exponential race on softmax(logits / temperature)."""
+    """Greedy rows: argmax; others: the exponential race on softmax(logits / temperature) in
+    log space, argmax(logits / T - log E): the softmax's normalizer is the same for every token
+    of a row, so it needs no pass of its own and the whole draw is one pass over the logits."""
     logits = logits.float()
-    probs = (logits / temps.unsqueeze(1)).softmax(dim=-1)
-    sampled = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
-    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+    noise = torch.empty_like(logits).exponential_()
+    race = torch.where(is_greedy.unsqueeze(1), logits, logits / temps.unsqueeze(1) - noise.log())
+    return race.argmax(dim=-1)
 
 
 @functools.cache
