@@ -32,7 +32,9 @@ class AppArgs(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="prompt + completion limit; "
                                                               "default: the model's")
     max_num_seqs: int = Field(256, ge=1, description="sequences per engine batch")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="token budget per engine step")
+    max_num_batched_tokens: int = Field(8192, ge=1, description=(
+        "token budget per engine step (the engine's offline default is 16384; smaller prefill "
+        "chunks keep streams' inter-token latency low while long prompts prefill)"))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory "
                                                                        "for weights + KV cache")
     kvcache_block_size: int = Field(16, ge=1, description="tokens per KV cache block")

@@ -12,7 +12,8 @@ Subcommands:
   tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
   checkpoint with random bf16 weights (throughput does not depend on weight values here).
   ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
-  plain,logprobs,penalties`` adds top-5 log-probabilities or penalties to every request.
+  plain,logprobs,penalties`` adds top-5 log-probabilities or penalties to every request;
+  ``--max-num-batched-tokens 8192,16384`` compares token budgets per step.
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
   (``nvray/bench_gpu_busy.py``).
 - ``soak``: minutes of streaming load with random disconnects against the app: unexpected
@@ -255,7 +256,8 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      eager: bool = False, num_seqs: int = 256, max_model_len: int = 4096,
                      floor_tok_per_s: float | None = None,
                      overlaps: tuple[bool, ...] = (True,),
-                     features: tuple[str, ...] = ("plain",)) -> dict[str, Any]:
+                     features: tuple[str, ...] = ("plain",),
+                     token_budgets: tuple[int | None, ...] = (None,)) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     model = model or default_checkpoint()
@@ -269,10 +271,13 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
         prompts, params = bench_workload(num_seqs, **FEATURES[feature])
-        for runtime, overlap in ((r, o) for o in overlaps for r in runtimes):
-            runs.append({"features": feature, **_throughput_run(
-                model, runtime, enforce_eager, prompts, params,
-                {"max_model_len": max_model_len, "overlap_scheduling": overlap})})
+        for runtime, overlap, budget in ((r, o, b) for b in token_budgets for o in overlaps
+                                         for r in runtimes):
+            options = {"max_model_len": max_model_len, "overlap_scheduling": overlap}
+            if budget is not None:
+                options["max_num_batched_tokens"] = budget
+            runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
+                         **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
                 _wait_gpu_memory_released(baseline)
@@ -292,6 +297,15 @@ def _on_off(text: str) -> tuple[bool, ...]:
     if not words or any(w not in values for w in words):
         raise SystemExit(f"--overlap {text!r}: give on, off or on,off")
     return tuple(values[w] for w in words)
+
+
+def _budgets(text: str | None) -> tuple[int | None, ...]:
+    if text is None:
+        return (None,)
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--max-num-batched-tokens {text!r}: give token counts, e.g. 8192,16384") from None
 
 
 def _features(text: str) -> tuple[str, ...]:
@@ -328,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--floor", type=float, default=26600.0,
                     help="physical floor in output tok/s for the %% column (design.md: H100)")
     tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
+    tp.add_argument("--max-num-batched-tokens", default=None,
+                    help="token budgets per step to compare, comma-separated (default: the engine's)")
     tp.add_argument("--features", default="plain",
                     help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
     gb = sub.add_parser("gpu-busy", parents=[common],
@@ -357,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "throughput":
         result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,
                                   args.num_seqs, args.max_model_len, args.floor,
-                                  _on_off(args.overlap), _features(args.features))
+                                  _on_off(args.overlap), _features(args.features),
+                                  _budgets(args.max_num_batched_tokens))
     elif args.cmd == "gpu-busy":
         from nvray.bench_gpu_busy import bench_gpu_busy  # noqa: PLC0415
 
