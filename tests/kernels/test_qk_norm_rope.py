@@ -2,10 +2,10 @@
 
 The oracle is what the model computes without the kernel: ``nvray.layers``' RMSNorm and
 RotaryEmbedding modules applied to q and k split from the projection output (the path that
-``tests/test_model_vs_hf.py`` holds to HF transformers). The kernel must match it bit for bit
-in float32; in float16 and bfloat16, where it rounds where the layers round, it must be as
-close to the float32 result as they are (bfloat16 on the GPU only: Triton's interpreter
-truncates to bfloat16 instead of rounding to nearest).
+``tests/test_model_vs_hf.py`` holds to HF transformers). The kernel must match it in float32; in
+float16 and bfloat16, where it rounds once instead of three times, it must be at least as close
+to the float32 result as the layers (bfloat16 on the GPU only: Triton's interpreter truncates
+to bfloat16 instead of rounding to nearest).
 Runs under the Triton interpreter on CPU, compiled on a GPU.
 """
 
@@ -84,7 +84,7 @@ def test_matches_the_model_layers(dtype, num_heads, num_kv_heads, head_dim, norm
     if dtype == torch.float32:  # the same operations
         torch.testing.assert_close(q, want_q, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(k, want_k, atol=1e-5, rtol=1e-5)
-    else:  # 16-bit roundings in the same places: as close to the float32 result as the layers
+    else:  # 16-bit: fewer roundings than the layers, so at least as close to float32
         truth = _layers_path(qkv.float(), positions, rotary, *_float(q_norm, k_norm), num_heads,
                              num_kv_heads, head_dim)
         for got, want, exact in ((q, want_q, truth[0]), (k, want_k, truth[1])):
@@ -92,9 +92,10 @@ def test_matches_the_model_layers(dtype, num_heads, num_kv_heads, head_dim, norm
             kernel_err = (got.float() - exact).abs()
             assert kernel_err.max() <= 1.5 * layers_err.max()
             assert kernel_err.mean() <= 1.1 * layers_err.mean()
-    ref_q, ref_k = kernels.qk_norm_rope_ref(*args)
-    torch.testing.assert_close(ref_q, want_q, atol=0, rtol=0)
-    torch.testing.assert_close(ref_k, want_k, atol=0, rtol=0)
+    ref_q, ref_k = kernels.qk_norm_rope_ref(*args)  # the same roundings as the kernel
+    ulp = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(q, ref_q, **ulp)
+    torch.testing.assert_close(k, ref_k, **ulp)
 
 
 def test_no_tokens():
