@@ -1,7 +1,10 @@
 """RMSNorm, optionally fused with the residual add (computed in fp32, returned in x's dtype).
 
 On the GPU the model runner calls ``enable_torch_compile()``: the norm then runs through
-``torch.compile``d functions (one fused kernel instead of ~7), shared by every RMSNorm.
+``torch.compile``d functions (one fused kernel instead of ~7), shared by every RMSNorm; then,
+where Triton is installed, ``use_triton_kernels()``: one hand-written kernel
+(``kernels/rms_norm.py``), as fast on the GPU and ~0.1 ms cheaper per call to launch on eager
+steps.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ class RMSNorm(nn.Module):
 
     def enable_torch_compile(self) -> None:
         self._norm, self._add_norm = _compiled(rms_norm), _compiled(add_rms_norm)
+
+    def use_triton_kernels(self) -> None:
+        from kernels import rms_norm as kernel  # noqa: PLC0415 - GPU-only import
+
+        self._norm = kernel
+        self._add_norm = lambda x, residual, weight, eps: kernel(x, weight, eps, residual)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -8,9 +8,11 @@ off with ``enforce_eager``, on the CPU, or with an attention backend that cannot
 then ``execute(step)`` runs one scheduled batch and, on rank 0, returns the sampled token ids
 (other ranks return []); ``execute_overlapped(step)`` launches a step and returns the ids of the
 one launched before it, so the caller works while the device computes (placeholders in a step's
-ids are filled from the previous step's sampled ids on the device; TP ranks all get rank 0's). On the GPU, norms, rotary, activation and the plain sampler run
-``torch.compile``d (as in nano-vllm, also with ``enforce_eager``, which turns off graphs only). Inputs are built by ``InputBuilder`` (one
-host-to-device copy per step); decode-only batches that fit a graph replay it, everything else
+ids are filled from the previous step's sampled ids on the device; TP ranks all get rank 0's).
+On the GPU the plain sampler runs ``torch.compile``d, and the norms, the attention prologue and
+the activation run as hand-written Triton kernels (``kernels/``; ``torch.compile``d where
+Triton is missing), also with ``enforce_eager``, which turns off graphs only. Inputs are built by
+``InputBuilder`` (one host-to-device copy per step); decode-only batches that fit a graph replay it, everything else
 runs eager; the LM head and the sampler always run eager on the rows to sample. ``close()``
 gives the GPU memory back.
 """
@@ -138,8 +140,10 @@ class ModelRunner:
                 module.enable_torch_compile()
 
     def _use_triton_kernels(self) -> None:
-        """Fused Triton kernels where the model has them: the q/k norms and rotary of each layer
-        in one kernel instead of four."""
+        """Hand-written Triton kernels where the model has them: the q/k norms and rotary of
+        each layer in one kernel instead of four; the hidden-state norms (with the residual add)
+        and the MLP's activation instead of their ``torch.compile``d versions, whose guards and
+        wrappers cost ~0.15 ms of host time per call on eager (prefill) steps."""
         if importlib.util.find_spec("triton") is None:
             return
         for module in self.model.modules():

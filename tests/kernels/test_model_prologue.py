@@ -1,8 +1,10 @@
-"""The model with its fused Triton prologue (q/k norms + rotary, as on the GPU) against HF.
+"""The model with its Triton kernels (fused q/k norms + rotary, hidden-state norms with the
+residual add, gated activation: as on the GPU) against HF.
 
-The model runner turns the kernel on only on the GPU; here it is turned on by hand and runs
-under Triton's interpreter, so the CPU tier checks that the model wires it right (which
-slices of the projection are q, k and v; norms present or not) on three checkpoints.
+The model runner turns the kernels on only on the GPU; here they are turned on by hand and run
+under Triton's interpreter, so the CPU tier checks that the model wires them right (which
+slices of the projection are q, k and v; norms present or not; which norm takes a residual) on
+three checkpoints.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from oracle import hf_model, random_prompts  # noqa: E402
+import kernels  # noqa: E402
 from nvray import EngineConfig  # noqa: E402
+from nvray.layers.activation import SiluAndMul  # noqa: E402
+from nvray.layers.norm import RMSNorm  # noqa: E402
 from nvray.engine.step_input import SampleSpec, SeqStep, StepInput  # noqa: E402
 from nvray.worker.model_runner import ModelRunner  # noqa: E402
 
@@ -28,12 +33,16 @@ def _step(tokens: list[int], start: int, table: list[int]) -> StepInput:
 
 
 @pytest.mark.parametrize("model", ["tiny_path", "other_qwen3_path", "qwen2_path"])
-def test_logits_with_the_fused_prologue_match_hf(model, request):
+def test_logits_with_the_triton_kernels_match_hf(model, request):
     path = request.getfixturevalue(model)
     runner = ModelRunner(EngineConfig(model=path, num_kvcache_blocks=8, kvcache_block_size=16), path)
     runner._use_triton_kernels()  # noqa: SLF001 - what the runner does on the GPU
     fused = [m for m in runner.model.modules() if getattr(m, "fused_prologue", None) is not None]
     assert fused, "the model's attention layers take the fused kernel"
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m._norm is kernels.rms_norm for m in norms)  # noqa: SLF001
+    acts = [m for m in runner.model.modules() if isinstance(m, SiluAndMul)]
+    assert acts and all(m._fn is kernels.silu_and_mul for m in acts)  # noqa: SLF001
     runner.allocate_kv_cache(8)
     prompt = random_prompts(1, 21, 21, seed=5)[0]
     table = [3, 7, 1, 0, 5, 2, 6, 4]
