@@ -29,10 +29,18 @@ _ROOT_HASH = 0
 
 def hash_block(prev_hash: int, token_ids: list[int]) -> int:
     """Chained hash of one full block: depends on every token before it."""
-    h = xxhash.xxh64()
-    h.update(prev_hash.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return h.intdigest()
+    return xxhash.xxh64_intdigest(prev_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
+
+
+def hash_blocks(prev_hash: int, token_ids: list[int], block_size: int) -> list[int]:
+    """``hash_block`` of each of the consecutive full blocks of ``token_ids`` (a whole number
+    of blocks), chained from ``prev_hash``: one conversion of the tokens for the whole run."""
+    data, width, hashes = array("q", token_ids).tobytes(), 8 * block_size, []
+    for start in range(0, len(data), width):
+        prev_hash = xxhash.xxh64_intdigest(prev_hash.to_bytes(8, "little")
+                                           + data[start:start + width])
+        hashes.append(prev_hash)
+    return hashes
 
 
 class Block:
@@ -180,14 +188,16 @@ class BlockManager:
         hashes = self.seq_block_hashes.setdefault(seq.seq_id, [])
         written = seq.num_computed_tokens if num_written is None else num_written
         num_full = min(written, len(seq.token_ids)) // self.block_size
-        bs, tokens = self.block_size, seq.token_ids
-        for i in range(len(hashes), num_full):
-            block_tokens = tokens[i * bs:(i + 1) * bs]
-            h = hash_block(hashes[-1] if hashes else _ROOT_HASH, block_tokens)
-            hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
+        first = len(hashes)
+        if first >= num_full:
+            return
+        bs, tokens, table = self.block_size, seq.token_ids, seq.block_table
+        new = hash_blocks(hashes[-1] if hashes else _ROOT_HASH, tokens[first * bs:num_full * bs], bs)
+        hashes.extend(new)
+        for i, h in enumerate(new, first):
+            block = self.blocks[table[i]]
             if block.hash is None:
-                block.hash, block.token_ids = h, tuple(block_tokens)
+                block.hash, block.token_ids = h, tuple(tokens[i * bs:(i + 1) * bs])
                 self.hash_to_block.setdefault(h, block.block_id)
 
     def free(self, seq: Sequence) -> None:
