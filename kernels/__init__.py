@@ -1,6 +1,6 @@
 """Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention, the
-attention prologue (per-head q/k RMSNorm + rotary), the hidden-state RMSNorm (with the residual
-add) and the MLP's gated activation.
+attention prologue (per-head q/k RMSNorm + rotary, optionally fused with the KV store), the
+hidden-state RMSNorm (with the residual add) and the MLP's gated activation.
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -50,7 +50,7 @@ _patch_interpreter_for_numpy_2_4()
 
 from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
-from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref  # noqa: E402
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_store  # noqa: E402
 from .rms_norm import rms_norm, rms_norm_ref  # noqa: E402
 from .silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from .store_kv import store_kvcache, store_kvcache_ref  # noqa: E402
@@ -64,6 +64,7 @@ __all__ = [
     "paged_prefill_attention_ref",
     "qk_norm_rope",
     "qk_norm_rope_ref",
+    "qk_norm_rope_store",
     "rms_norm",
     "rms_norm_ref",
     "silu_and_mul",

@@ -15,6 +15,11 @@ Contract
 * returns ``q`` ``[num_tokens, num_heads, head_dim]`` and ``k`` ``[num_tokens, num_kv_heads,
   head_dim]``, new contiguous tensors in qkv's dtype; ``v`` is simply a view of ``qkv``.
 
+``qk_norm_rope_store(..., eps, k_cache, v_cache, slot_mapping) -> q`` is the same prologue fused
+with the KV-cache store: k and v of token ``t`` go straight to slot ``slot_mapping[t]`` of the
+caches (the contract of ``store_kv.py``; negative: skipped) and only q is returned. The model
+uses this one: a kernel and a round trip of k through memory fewer per layer.
+
 Numerics: norm, weight and rotation all in float32, rounded to the dtype once, at the end. The
 model's eager layers (``nvray/layers``) also round after the norm and after the weight; with
 those two extra roundings, a bf16 Qwen3-0.6B-shaped model's log-probabilities drifted past the
@@ -30,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_store"]
 
 
 @triton.jit
@@ -41,7 +46,9 @@ def _qk_norm_rope_kernel(
     qw_ptr,  # [D]
     kw_ptr,  # [D]
     q_out_ptr,  # [T, H, D] contiguous
-    k_out_ptr,  # [T, KVH, D] contiguous
+    k_out_ptr,  # [T, KVH, D] contiguous; with STORE: the K cache [NB, BS, KVH, D]
+    v_cache_ptr,  # with STORE: the V cache [NB, BS, KVH, D]
+    slot_ptr,  # with STORE: [T] cache slot of each token (negative: skip)
     stride_t,
     eps,
     NUM_HEADS: tl.constexpr,
@@ -49,6 +56,7 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next_power_of_2(NUM_HEADS + NUM_KV_HEADS)
     HAS_NORM: tl.constexpr,
+    STORE: tl.constexpr,  # k (and v, copied from qkv) go to their cache slot, not to k_out
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -83,10 +91,20 @@ def _qk_norm_rope_kernel(
     tl.store(q_dst, o1, mask=q_mask)
     tl.store(q_dst + half, o2, mask=q_mask)
     k_heads = heads - NUM_HEADS
-    k_dst = k_out_ptr + t * (NUM_KV_HEADS * HEAD_DIM) + k_heads[:, None] * HEAD_DIM + offs[None, :]
     k_mask = mask & (heads >= NUM_HEADS)[:, None]
-    tl.store(k_dst, o1, mask=k_mask)
-    tl.store(k_dst + half, o2, mask=k_mask)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        k_mask = k_mask & (slot >= 0)
+        row = slot * (NUM_KV_HEADS * HEAD_DIM)  # contiguous cache: slot s starts at s * KVH * D
+    else:
+        row = t * (NUM_KV_HEADS * HEAD_DIM)
+    k_off = row + k_heads[:, None] * HEAD_DIM + offs[None, :]
+    tl.store(k_out_ptr + k_off, o1, mask=k_mask)
+    tl.store(k_out_ptr + k_off + half, o2, mask=k_mask)
+    if STORE:  # v: copied as it is from the projection
+        v_src = src + NUM_KV_HEADS * HEAD_DIM  # a k head's row, one KV width further on
+        tl.store(v_cache_ptr + k_off, tl.load(v_src, mask=k_mask), mask=k_mask)
+        tl.store(v_cache_ptr + k_off + half, tl.load(v_src + half, mask=k_mask), mask=k_mask)
 
 
 _INTERPRET = not isinstance(_qk_norm_rope_kernel, triton.runtime.jit.JITFunction)
@@ -128,22 +146,59 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
                  k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalized, rotated q [T, H, D] and k [T, KVH, D] from the fused projection ``qkv``."""
     head_dim = _validate(qkv, positions, cos_sin, num_heads, num_kv_heads, q_weight, k_weight)
+    k = torch.empty(qkv.shape[0], num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = _launch(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight,
+                eps, k, None, None)
+    return q, k
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
+                       k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The prologue that also stores this step's K/V: returns q [T, H, D]; the normalized,
+    rotated k and the projection's v of token ``t`` go to cache slot ``slot_mapping[t]``
+    (negative: skipped) of ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, D]``,
+    contiguous, in qkv's dtype — what ``store_kvcache`` would write, without k ever being
+    materialized (one kernel and one round trip of k through memory fewer per layer)."""
+    head_dim = _validate(qkv, positions, cos_sin, num_heads, num_kv_heads, q_weight, k_weight)
+    want = (num_kv_heads, head_dim)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (c.dim() != 4 or tuple(c.shape[2:]) != want or c.shape != k_cache.shape
+                or c.dtype != qkv.dtype or not c.is_contiguous() or c.device != qkv.device):
+            raise ValueError(f"{name}: expected a contiguous [num_blocks, block_size, "
+                             f"{num_kv_heads}, {head_dim}] {qkv.dtype} tensor on {qkv.device} "
+                             f"(both caches alike), got {c.dtype} of shape {tuple(c.shape)}")
+    if (slot_mapping.shape != (qkv.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or not slot_mapping.is_contiguous() or slot_mapping.device != qkv.device):
+        raise ValueError(f"slot_mapping: expected contiguous int32/int64 of shape "
+                         f"[{qkv.shape[0]}] on {qkv.device}, got {slot_mapping.dtype} of shape "
+                         f"{tuple(slot_mapping.shape)}")
+    return _launch(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, q_weight, k_weight,
+                   eps, k_cache, v_cache, slot_mapping)
+
+
+def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+            num_kv_heads: int, head_dim: int, q_weight: torch.Tensor | None,
+            k_weight: torch.Tensor | None, eps: float, k_out: torch.Tensor,
+            v_cache: torch.Tensor | None, slot_mapping: torch.Tensor | None) -> torch.Tensor:
+    """Run the kernel (k to ``k_out``, or with ``v_cache`` to the caches); returns q."""
     if qkv.device.type != "cuda" and not _INTERPRET:
         raise ValueError(f"qkv: expected a CUDA tensor, got device {qkv.device} (CPU tensors "
                          "need TRITON_INTERPRET=1 set before triton kernels are imported)")
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
-        return q, k
-    has_norm = q_weight is not None
+        return q
+    has_norm, store = q_weight is not None, v_cache is not None
     block_h = triton.next_power_of_2(num_heads + num_kv_heads)
     _qk_norm_rope_kernel[(num_tokens,)](
-        qkv, positions, cos_sin, q_weight if has_norm else q, k_weight if has_norm else k,
-        q, k, qkv.stride(0), eps,
+        qkv, positions, cos_sin, q_weight if has_norm else q, k_weight if has_norm else q,
+        q, k_out, v_cache if store else q, slot_mapping if store else positions,
+        qkv.stride(0), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
-        HAS_NORM=has_norm, num_warps=4 if block_h * head_dim >= 4096 else 2)
-    return q, k
+        HAS_NORM=has_norm, STORE=store, num_warps=4 if block_h * head_dim >= 4096 else 2)
+    return q
 
 
 def qk_norm_rope_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

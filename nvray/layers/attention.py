@@ -3,7 +3,8 @@
 Every backend implements ``forward(q, k, v, k_cache, v_cache, meta, scale) -> out`` with
 q ``[T, H, D]``, k/v ``[T, KVH, D]`` (this step's tokens), caches
 ``[num_blocks, block_size, KVH, D]``. It first writes k/v into the slots of
-``meta.slot_mapping`` (slot -1: skip), then computes causal attention of each sequence's query
+``meta.slot_mapping`` (slot -1: skip) — unless k and v are None: the caller stored them
+already (the model's fused prologue does, on the GPU) — then computes causal attention of each sequence's query
 chunk over its whole context read from the cache — which serves prefill, prefill over a cached
 prefix, chunked prefill and decode alike.
 
@@ -58,9 +59,11 @@ class TorchAttentionBackend:
 
     supports_cuda_graphs = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if k is not None:
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         start = 0
@@ -103,10 +106,12 @@ class TritonAttentionBackend:
         import kernels  # noqa: PLC0415 - GPU-only import, done where it is used
         self.kernels = kernels
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
         kn = self.kernels
-        kn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            kn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             # max_seq_len bounds the context host-side (sizes the split-K grid, no sync); in a
             # CUDA graph it is max_model_len, so one graph serves every context length
@@ -136,9 +141,11 @@ class FlashAttentionBackend:
         self.with_kvcache = flash_attn.flash_attn_with_kvcache
         self.store = kernels.store_kvcache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if k is not None:
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                     block_table=meta.block_tables, softmax_scale=scale, causal=True)
@@ -195,6 +202,7 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.backend: Backend = TorchAttentionBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """k and v None: this step's K/V are in the cache already."""
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

@@ -3,8 +3,8 @@
 ``packed_modules_mapping`` tells the loader which checkpoint tensors are fused into which
 parameters. ``forward`` returns hidden states of every token; ``compute_logits`` takes the rows
 to sample and returns their full-vocabulary logits on rank 0 (None elsewhere). On the GPU the
-model runner calls ``use_triton_kernels()`` on the modules that have it: the attention's q/k norms
-and rotary then run as one fused kernel.
+model runner calls ``use_triton_kernels()`` on the modules that have it: the attention's q/k norms,
+rotary and KV-cache store then run as one fused kernel.
 """
 
 from __future__ import annotations
@@ -39,28 +39,31 @@ class Qwen3Attention(nn.Module):
         self.fused_prologue = None  # set by use_triton_kernels()
 
     def use_triton_kernels(self) -> None:
-        """q/k norms and rotary as one Triton kernel (``kernels/qk_norm_rope.py``), GPU only."""
-        from kernels import qk_norm_rope  # noqa: PLC0415
+        """q/k norms, rotary and the KV-cache store as one Triton kernel
+        (``kernels/qk_norm_rope.py``), GPU only."""
+        from kernels import qk_norm_rope_store  # noqa: PLC0415
 
-        self.fused_prologue = qk_norm_rope
+        self.fused_prologue = qk_norm_rope_store
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        if self.fused_prologue is not None:
+        if self.fused_prologue is not None:  # k and v go straight into the cache
             norms = (self.q_norm, self.k_norm) if self.q_norm is not None else None
-            q, k = self.fused_prologue(
+            q = self.fused_prologue(
                 qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads,
                 norms[0].weight if norms else None, norms[1].weight if norms else None,
-                norms[0].eps if norms else 0.0)
+                norms[0].eps if norms else 0.0, self.attn.k_cache, self.attn.v_cache,
+                meta.slot_mapping)
+            o = self.attn(q, None, None, meta)  # [T, H, D]
         else:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)  # [T, H, D]
             k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta)  # [T, H, D]
+            o = self.attn(q, k, v, meta)
         return self.o_proj(o.flatten(1))
 
 

@@ -1,5 +1,5 @@
-"""The model with its Triton kernels (fused q/k norms + rotary, hidden-state norms with the
-residual add, gated activation: as on the GPU) against HF.
+"""The model with its Triton kernels (fused q/k norms + rotary + KV-cache store, hidden-state
+norms with the residual add, gated activation: as on the GPU) against HF.
 
 The model runner turns the kernels on only on the GPU; here they are turned on by hand and run
 under Triton's interpreter, so the CPU tier checks that the model wires them right (which

@@ -1,4 +1,5 @@
-"""The fused attention prologue (q/k RMSNorm + rotary) against the model's own layers.
+"""The fused attention prologue (q/k RMSNorm + rotary) against the model's own layers; its
+variant that also stores K/V against the store kernel's reference.
 
 The oracle is what the model computes without the kernel: ``nvray.layers``' RMSNorm and
 RotaryEmbedding modules applied to q and k split from the projection output (the path that
@@ -119,3 +120,45 @@ def test_validation_names_the_argument():
     for name, args in bad_calls:
         with pytest.raises(ValueError, match=name):
             kernels.qk_norm_rope(*args, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(16, 8, 128), (6, 1, 32), (4, 4, 64)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_store_variant_writes_what_the_store_kernel_would(dtype, num_heads, num_kv_heads,
+                                                          head_dim, norm):
+    """q as from ``qk_norm_rope``; k (normalized, rotated) and v (the projection's) in the cache
+    slots that ``store_kvcache`` would fill; tokens with slot -1 and every other slot untouched."""
+    qkv, positions, rotary, q_norm, k_norm = _case(6, num_heads, num_kv_heads, head_dim, dtype,
+                                                    norm, seed=head_dim + 7, extra_cols=16)
+    args = (qkv, positions, rotary.cos_sin, num_heads, num_kv_heads,
+            q_norm.weight if norm else None, k_norm.weight if norm else None, 1e-6)
+    want_q, k = kernels.qk_norm_rope(*args)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].reshape(-1, num_kv_heads, head_dim)
+    slots = torch.tensor([5, -1, 0, 17, 30, 8], dtype=torch.int32, device=DEVICE)
+    shape = (4, 8, num_kv_heads, head_dim)  # 4 blocks of 8 slots
+    fill = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype=dtype, device=DEVICE)
+    want_k, want_v = fill.clone(), fill.clone() + 1
+    kernels.store_kvcache_ref(k, v, want_k, want_v, slots)
+    k_cache, v_cache = fill.clone(), fill.clone() + 1
+    q = kernels.qk_norm_rope_store(*args, k_cache, v_cache, slots)
+    torch.testing.assert_close(q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+
+
+def test_store_variant_validation_names_the_argument():
+    qkv, positions, rotary, q_norm, k_norm = _case(3, 4, 2, 32, torch.float32, True, seed=5)
+    args = (qkv, positions, rotary.cos_sin, 4, 2, q_norm.weight, k_norm.weight, 1e-6)
+    cache = torch.zeros(2, 4, 2, 32, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    bad_calls = [
+        ("k_cache", (cache[:, :, :1], cache, slots)),
+        ("v_cache", (cache, cache.half(), slots)),
+        ("v_cache", (cache, cache[:1], slots)),
+        ("slot_mapping", (cache, cache, slots[:2])),
+        ("slot_mapping", (cache, cache, slots.float())),
+    ]
+    for name, extra in bad_calls:
+        with pytest.raises(ValueError, match=name):
+            kernels.qk_norm_rope_store(*args, *extra)
