@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from nvray.config import EngineConfig
 from nvray.engine.step_input import StepInput, StepOutput
+from nvray.gc_freeze import freeze_startup_objects, release_frozen_objects
 from nvray.worker.model_runner import ModelRunner
 
 _DIST_TIMEOUT = datetime.timedelta(seconds=120)
@@ -64,6 +65,7 @@ class RankWorker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None, "load() first"
         self.runner.allocate_kv_cache(num_blocks)
+        freeze_startup_objects()  # the rank's start-up is done (cache and CUDA graphs exist)
 
     def execute(self, step: StepInput) -> StepOutput:
         assert self.runner is not None, "load() first"
@@ -96,5 +98,6 @@ class RankWorker:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
+            release_frozen_objects()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -24,6 +24,7 @@ from ray.util.placement_group import PlacementGroup
 
 from nvray.config import EngineConfig
 from nvray.engine.step_input import StepInput, StepOutput
+from nvray.gc_freeze import release_frozen_objects
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.placement import in_bundle, rank_resources
 from nvray.runtime.rank_worker import RankWorker
@@ -131,6 +132,7 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         self._kill_workers()
+        release_frozen_objects()
         self.dead = self.dead or "the engine was shut down"
 
 

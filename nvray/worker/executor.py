@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from nvray.config import EngineConfig
 from nvray.engine.step_input import StepInput, StepOutput
+from nvray.gc_freeze import release_frozen_objects
 from nvray.worker.model_runner import ModelRunner
 
 
@@ -33,4 +34,5 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         if self.runner is not None:
             self.runner.close()  # graphs, KV cache and weights: the GPU memory goes back now
+            release_frozen_objects()
         self.runner = None  # type: ignore[assignment]
