@@ -23,9 +23,9 @@ uses this one: a kernel and a round trip of k through memory fewer per layer.
 Numerics: norm, weight and rotation all in float32, rounded to the dtype once, at the end. The
 model's eager layers (``nvray/layers``) also round after the norm and after the weight; with
 those two extra roundings, a bf16 Qwen3-0.6B-shaped model's log-probabilities drifted past the
-GPU tier's bf16-noise bound at one position, so the kernel keeps them out. On a decode step of a small model this replaces four kernels
-per layer (q norm, k norm, q rotary, k rotary) that each cost more in launch latency than in
-bytes moved. One program per token covers all of its q and k heads.
+GPU tier's bf16-noise bound at one position, so the kernel keeps them out. On a decode step of
+a small model this replaces four kernels per layer (q norm, k norm, q rotary, k rotary) that
+each cost more in launch latency than in bytes moved. One program per token covers all of its q and k heads.
 ``qk_norm_rope_ref`` is the pure-torch reference with the same signature.
 """
 

@@ -27,9 +27,13 @@ from nvray.engine.sequence import Sequence
 _ROOT_HASH = 0
 
 
+def _chain(prev_hash: int, block_bytes: bytes) -> int:
+    return xxhash.xxh64_intdigest(prev_hash.to_bytes(8, "little") + block_bytes)
+
+
 def hash_block(prev_hash: int, token_ids: list[int]) -> int:
     """Chained hash of one full block: depends on every token before it."""
-    return xxhash.xxh64_intdigest(prev_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
+    return _chain(prev_hash, array("q", token_ids).tobytes())
 
 
 def hash_blocks(prev_hash: int, token_ids: list[int], block_size: int) -> list[int]:
@@ -37,8 +41,7 @@ def hash_blocks(prev_hash: int, token_ids: list[int], block_size: int) -> list[i
     of blocks), chained from ``prev_hash``: one conversion of the tokens for the whole run."""
     data, width, hashes = array("q", token_ids).tobytes(), 8 * block_size, []
     for start in range(0, len(data), width):
-        prev_hash = xxhash.xxh64_intdigest(prev_hash.to_bytes(8, "little")
-                                           + data[start:start + width])
+        prev_hash = _chain(prev_hash, data[start:start + width])
         hashes.append(prev_hash)
     return hashes
 

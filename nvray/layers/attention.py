@@ -4,9 +4,9 @@ Every backend implements ``forward(q, k, v, k_cache, v_cache, meta, scale) -> ou
 q ``[T, H, D]``, k/v ``[T, KVH, D]`` (this step's tokens), caches
 ``[num_blocks, block_size, KVH, D]``. It first writes k/v into the slots of
 ``meta.slot_mapping`` (slot -1: skip) — unless k and v are None: the caller stored them
-already (the model's fused prologue does, on the GPU) — then computes causal attention of each sequence's query
-chunk over its whole context read from the cache — which serves prefill, prefill over a cached
-prefix, chunked prefill and decode alike.
+already (the model's fused prologue does, on the GPU) — then computes causal attention of each
+sequence's query chunk over its whole context read from the cache, which serves prefill,
+prefill over a cached prefix, chunked prefill and decode alike.
 
 Backend choice lives in ``select_backend`` only. ``auto``: ``flash_attn`` when it is importable,
 the engine runs on CUDA and the KV block size is a multiple of 256 (flash-attn's paged-KV

@@ -22,15 +22,10 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from kernels import decode_attention as _dec  # noqa: E402
 
-INTERPRET = _dec._INTERPRET
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip(
-        "kernels were imported without TRITON_INTERPRET=1 and there is no CUDA device",
-        allow_module_level=True,
-    )
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+INTERPRET, DEVICE = kernel_device()
 
 TOL = {
     torch.float32: dict(atol=5e-5, rtol=1e-4),

@@ -11,22 +11,17 @@ CPU, compiled on a GPU.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 pytest.importorskip("triton")
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from nvray.layers.activation import silu_and_mul  # noqa: E402
 from nvray.layers.norm import add_rms_norm, rms_norm  # noqa: E402
 
-INTERPRET = importlib.import_module("kernels.rms_norm")._INTERPRET
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("kernels were imported without TRITON_INTERPRET=1 and there is no CUDA device",
-                allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+INTERPRET, DEVICE = kernel_device()
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     INTERPRET, reason="Triton's interpreter truncates to bf16 instead of rounding"))]
 

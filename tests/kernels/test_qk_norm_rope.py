@@ -12,22 +12,17 @@ Runs under the Triton interpreter on CPU, compiled on a GPU.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 pytest.importorskip("triton")
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
 from nvray.layers.norm import RMSNorm  # noqa: E402
 from nvray.layers.rotary import RotaryEmbedding  # noqa: E402
 
-INTERPRET = importlib.import_module("kernels.qk_norm_rope")._INTERPRET
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("kernels were imported without TRITON_INTERPRET=1 and there is no CUDA device",
-                allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+INTERPRET, DEVICE = kernel_device()
 
 
 def _layers_path(qkv, positions, rotary, q_norm, k_norm, num_heads, num_kv_heads, head_dim):
