@@ -1,4 +1,5 @@
-"""StepInput: what the control plane sends the model ranks for one step (plain, picklable).
+"""StepInput: what the control plane sends the model ranks for one step (plain, picklable: it
+pickles as plain tuples and lists, which is how it crosses to the Ray ranks every step).
 
 For each scheduled sequence: the tokens whose KV is computed this step, where they start,
 the block table, and — when the step reaches the end of the sequence — how to sample its next
@@ -99,16 +100,20 @@ class StepInput:
                                         self.samples_logprobs)
 
 
-_as = tuple.__new__  # a NamedTuple from a plain tuple, in C
+_namedtuple_of = tuple.__new__  # _namedtuple_of(Cls, plain_tuple): a Cls, built in C
 
 
 def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]],
                            adjusts_logits: bool, samples_logprobs: bool) -> StepInput:
-    return StepInput([_as(SeqStep, (seq_id, token_ids, start, table,
-                                    None if sample is None else _as(SampleSpec, sample),
-                                    None if score is None else _as(PromptScore, score)))
-                      for seq_id, token_ids, start, table, sample, score in seqs],
-                     block_copies, adjusts_logits, samples_logprobs)
+    """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
+    steps = []
+    for seq_id, token_ids, start, table, sample, score in seqs:
+        if sample is not None:
+            sample = _namedtuple_of(SampleSpec, sample)
+        if score is not None:
+            score = _namedtuple_of(PromptScore, score)
+        steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score)))
+    return StepInput(steps, block_copies, adjusts_logits, samples_logprobs)
 
 
 class StepOutput(NamedTuple):
