@@ -1,6 +1,7 @@
 """Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention, the
 attention prologue (per-head q/k RMSNorm + rotary, optionally fused with the KV store), the
-hidden-state RMSNorm (with the residual add) and the MLP's gated activation.
+hidden-state RMSNorm (with the residual add), the MLP's gated activation and the sampler's
+greedy-or-tempered draw.
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -52,6 +53,7 @@ from .decode_attention import paged_decode_attention, paged_decode_attention_ref
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_store  # noqa: E402
 from .rms_norm import rms_norm, rms_norm_ref  # noqa: E402
+from .sample_race import race_sample, race_sample_ref  # noqa: E402
 from .silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from .store_kv import store_kvcache, store_kvcache_ref  # noqa: E402
 
@@ -67,6 +69,8 @@ __all__ = [
     "qk_norm_rope_store",
     "rms_norm",
     "rms_norm_ref",
+    "race_sample",
+    "race_sample_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
 ]

@@ -9,9 +9,9 @@ then ``execute(step)`` runs one scheduled batch and, on rank 0, returns the samp
 (other ranks return []); ``execute_overlapped(step)`` launches a step and returns the ids of the
 one launched before it, so the caller works while the device computes (placeholders in a step's
 ids are filled from the previous step's sampled ids on the device; TP ranks all get rank 0's).
-On the GPU the plain sampler runs ``torch.compile``d, and the norms, the attention prologue and
-the activation run as hand-written Triton kernels (``kernels/``; ``torch.compile``d where
-Triton is missing), also with ``enforce_eager``, which turns off graphs only. Inputs are built by
+On the GPU the norms, the attention prologue, the activation and the plain sampler (no filters,
+bans or seeds) run as hand-written Triton kernels (``kernels/``; the layers ``torch.compile``d and
+the sampler eager where Triton is missing), also with ``enforce_eager``, which turns off graphs only. Inputs are built by
 ``InputBuilder`` (one host-to-device copy per step); decode-only batches that fit a graph replay it, everything else
 runs eager; the LM head and the sampler always run eager on the rows to sample. ``close()``
 gives the GPU memory back.
@@ -101,6 +101,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.use_torch_compile = self.device.type == "cuda"  # enforce_eager turns off graphs only
+        self.fused_sampler = False  # the plain sampler as one Triton kernel
         if self.use_torch_compile:
             self._enable_torch_compile()
             self._use_triton_kernels()
@@ -143,9 +144,11 @@ class ModelRunner:
         """Hand-written Triton kernels where the model has them: the q/k norms and rotary of
         each layer in one kernel instead of four; the hidden-state norms (with the residual add)
         and the MLP's activation instead of their ``torch.compile``d versions, whose guards and
-        wrappers cost ~0.15 ms of host time per call on eager (prefill) steps."""
+        wrappers cost ~0.15 ms of host time per call on eager (prefill) steps; the plain
+        sampler's draw instead of its eager kernels."""
         if importlib.util.find_spec("triton") is None:
             return
+        self.fused_sampler = True
         for module in self.model.modules():
             if hasattr(module, "use_triton_kernels"):
                 module.use_triton_kernels()
@@ -265,16 +268,19 @@ class ModelRunner:
         stalls in the first steps of the throughput bench). The Triton prefill kernel has a
         variant per query-tile size (from the longest query chunk: 8, 16, 32, 64 rows) and per
         block-table width class (Triton specializes ints equal to 1 or divisible by 16); the
-        torch.compile'd sampler one for a single row and one for several. Each warm-up step is
+        sampler's kernel one for rows sharing a temperature, one for greedy rows only (the
+        steps of query 9) and one for rows of both (the step of 2 rows). Each warm-up step is
         one query chunk at the end of a context that lives in block 0 of the unused cache."""
-        spec = _WARMUP_SAMPLE._replace(top_p=1.0, top_k=-1, min_p=0.0)  # the compiled path
         wide = 16 * self.block_size  # a block table 16 entries wide
         for query_len in (2, 9, 17, 33):
+            spec = _WARMUP_SAMPLE._replace(top_p=1.0, top_k=-1, min_p=0.0,  # the fused sampler
+                                           temperature=0.0 if query_len == 9 else 0.6)
             for context in sorted({query_len, max(wide, query_len), wide + 3 * self.block_size}):
                 if context > self.max_model_len:
                     continue
                 table = [0] * -(-context // self.block_size)
-                seqs = [SeqStep(-1 - i, [0] * query_len, context - query_len, table, spec)
+                seqs = [SeqStep(-1 - i, [0] * query_len, context - query_len, table,
+                                spec._replace(temperature=spec.temperature * (1 - i)))
                         for i in range(1 + (query_len == 33))]  # and one step of 2 rows
                 self.execute(StepInput(seqs))
         self.inputs.tables.reset()
@@ -356,7 +362,7 @@ class ModelRunner:
             if step.adjusts_logits:
                 logits = adjust_logits(logits.to(torch.float32, copy=True), specs,
                                        self.last_sampled)
-            ids = sample(logits, specs, compiled=self.use_torch_compile).to(torch.int32)  # type: ignore[arg-type]
+            ids = sample(logits, specs, fused=self.fused_sampler).to(torch.int32)  # type: ignore[arg-type]
         else:
             raw = None
             ids = torch.empty(len(specs), dtype=torch.int32, device=self.device)

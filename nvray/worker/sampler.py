@@ -7,15 +7,15 @@ gets probability exactly 0, so it can never be drawn), then an exponential-race 
 noise from a generator seeded by (seed, index of the token in the output), so its tokens do not
 depend on which other requests share the batch, nor on preemption.
 
-``compiled=True`` (the model runner's choice on the GPU): a batch without filters, bans or seeds
-— the common case — runs the same draw as one ``torch.compile``d pass over the logits, in log
-space (argmax of logits / T - log E; measured on an H100, 256 rows x 151936: three kernels,
-0.40 ms, before this form); other batches take the eager path.
+``fused=True`` (the model runner's choice on the GPU): a batch without filters, bans or seeds —
+the common case — and a greedy batch without bans run as one Triton kernel
+(``kernels/sample_race.py``: greedy rows take the argmax, the others a Gumbel race, the same
+distribution); its noise seed comes from torch's default generator. A batch whose rows share one
+temperature passes it as a scalar, so the launch needs no host tensor. Other batches take the
+eager path.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -58,38 +58,35 @@ def _exponential_noise(shape: tuple[int, int], specs: list[SampleSpec], device: 
     return noise
 
 
-def _race(logits: torch.Tensor, temps: torch.Tensor, is_greedy: torch.Tensor) -> torch.Tensor:
-    """Greedy rows: argmax; others: the exponential race on softmax(logits / temperature) in
-    log space, argmax(logits / T - log E): the softmax's normalizer is the same for every token
-    of a row, so it needs no pass of its own and the whole draw is one pass over the logits."""
-    logits = logits.float()
-    noise = torch.empty_like(logits).exponential_()
-    race = torch.where(is_greedy.unsqueeze(1), logits, logits / temps.unsqueeze(1) - noise.log())
-    return race.argmax(dim=-1)
-
-
-@functools.cache
-def _compiled_race():  # noqa: ANN202
-    return torch.compile(_race, dynamic=True)
-
-
 def _is_plain(specs: list[SampleSpec]) -> bool:
-    """No bans, no seeds, no filters: what the compiled path computes."""
+    """No bans, no seeds, no filters: what the fused kernel computes."""
     return not _needs_filtering(specs) and not any(s.banned_token_ids or s.seed is not None
                                                    for s in specs)
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec], compiled: bool = False) -> torch.Tensor:
-    """logits [S, V] -> token ids [S] (int64)."""
+def _temperatures(specs: list[SampleSpec], device: torch.device) -> float | torch.Tensor:
+    """The rows' temperatures: one float when they share it, else a float32 tensor on device."""
+    first = specs[0].temperature
+    if all(s.temperature == first for s in specs):
+        return first
+    temps = torch.tensor([s.temperature for s in specs], dtype=torch.float32, pin_memory=True)
+    return temps.to(device, non_blocking=True)
+
+
+def _fused_sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    from kernels import race_sample  # noqa: PLC0415 - GPU-only import
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    return race_sample(logits, _temperatures(specs, logits.device), seed)
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec], fused: bool = False) -> torch.Tensor:
+    """logits [S, V] -> token ids [S] (int64; int32 from the fused kernel)."""
     if all(s.temperature == 0.0 for s in specs):
         if not any(s.banned_token_ids for s in specs):
-            return logits.argmax(dim=-1)
-    elif compiled and _is_plain(specs):
-        dev = logits.device
-        temps = torch.tensor([s.temperature or 1.0 for s in specs], pin_memory=True)
-        greedy = torch.tensor([s.temperature == 0.0 for s in specs], pin_memory=True)
-        return _compiled_race()(logits, temps.to(dev, non_blocking=True),
-                                greedy.to(dev, non_blocking=True))
+            return _fused_sample(logits, specs) if fused else logits.argmax(dim=-1)
+    elif fused and _is_plain(specs):
+        return _fused_sample(logits, specs)
     logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
     for i, spec in enumerate(specs):
         if spec.banned_token_ids:

@@ -82,23 +82,3 @@ def test_unknown_sampling_param_is_rejected():
 
     with pytest.raises(ValueError, match="presence_pentaly"):
         SamplingParams.from_dict({"presence_pentaly": 1.0})
-
-
-def test_the_plain_draw_follows_softmax_of_logits_over_temperature():
-    """The draw the GPU runs compiled for plain batches (``_race``), run here uncompiled: each
-    token's frequency over many rows is its probability under softmax(logits / T); greedy rows
-    are the argmax whatever the noise."""
-    from nvray.worker.sampler import _race  # noqa: PLC0415 - the function compiled on the GPU
-
-    torch.manual_seed(0)
-    rows, temperature = 40_000, 0.7
-    logits = LOGITS.repeat(rows, 1)
-    temps = torch.full((rows,), temperature)
-    greedy = torch.zeros(rows, dtype=torch.bool)
-    greedy[:100] = True
-    ids = _race(logits, temps, greedy)
-    assert ids[:100].tolist() == [0] * 100
-    freq = torch.bincount(ids[100:], minlength=len(LOGITS)).float() / (rows - 100)
-    want = (LOGITS / temperature).softmax(-1)
-    sigma = (want * (1 - want) / (rows - 100)).sqrt()
-    assert ((freq - want).abs() <= 5 * sigma + 1e-4).all(), (freq, want)

@@ -1,0 +1,111 @@
+"""The sampling kernel: greedy rows are ``torch.argmax`` (first index on ties), sampled rows
+follow ``softmax(logits / T)`` (counts within 5 standard deviations of the expected ones, over
+rows that share one set of logits), one seed gives one answer. Runs under the Triton interpreter
+on CPU, compiled on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernel_device import kernel_device  # noqa: E402
+
+INTERPRET, DEVICE = kernel_device()
+SAMPLERS = [kernels.race_sample, kernels.race_sample_ref]
+NARROW = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+# three blocks of the kernel's loop: the likely tokens sit in different blocks
+WIDE_VOCAB = 2500
+LIKELY = {10: 1.0, 1100: 0.5, 2400: 0.0, 1500: -0.7}
+
+
+def _wide_logits(rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    row = torch.full((WIDE_VOCAB,), -30.0)
+    for col, value in LIKELY.items():
+        row[col] = value
+    return row.repeat(rows, 1).to(dtype=dtype, device=DEVICE)
+
+
+def _narrow_logits(rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return NARROW.repeat(rows, 1).to(dtype=dtype, device=DEVICE)
+
+
+def _assert_follows(ids: torch.Tensor, logits_row: torch.Tensor, temperature: float) -> None:
+    """Each token's count within 5 standard deviations of rows * softmax(row / T)."""
+    n = ids.numel()
+    probs = (logits_row.float().cpu() / temperature).softmax(-1)
+    counts = torch.bincount(ids.long().cpu(), minlength=probs.numel()).float()
+    sigma = (n * probs * (1 - probs)).sqrt()
+    off = ((counts - n * probs).abs() > 5 * sigma + 1).nonzero().flatten().tolist()
+    assert not off, (f"tokens {off}: counts {counts[off].tolist()}, expected "
+                     f"{(n * probs[off]).tolist()}")
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_draws_follow_the_tempered_softmax(sampler, temperature):
+    logits = _narrow_logits(400)  # enough rows to tell T from 1 (the interpreter is slow)
+    ids = sampler(logits, temperature, seed=7)
+    assert ids.dtype == torch.int32 and ids.shape == (400,)
+    _assert_follows(ids, logits[0], temperature)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_per_row_temperatures_mix_greedy_and_sampled_rows(sampler):
+    logits = _narrow_logits(800, torch.float16)
+    temps = torch.tensor([0.0, 2.0] * 400, device=DEVICE)
+    ids = sampler(logits, temps, seed=3)
+    assert ids[0::2].tolist() == [0] * 400  # greedy rows: the argmax
+    _assert_follows(ids[1::2], logits[0], 2.0)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_draws_over_a_vocabulary_of_several_blocks(sampler):
+    logits = _wide_logits(300)
+    _assert_follows(sampler(logits, 0.5, seed=5), logits[0], 0.5)
+
+
+def test_greedy_ties_go_to_the_first_index():
+    """Ties inside one lane (columns a block apart), across lanes, and across blocks."""
+    ties = [(3, 1027), (5, 7), (1500, 2100), (0, WIDE_VOCAB - 1)]
+    logits = torch.zeros(len(ties) + 1, WIDE_VOCAB)
+    for row, cols in enumerate(ties):
+        logits[row, list(cols)] = 4.0
+    logits[-1, 1] = -1.0  # all but one column tie at 0
+    ids = kernels.race_sample(logits.to(DEVICE), 0.0, seed=1)
+    assert ids.tolist() == [a for a, _ in ties] + [0] == logits.argmax(-1).tolist()
+
+
+def test_a_seed_fixes_the_draw_and_a_scalar_temperature_equals_a_full_row_of_it():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=g).to(DEVICE)
+    first = kernels.race_sample(logits, 1.0, seed=11)
+    assert torch.equal(first, kernels.race_sample(logits, 1.0, seed=11))
+    assert not torch.equal(first, kernels.race_sample(logits, 1.0, seed=12))
+    per_row = torch.full((64,), 1.0, device=DEVICE)
+    assert torch.equal(first, kernels.race_sample(logits, per_row, seed=11))
+
+
+def test_strided_rows_and_no_rows():
+    wide = _wide_logits(40)
+    strided = torch.cat([wide, wide], dim=1)[:, :WIDE_VOCAB]
+    assert kernels.race_sample(strided, 0.0, seed=0).tolist() == [10] * 40
+    assert kernels.race_sample(wide[:0], 0.7, seed=0).shape == (0,)
+
+
+def test_validation_names_the_argument():
+    logits = _wide_logits(4)
+    bad = [
+        ("logits", (logits[0], 1.0)),
+        ("logits", (logits.to(torch.int32), 1.0)),
+        ("logits", (logits.t(), 1.0)),
+        ("temperatures", (logits, -0.5)),
+        ("temperatures", (logits, float("nan"))),
+        ("temperatures", (logits, torch.ones(3, device=DEVICE))),
+        ("temperatures", (logits, torch.ones(4, dtype=torch.float64, device=DEVICE))),
+    ]
+    for name, args in bad:
+        with pytest.raises(ValueError, match=name):
+            kernels.race_sample(*args, seed=0)
