@@ -13,6 +13,10 @@ Contract:
   copied). Copy-on-write: before a sequence writes into a block it shares (a fork's partly
   filled last block), it gets a private copy; the (source, copy) pair waits in
   ``take_copies()`` for the step that must copy the KV before it writes.
+- The ranks keep each sequence's block table between steps and get only its changes
+  (``step_input.py``): a sequence's ``ranks_table_len`` counts the leading entries they hold,
+  and this class lowers it where it changes an entry (a copy-on-write, a new table); a freed
+  sequence waits in ``take_released()`` for the step that tells the ranks to drop its table.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class BlockManager:
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet launched
+        self.released: list[int] = []  # freed seq ids whose ranks' tables are not dropped yet
         self.num_copied_blocks = 0
 
     # ----------------------------------------------------------------- queries
@@ -146,6 +151,7 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
         seq.block_table = list(cached)
+        seq.ranks_table_len = 0
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
         self.seq_block_hashes[seq.seq_id] = [self.blocks[b].hash for b in cached]  # type: ignore[misc]
@@ -160,6 +166,7 @@ class BlockManager:
         for block_id in shared:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(shared)
+        child.ranks_table_len = 0
         child.num_computed_tokens = num_tokens
         child.shares_blocks = parent.shares_blocks = True
         child.num_cached_tokens = num_tokens
@@ -169,6 +176,11 @@ class BlockManager:
         copies, self.copies = self.copies, []
         return copies
 
+    def take_released(self) -> list[int]:
+        """The seq ids freed since the last call (the next launched step drops their tables)."""
+        released, self.released = self.released, []
+        return released
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make sure the block table covers ``num_computed_tokens + num_new_tokens`` tokens,
         with a private copy of a shared block the tokens would be written into."""
@@ -177,6 +189,7 @@ class BlockManager:
             shared = self.blocks[seq.block_table[i]]
             shared.ref_count -= 1
             seq.block_table[i] = self._take_free_block()
+            seq.ranks_table_len = min(seq.ranks_table_len, i)
             self.copies.append((shared.block_id, seq.block_table[i]))
             self.num_copied_blocks += 1
         needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
@@ -213,7 +226,10 @@ class BlockManager:
                 self.free_blocks[block_id] = None
                 if block.hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
+        if seq.block_table:
+            self.released.append(seq.seq_id)
         seq.block_table = []
+        seq.ranks_table_len = 0
         seq.num_computed_tokens = 0
         self.seq_block_hashes.pop(seq.seq_id, None)
 

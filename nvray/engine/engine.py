@@ -304,7 +304,8 @@ class LLMEngine:
         num_decode = sum(1 for seq, n in out.scheduled
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
-        step_input = build_step_input(out, self.plans, self.block_manager.take_copies())
+        bm = self.block_manager
+        step_input = build_step_input(out, self.plans, bm.take_copies(), bm.take_released())
         records, row, logprob_row, score_row = [], 0, 0, 0
         for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
             seq.num_computed_tokens += num_new

@@ -32,7 +32,8 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
-                 "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens")
+                 "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
+                 "ranks_table_len")
 
     _counter = itertools.count()
 
@@ -46,6 +47,7 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.ranks_table_len = 0  # leading block_table entries the ranks hold (step_input.py)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.arrival_time = arrival_time

@@ -2,8 +2,14 @@
 pickles as plain tuples and lists, which is how it crosses to the Ray ranks every step).
 
 For each scheduled sequence: the tokens whose KV is computed this step, where they start,
-the block table, and — when the step reaches the end of the sequence — how to sample its next
-token. The ranks answer with one sampled token id per sequence that has a ``SampleSpec``, in
+its block table, and — when the step reaches the end of the sequence — how to sample its next
+token.
+
+Block tables travel as changes: the ranks keep each sequence's table from step to step, and a
+``SeqStep`` carries the entries from ``table_start`` on (0: the whole table; a running sequence
+sends nothing most steps, a new block every ``block_size`` tokens). ``build_step_input`` sends
+what ``Sequence.ranks_table_len`` says the ranks lack; a step's ``released`` seq ids are
+sequences whose blocks were freed (finished, preempted): the ranks drop their tables first. The ranks answer with one sampled token id per sequence that has a ``SampleSpec``, in
 order.
 
 With overlapped steps a sequence's newest token may still be sampled by the step before this
@@ -69,15 +75,17 @@ class SeqStep(NamedTuple):
     seq_id: int
     token_ids: list[int]  # tokens computed this step (a negative id: see the module docstring)
     start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
-    block_table: list[int]
+    block_table: list[int]  # the table's entries from table_start on
     sample: SampleSpec | None
     score: PromptScore | None = None
+    table_start: int = 0  # 0: block_table is the whole table; else the ranks hold the entries before
 
 
 @dataclass(frozen=True)
 class StepInput:
     seqs: list[SeqStep] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy first
+    released: list[int] = field(default_factory=list)  # seq ids whose tables the ranks drop first
     # whether some SampleSpec adjusts logits / asks for log-probabilities (build_step_input
     # sets them, so the ranks need not scan every spec each step; a hand-built step that uses
     # either must set them too)
@@ -95,25 +103,27 @@ class StepInput:
         (~0.1 ms), and the rank rebuilds the NamedTuples without running their Python code."""
         seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table,
                  None if s.sample is None else tuple(s.sample),
-                 None if s.score is None else tuple(s.score)) for s in self.seqs]
-        return _step_input_from_plain, (seqs, self.block_copies, self.adjusts_logits,
-                                        self.samples_logprobs)
+                 None if s.score is None else tuple(s.score), s.table_start) for s in self.seqs]
+        return _step_input_from_plain, (seqs, self.block_copies, self.released,
+                                        self.adjusts_logits, self.samples_logprobs)
 
 
 _namedtuple_of = tuple.__new__  # _namedtuple_of(Cls, plain_tuple): a Cls, built in C
 
 
 def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]],
-                           adjusts_logits: bool, samples_logprobs: bool) -> StepInput:
+                           released: list[int], adjusts_logits: bool,
+                           samples_logprobs: bool) -> StepInput:
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
-    for seq_id, token_ids, start, table, sample, score in seqs:
+    for seq_id, token_ids, start, table, sample, score, table_start in seqs:
         if sample is not None:
             sample = _namedtuple_of(SampleSpec, sample)
         if score is not None:
             score = _namedtuple_of(PromptScore, score)
-        steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score)))
-    return StepInput(steps, block_copies, adjusts_logits, samples_logprobs)
+        steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
+                                              table_start)))
+    return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs)
 
 
 class StepOutput(NamedTuple):
@@ -197,8 +207,10 @@ def prompt_score_for(seq: Sequence, plan: SeqPlan, start: int, end: int) -> Prom
 
 
 def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
-                     block_copies: list[tuple[int, int]] | None = None) -> StepInput:
-    """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan."""
+                     block_copies: list[tuple[int, int]] | None = None,
+                     released: list[int] | None = None) -> StepInput:
+    """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan. The
+    step must be launched: the sequences count the entries sent as held by the ranks."""
     steps, adjusts, logprobs = [], False, False
     for seq, num_new in out.scheduled:
         start = seq.num_computed_tokens
@@ -217,5 +229,8 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         score = None
         if params.prompt_logprobs is not None:
             score = prompt_score_for(seq, plan, start, end)
-        steps.append(SeqStep(seq.seq_id, token_ids, start, seq.block_table, sample, score))
-    return StepInput(steps, block_copies or [], adjusts, logprobs)
+        table, held = seq.block_table, seq.ranks_table_len
+        seq.ranks_table_len = len(table)
+        steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
+                             score, held))
+    return StepInput(steps, block_copies or [], released or [], adjusts, logprobs)

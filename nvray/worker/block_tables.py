@@ -1,15 +1,17 @@
-"""DeviceBlockTables: the block tables of recently scheduled sequences, kept on the device.
+"""DeviceBlockTables: the block tables of the sequences the ranks run, kept on the device.
 
-Each step the control plane sends every scheduled sequence's whole block table, but a running
-sequence's table only grows, one block every ``block_size`` tokens. Converting all of them to a
-tensor each step is the largest part of a decode step's host work (~18k ints for 256 sequences
-of ~1k tokens), so each sequence gets a row of a persistent ``[max_rows, max_blocks]`` int32
-table and only the entries that changed travel, as (flat index, block id) pairs.
+A running sequence's table only grows, one block every ``block_size`` tokens, so the control
+plane sends each table's changes only (``step_input.py``): a step carries, per sequence, the
+entries from ``table_start`` on (0: the whole table). Each sequence gets a row of a persistent
+``[max_rows, max_blocks]`` int32 table, mirrored on the host (the builder computes KV slots
+from it); only the entries that changed travel to the device, as (flat index, block id) pairs.
 
-``sync(seq_id, block_table, out_idx, out_val)`` returns the sequence's row and appends the
-updates it needs; a table that is not an extension of what the row holds (the sequence was
-preempted and got new blocks) is rewritten whole. Rows of sequences missing from a step are
-reclaimed when rows run out. The caller applies the updates (``apply``) before the forward.
+``sync(seq_id, entries, table_start, out_idx, out_val)`` returns the sequence's row and its
+whole table (host), and appends the updates the device needs; ``release(seq_ids)`` drops the
+tables of freed sequences. A step that sends whole tables (``table_start`` 0: a new table, or
+a hand-built step) may leave rows unreleased: when rows run out, the rows of sequences missing
+from the step are reclaimed, and a sequence that then sends a change finds no table and fails
+loudly. The caller applies the updates (``apply``) before the forward.
 """
 
 from __future__ import annotations
@@ -33,25 +35,37 @@ class DeviceBlockTables:
     def begin_step(self) -> None:
         self.step += 1
 
-    def sync(self, seq_id: int, block_table: list[int], out_idx: list[int], out_val: list[int]) -> int:
+    def sync(self, seq_id: int, entries: list[int], table_start: int, out_idx: list[int],
+             out_val: list[int]) -> tuple[int, list[int]]:
         row = self.rows.get(seq_id)
         if row is None:
+            assert table_start == 0, (
+                f"seq {seq_id} sent its block table from entry {table_start}, but this rank "
+                "holds no table for it")
             row = self._assign(seq_id)
         held = self.held[seq_id]
         self.last_step[seq_id] = self.step
-        n = len(held)
-        if len(block_table) < n or block_table[:n] != held:
-            held.clear()
-            n = 0
-        if len(block_table) > n:
-            assert len(block_table) <= self.max_blocks, (
-                f"block table of {len(block_table)} blocks exceeds max_model_len's {self.max_blocks}")
-            new = block_table[n:]
-            base = row * self.max_blocks + n
-            out_idx.extend(range(base, base + len(new)))
-            out_val.extend(new)
-            held.extend(new)
-        return row
+        assert table_start <= len(held), (
+            f"seq {seq_id} sent its block table from entry {table_start}, but this rank holds "
+            f"{len(held)} entries")
+        if entries:
+            end = table_start + len(entries)
+            assert end <= self.max_blocks, (
+                f"block table of {end} blocks exceeds max_model_len's {self.max_blocks}")
+            base = row * self.max_blocks + table_start
+            out_idx.extend(range(base, base + len(entries)))
+            out_val.extend(entries)
+        del held[table_start:]
+        held.extend(entries)
+        return row, held
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Drop the tables of these sequences (unknown ids: nothing to drop)."""
+        for seq_id in seq_ids:
+            row = self.rows.pop(seq_id, None)
+            if row is not None:
+                self.free.append(row)
+                del self.held[seq_id], self.last_step[seq_id]
 
     def apply(self, idx: torch.Tensor, val: torch.Tensor) -> None:
         """Write the updates gathered by ``sync`` (device tensors, int32)."""

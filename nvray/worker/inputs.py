@@ -1,10 +1,10 @@
 """InputBuilder: one StepInput -> the device tensors of one forward, with few host operations.
 
 Every integer a step needs (token ids, positions, KV slots, query offsets, context lengths,
-block-table rows, rows to sample, block-table updates) is written into ONE pinned int32 host
+block-table rows, rows to sample, block-table changes) is written into ONE pinned int32 host
 buffer through numpy and crosses to the device in ONE non-blocking copy; the tensors of the
 forward are views of the device copy. Block tables live on the device (``DeviceBlockTables``),
-so only their new entries travel. On the CPU the host buffer is used directly.
+so only their changes travel, from the control plane and on to the device. On the CPU the host buffer is used directly.
 
 A decode step that fits a captured CUDA graph writes instead into the graph's static inputs:
 ``[ids | positions | slots | seq_lens | rows]``, each ``graph_capacity`` long, padded up to the
@@ -129,14 +129,17 @@ class InputBuilder:
     def _collect(self, step: StepInput) -> _HostLists:
         bs, tables = self.block_size, self.tables
         tables.begin_step()
+        if step.released:
+            tables.release(step.released)
         h = _HostLists([], [], [], [], [], [], [], [], [], [], [], [])
         for s in step.seqs:
-            n, start, table = len(s.token_ids), s.start_pos, s.block_table
+            n, start = len(s.token_ids), s.start_pos
             end = start + n
             if s.score is not None:
                 first = len(h.ids) + s.score.offset
                 h.score.extend(range(first, first + len(s.score.targets)))
-            h.rows.append(tables.sync(s.seq_id, table, h.upd_idx, h.upd_val))
+            row, table = tables.sync(s.seq_id, s.block_table, s.table_start, h.upd_idx, h.upd_val)
+            h.rows.append(row)
             h.ids.extend(s.token_ids)
             if s.token_ids[-1] < 0:  # a placeholder: always the last token of its sequence
                 h.fill_dst.append(len(h.ids) - 1)

@@ -22,8 +22,9 @@ def a_step() -> StepInput:
         seqs=[SeqStep(0, [17], 40, [3, 8], plain),
               SeqStep(7, [placeholder_id(2)], 99, [1], full),
               SeqStep(3, [21, 22, 23, 24], 0, [5], None, PromptScore(2, 1, [22, 23])),
-              SeqStep(4, [30, 31], 6, [6, 9], plain, PromptScore(0, 0, [31]))],
-        block_copies=[(3, 12)], adjusts_logits=True, samples_logprobs=True)
+              SeqStep(4, [30, 31], 6, [6, 9], plain, PromptScore(0, 0, [31])),
+              SeqStep(5, [40], 70, [], plain, None, 5)],  # no new block-table entry
+        block_copies=[(3, 12)], released=[2, 6], adjusts_logits=True, samples_logprobs=True)
 
 
 def assert_same(got: StepInput, want: StepInput) -> None:
@@ -35,7 +36,7 @@ def assert_same(got: StepInput, want: StepInput) -> None:
             assert type(getattr(g, field)) is type(getattr(w, field)), field
         if w.sample is not None and w.sample.penalties is not None:
             assert type(g.sample.penalties) is Penalties
-    assert [s.sample.step_index for s in got.seqs if s.sample] == [3, 0, 3]
+    assert [s.sample.step_index for s in got.seqs if s.sample] == [3, 0, 3, 3]
 
 
 def test_step_round_trips_through_pickle():
@@ -49,11 +50,13 @@ def test_step_round_trips_through_ray(ray_cluster):
 
     @ray.remote(num_cpus=0)
     def echo_fields(s: StepInput) -> list:
-        return [(s.seq_id, s.token_ids, s.start_pos, s.block_table, type(s.sample).__name__,
-                 type(s.score).__name__) for s in s.seqs]
+        return [(q.seq_id, q.token_ids, q.start_pos, q.block_table, type(q.sample).__name__,
+                 type(q.score).__name__, q.table_start) for q in s.seqs] + [s.released]
 
     assert ray.get(echo_fields.remote(step), timeout=60) == [
-        (0, [17], 40, [3, 8], "SampleSpec", "NoneType"),
-        (7, [-3], 99, [1], "SampleSpec", "NoneType"),
-        (3, [21, 22, 23, 24], 0, [5], "NoneType", "PromptScore"),
-        (4, [30, 31], 6, [6, 9], "SampleSpec", "PromptScore")]
+        (0, [17], 40, [3, 8], "SampleSpec", "NoneType", 0),
+        (7, [-3], 99, [1], "SampleSpec", "NoneType", 0),
+        (3, [21, 22, 23, 24], 0, [5], "NoneType", "PromptScore", 0),
+        (4, [30, 31], 6, [6, 9], "SampleSpec", "PromptScore", 0),
+        (5, [40], 70, [], "SampleSpec", "NoneType", 5),
+        [2, 6]]
