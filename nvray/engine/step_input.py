@@ -9,8 +9,9 @@ Block tables travel as changes: the ranks keep each sequence's table from step t
 ``SeqStep`` carries the entries from ``table_start`` on (0: the whole table; a running sequence
 sends nothing most steps, a new block every ``block_size`` tokens). ``build_step_input`` sends
 what ``Sequence.ranks_table_len`` says the ranks lack; a step's ``released`` seq ids are
-sequences whose blocks were freed (finished, preempted): the ranks drop their tables first. The ranks answer with one sampled token id per sequence that has a ``SampleSpec``, in
-order.
+sequences whose blocks were freed (finished, preempted): the ranks drop their tables first.
+
+The ranks answer with one sampled token id per sequence that has a ``SampleSpec``, in order.
 
 With overlapped steps a sequence's newest token may still be sampled by the step before this
 one when this one is built: its id is then a placeholder ``-1 - row``, where ``row`` is the

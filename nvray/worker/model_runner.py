@@ -9,12 +9,12 @@ then ``execute(step)`` runs one scheduled batch and, on rank 0, returns the samp
 (other ranks return []); ``execute_overlapped(step)`` launches a step and returns the ids of the
 one launched before it, so the caller works while the device computes (placeholders in a step's
 ids are filled from the previous step's sampled ids on the device; TP ranks all get rank 0's).
-On the GPU the norms, the attention prologue, the activation and the plain sampler (no filters,
-bans or seeds) run as hand-written Triton kernels (``kernels/``; the layers ``torch.compile``d and
-the sampler eager where Triton is missing), also with ``enforce_eager``, which turns off graphs only. Inputs are built by
-``InputBuilder`` (one host-to-device copy per step); decode-only batches that fit a graph replay it, everything else
-runs eager; the LM head and the sampler always run eager on the rows to sample. ``close()``
-gives the GPU memory back.
+On the GPU the norms, the attention prologue, the activation and the plain sampler (greedy, or
+no filters, bans or seeds) run as hand-written Triton kernels (``kernels/``; the layers
+``torch.compile``d and the sampler eager where Triton is missing), also with ``enforce_eager``,
+which turns off graphs only. Inputs are built by ``InputBuilder`` (one host-to-device copy per
+step); decode-only batches that fit a graph replay it, everything else runs eager; the LM head
+and the sampler always run eager on the rows to sample. ``close()`` gives the GPU memory back.
 """
 
 from __future__ import annotations
