@@ -22,7 +22,8 @@ Why a kernel: the sampler runs on the host's critical path of every step. The
 rows share one temperature (the common case) needs no host tensor at all. One program per row
 streams its logits once, drawing four uniforms per Philox call; a scalar temperature of 0 draws
 none. Measured on an H100, bf16 logits of 151936 columns: 0.13 ms for 256 rows, 0.07 ms for 64
-or fewer (the compiled race: 0.23 and 0.12 ms; ``torch.argmax`` alone: 0.21 ms for 256 rows).
+or fewer (the compiled race: 0.23 and 0.12 ms); greedy, 0.03 ms for 256 rows (``torch.argmax``:
+0.22 ms).
 
 Noise resolution: Philox's uniforms have 31 bits, so the Gumbel noise lies in [-3.07,
 16.64] (but for a 2**-31 chance of -inf): a token whose ``logit / T`` lies more than 19.7 below
@@ -39,7 +40,7 @@ import triton.language as tl
 
 __all__ = ["race_sample", "race_sample_ref"]
 
-_BLOCK = 8192  # columns per loop step, and 16 warps: the fastest of those measured
+_BLOCK = 8192  # columns per loop step, 16 warps, no pipelining: the fastest of those measured
 _NUM_WARPS = 16
 _MAX_OFFSET = 2**31  # Philox offsets are int32: rows * vocab must stay below
 
@@ -127,7 +128,7 @@ def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: 
             logits, temperatures if per_row else out, out, logits.stride(0), vocab,
             0.0 if per_row else float(temperatures), seed & 0x7FFFFFFF,
             BLOCK=block, PER_ROW=per_row, NOISE=per_row or float(temperatures) != 0.0,
-            num_warps=max(1, min(_NUM_WARPS, block // 256)))
+            num_warps=max(1, min(_NUM_WARPS, block // 256)), num_stages=1)
     return out
 
 
