@@ -113,7 +113,8 @@ def _validate(logits: torch.Tensor, temperatures: float | torch.Tensor) -> None:
         raise ValueError(f"temperatures: expected a float >= 0, got {temperatures!r}")
 
 
-def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: int) -> torch.Tensor:
+def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor,
+                seed: int) -> torch.Tensor:
     """One token id per row of ``logits``: greedy at temperature 0, else a draw (module doc)."""
     _validate(logits, temperatures)
     if logits.device.type != "cuda" and not _INTERPRET:
@@ -132,7 +133,8 @@ def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: 
     return out
 
 
-def race_sample_ref(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: int) -> torch.Tensor:
+def race_sample_ref(logits: torch.Tensor, temperatures: float | torch.Tensor,
+                    seed: int) -> torch.Tensor:
     """Pure-torch reference of :func:`race_sample` (same contract; torch's Gumbel noise)."""
     _validate(logits, temperatures)
     rows, vocab = logits.shape

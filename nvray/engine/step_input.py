@@ -79,7 +79,7 @@ class SeqStep(NamedTuple):
     block_table: list[int]  # the table's entries from table_start on
     sample: SampleSpec | None
     score: PromptScore | None = None
-    table_start: int = 0  # 0: block_table is the whole table; else the ranks hold the entries before
+    table_start: int = 0  # 0: block_table is the whole table, else the ranks hold those before
 
 
 @dataclass(frozen=True)

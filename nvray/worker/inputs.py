@@ -4,7 +4,8 @@ Every integer a step needs (token ids, positions, KV slots, query offsets, conte
 block-table rows, rows to sample, block-table changes) is written into ONE pinned int32 host
 buffer through numpy and crosses to the device in ONE non-blocking copy; the tensors of the
 forward are views of the device copy. Block tables live on the device (``DeviceBlockTables``),
-so only their changes travel, from the control plane and on to the device. On the CPU the host buffer is used directly.
+so only their changes travel, from the control plane and on to the device. On the CPU the host
+buffer is used directly.
 
 A decode step that fits a captured CUDA graph writes instead into the graph's static inputs:
 ``[ids | positions | slots | seq_lens | rows]``, each ``graph_capacity`` long, padded up to the

@@ -1,7 +1,7 @@
-"""Block tables travel to the ranks as changes: after every step the rank's copy of each running
-sequence's table is the control plane's, through prefix hits, preemption (KV pressure), forks
-that copy a shared block on write (n > 1, beam search) and aborts; freed sequences' tables are dropped, and a
-running sequence sends no entry on most decode steps."""
+"""Block tables travel to the ranks as changes: after every step the rank's copy of each
+running sequence's table is the control plane's, through prefix hits, preemption (KV pressure),
+forks that copy a shared block on write (n > 1, beam search) and aborts; freed sequences'
+tables are dropped, and a running sequence sends no entry on most decode steps."""
 
 from __future__ import annotations
 
