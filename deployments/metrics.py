@@ -21,6 +21,14 @@ _COUNTERS = (
     ("prefix_cache_hits_total", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
     ("requests_accepted_total", "num_accepted", "Requests the engine accepted"),
 )
+_LABELLED_COUNTERS = (  # name, stats key (a dict: label value -> count), label, help
+    ("requests_finished_total", "num_finished", "reason",
+     "Requests finished, by reason (stop, length, abort, error)"),
+    ("steps_total", "steps", "kind",
+     "Engine steps, by what each launched: prefill (computes prompt tokens) or decode"),
+    ("step_seconds_total", "step_seconds", "kind",
+     "Wall time of the engine's steps, by what each launched: prefill or decode"),
+)
 _HISTOGRAMS = (
     ("time_to_first_token_seconds", "Time from arrival to first generated token"),
     ("inter_token_latency_seconds", "Time between consecutive generated tokens"),
@@ -58,11 +66,11 @@ def render_metrics(stats_by_engine: dict[str | None, dict[str, Any]], model: str
             full = f"{prefix}_{name}"
             lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
             lines += [f"{full}{_fmt_labels(labels)} {stats[key]}" for labels, stats in healthy]
-    finished = f"{prefix}_requests_finished_total"
-    lines += [f"# HELP {finished} Requests finished, by reason (stop, length, abort, error)",
-              f"# TYPE {finished} counter"]
-    lines += [f"{finished}{_fmt_labels({**labels, 'reason': reason})} {count}"
-              for labels, stats in healthy for reason, count in sorted(stats["num_finished"].items())]
+    for name, key, label, help_text in _LABELLED_COUNTERS:
+        full = f"{prefix}_{name}"
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
+        lines += [f"{full}{_fmt_labels({**labels, label: value})} {count}"
+                  for labels, stats in healthy for value, count in sorted(stats[key].items())]
     for name, help_text in _HISTOGRAMS:
         full = f"{prefix}_{name}"
         lines += [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]

@@ -13,7 +13,9 @@ Subcommands:
   checkpoint with random bf16 weights (throughput does not depend on weight values here).
   ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
   plain,logprobs,penalties`` adds top-5 log-probabilities or penalties to every request;
-  ``--max-num-batched-tokens 8192,16384`` compares token budgets per step.
+  ``--max-num-batched-tokens 8192,16384`` compares token budgets per step. Each run also gives
+  its steps and their wall time by kind (``prefill_steps_s``: steps that launch prompt tokens;
+  ``decode_steps_s``: the others), from the engine's stats.
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
   (``nvray/bench_gpu_busy.py``).
 - ``soak``: minutes of streaming load with random disconnects against the app: unexpected
@@ -234,6 +236,7 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
     startup_s = time.perf_counter() - t0
     try:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+        before = llm.stats()
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -249,7 +252,17 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
             "output_tok_per_s": round(output_tokens / elapsed, 1),
             "total_tok_per_s": round((output_tokens + sum(len(p) for p in prompts)) / elapsed, 1),
             "num_kvcache_blocks": stats.get("num_kvcache_blocks"),
-            "num_preemptions": stats.get("num_preemptions")}
+            "num_preemptions": stats.get("num_preemptions"),
+            **_steps_by_kind(before, stats)}
+
+
+def _steps_by_kind(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The run's steps and their wall time by kind (prefill, decode), from the engine's stats."""
+    figures: dict[str, Any] = {}
+    for kind in ("prefill", "decode"):
+        figures[f"{kind}_steps"] = after["steps"][kind] - before["steps"][kind]
+        figures[f"{kind}_steps_s"] = round(after["step_seconds"][kind] - before["step_seconds"][kind], 3)
+    return figures
 
 
 def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inprocess", "ray"),

@@ -22,6 +22,10 @@ KV blocks (``Scheduler``: forks); a beam search (``BeamSearchParams``) is run by
 ``BeamSearcher``, which gets each beam's reported log-probabilities instead of a token. Outputs
 carry the log-probabilities a request asked for (``TokenLogprobs``), from the ranks'
 ``StepOutput``.
+
+``stats()`` counts the steps and their wall time by kind: ``prefill`` when a step launches
+prompt tokens (with decodes or not), else ``decode``; with overlapped steps, the call that only
+collects the last step in flight counts as that step's kind.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class LaunchedStep(NamedTuple):
     #  its prompt scores' first row among the score rows, their number)
     records: list[tuple[Sequence, int, int, int, int, int, int]]
     num_sample_logprobs: int = 0  # logprob rows of sampled tokens (score rows come after)
+    computes_prompt: bool = False  # some of its tokens are prompt tokens (a prefill step)
 
 
 class LLMEngine:
@@ -122,6 +127,10 @@ class LLMEngine:
         self.metrics = RequestMetrics()
         self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.num_accepted = 0  # requests add_request took; each finishes exactly once
+        # wall time of step() calls and their number, by the kind of step each launched
+        # (or, draining, finished): "prefill" computes prompt tokens, "decode" only decodes
+        self.step_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.num_steps = {"prefill": 0, "decode": 0}
 
     # --------------------------------------------------------------- requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -284,16 +293,26 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         launched = self._launch()
         if not self.overlap:
             if launched is None:
                 return []
-            return self._postprocess(launched, self.executor.execute(launched.step_input))
+            outputs = self._postprocess(launched, self.executor.execute(launched.step_input))
+            self._account_step(launched, start)
+            return outputs
         if launched is None and self.in_flight is None:
             return []
         sampled = self.executor.execute_overlapped(launched.step_input if launched else None)
         previous, self.in_flight = self.in_flight, launched
-        return [] if previous is None else self._postprocess(previous, sampled or [])
+        outputs = [] if previous is None else self._postprocess(previous, sampled or [])
+        self._account_step(launched or previous, start)  # type: ignore[arg-type]
+        return outputs
+
+    def _account_step(self, step: LaunchedStep, start: float) -> None:
+        kind = "prefill" if step.computes_prompt else "decode"
+        self.step_seconds[kind] += time.perf_counter() - start
+        self.num_steps[kind] += 1
 
     def _launch(self) -> LaunchedStep | None:
         """Schedule the next step and account for it as launched (KV and sampled tokens)."""
@@ -324,7 +343,8 @@ class LLMEngine:
                                 num_scores))
                 row += 1
             score_row += num_scores
-        return LaunchedStep(step_input, records, logprob_row)
+        computes_prompt = num_decode < out.num_batched_tokens
+        return LaunchedStep(step_input, records, logprob_row, computes_prompt)
 
     def _postprocess(self, launched: LaunchedStep, result: StepOutput) -> list[RequestOutput]:
         sampled = result.ids
@@ -482,4 +502,6 @@ class LLMEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_accepted": self.num_accepted,
                 "num_finished": dict(self.num_finished),
+                "step_seconds": dict(self.step_seconds),
+                "steps": dict(self.num_steps),
                 **self.metrics.snapshot()}

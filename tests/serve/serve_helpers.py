@@ -15,11 +15,13 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def metric(base_url: str, name: str) -> float:
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """The first sample of /metrics' family ``name`` whose labels include ``labels``."""
     text = requests.get(f"{base_url}/metrics", timeout=30).text
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
+    for label_text, value in re.findall(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            return float(value)
+    raise AssertionError(f"{name} {labels or ''} not in /metrics")
 
 
 def assert_counters_balance(base_url: str) -> None:

@@ -82,8 +82,19 @@ def test_models_health_and_metrics(base_url, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert requests.get(f"{base_url}/health", timeout=30).status_code == 200
     before = metric(base_url, "nvray_generation_tokens_total")
+    kinds = ("prefill", "decode")
+    steps = {kind: metric(base_url, "nvray_steps_total", kind=kind) for kind in kinds}
+    seconds = {kind: metric(base_url, "nvray_step_seconds_total", kind=kind) for kind in kinds}
+    start = time.perf_counter()
     client.completions.create(model="tiny", prompt="count me", max_tokens=4, extra_body={"ignore_eos": True})
+    wall = time.perf_counter() - start
     assert metric(base_url, "nvray_generation_tokens_total") == before + 4
+    # the short prompt is one prefill step; tokens 2-4 each take a decode step
+    assert metric(base_url, "nvray_steps_total", kind="prefill") == steps["prefill"] + 1
+    assert metric(base_url, "nvray_steps_total", kind="decode") >= steps["decode"] + 3
+    spent = {kind: metric(base_url, "nvray_step_seconds_total", kind=kind) - seconds[kind]
+             for kind in kinds}
+    assert 0 < spent["prefill"] and 0 < spent["decode"] and sum(spent.values()) < wall
     text = requests.get(f"{base_url}/metrics", timeout=30).text
     for name in ("nvray_num_requests_running", "nvray_num_requests_waiting", "nvray_kv_cache_usage_ratio",
                  "nvray_prefix_cache_hit_rate", "nvray_prompt_tokens_total", "nvray_num_preemptions_total",
