@@ -261,7 +261,8 @@ def _steps_by_kind(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     figures: dict[str, Any] = {}
     for kind in ("prefill", "decode"):
         figures[f"{kind}_steps"] = after["steps"][kind] - before["steps"][kind]
-        figures[f"{kind}_steps_s"] = round(after["step_seconds"][kind] - before["step_seconds"][kind], 3)
+        seconds = after["step_seconds"][kind] - before["step_seconds"][kind]
+        figures[f"{kind}_steps_s"] = round(seconds, 3)
     return figures
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from nvray.engine.step_input import SampleSpec
+from nvray.worker.device_lists import to_device
 
 _MASK64 = (1 << 63) - 1
 
@@ -69,8 +70,7 @@ def _temperatures(specs: list[SampleSpec], device: torch.device) -> float | torc
     first = specs[0].temperature
     if all(s.temperature == first for s in specs):
         return first
-    temps = torch.tensor([s.temperature for s in specs], dtype=torch.float32, pin_memory=True)
-    return temps.to(device, non_blocking=True)
+    return to_device([s.temperature for s in specs], device, torch.float32)
 
 
 def _fused_sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
