@@ -22,8 +22,11 @@ PROMPTS = ["Hello, nvray", "The quick brown fox jumps over the lazy dog.",
            "Ray is a unified framework for scaling AI", "def main(): print('hello, world')"]
 MAX_TOKENS, MAX_MODEL_LEN = 12, 128
 APP = "two-nodes"
-BURST_CLIENTS, BURST_MAX_REQUESTS_EACH, BURST_S = 6, 60, 150
-SCALE_DEADLINE_S = 240
+SCALE_DEADLINE_S, SERVE_DEADLINE_S = 240, 120
+# the burst lasts until the test stops it, at most through both waits: clients that ran out
+# of requests while the second replica was still starting would leave it nothing to serve
+BURST_CLIENTS, BURST_MAX_REQUESTS_EACH = 6, 600
+BURST_S = SCALE_DEADLINE_S + SERVE_DEADLINE_S + 30
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +103,12 @@ def wait_for(condition, deadline_s: float, what: str, *, poll_s: float = 1.0) ->
 
 
 class Burst:
-    """Clients sending bounded completions until stopped (each at most ``max_each``)."""
+    """Clients sending completions until stopped (each at most ``max_each``, for at most
+    ``duration_s``)."""
 
-    def __init__(self, url: str, clients: int, max_each: int) -> None:
+    def __init__(self, url: str, clients: int, max_each: int, duration_s: float) -> None:
         self.url, self.stop = url, threading.Event()
+        self.until = time.monotonic() + duration_s
         self.statuses: list[int] = []
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._client, args=(i, max_each), daemon=True)
@@ -111,7 +116,7 @@ class Burst:
 
     def _client(self, i: int, max_each: int) -> None:
         for j in range(max_each):
-            if self.stop.is_set():
+            if self.stop.is_set() or time.monotonic() > self.until:
                 return
             body = {"model": "tiny", "prompt": f"client {i} request {j}: {PROMPTS[j % 4]}",
                     "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -142,14 +147,14 @@ def test_the_app_scales_to_the_second_node_and_back(two_nodes: Cluster):
     try:
         wait_for(lambda: _healthy(url), 180, "the app never became healthy")
         assert len(engine_replica_nodes(two_nodes)) == 1
-        with Burst(url, BURST_CLIENTS, BURST_MAX_REQUESTS_EACH) as burst:
+        with Burst(url, BURST_CLIENTS, BURST_MAX_REQUESTS_EACH, BURST_S) as burst:
             wait_for(lambda: len(set(engine_replica_nodes(two_nodes))) == 2 or burst.stop.is_set(),
                      SCALE_DEADLINE_S, "the app did not scale to a second replica", poll_s=2)
             nodes = engine_replica_nodes(two_nodes)
             served_before = len(burst.statuses)
             # the second engine takes requests too before the burst ends
-            wait_for(lambda: len(burst.statuses) >= served_before + 2 * BURST_CLIENTS, 120,
-                     "no requests completed after the second replica started")
+            wait_for(lambda: len(burst.statuses) >= served_before + 2 * BURST_CLIENTS,
+                     SERVE_DEADLINE_S, "no requests completed after the second replica started")
         assert nodes == ["127.0.0.1", SECOND_NODE_IP]  # one engine per node
         assert burst.errors == [] and set(burst.statuses) == {200}, burst.errors[:3]
         wait_for(lambda: len(engine_replica_nodes(two_nodes)) == 1, SCALE_DEADLINE_S,
