@@ -35,6 +35,7 @@ from nvray.loader import load_model
 from nvray.models import model_class_for
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
 from nvray.worker.device_lists import to_device
+from nvray.worker.gemm_warmup import warm_gemms
 from nvray.worker.inputs import InputBuilder
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
@@ -270,7 +271,11 @@ class ModelRunner:
         block-table width class (Triton specializes ints equal to 1 or divisible by 16); the
         sampler's kernel one for rows sharing a temperature, one for greedy rows only (the
         steps of query 9) and one for rows of both (the step of 2 rows). Each warm-up step is
-        one query chunk at the end of a context that lives in block 0 of the unused cache."""
+        one query chunk at the end of a context that lives in block 0 of the unused cache.
+        First the GEMMs at the row counts steps will use (``gemm_warmup.py``: a cuBLAS kernel's
+        first launch waits for the device to drain)."""
+        warm_gemms(self.model, self.hf_config.hidden_size, self.config.max_num_batched_tokens,
+                   self.config.max_num_seqs)
         wide = 16 * self.block_size  # a block table 16 entries wide
         for query_len in (2, 9, 17, 33):
             spec = _WARMUP_SAMPLE._replace(top_p=1.0, top_k=-1, min_p=0.0,  # the fused sampler
