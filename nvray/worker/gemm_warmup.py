@@ -7,7 +7,7 @@ the same matmul again after 0.2 ms; ``CUDA_MODULE_LOADING=EAGER`` did not change
 overlapped step that wait is the whole point lost: the host cannot prepare the next step while
 the device works. Eager steps vary in row count — the LM head runs on the rows to sample (one
 per sequence finishing its prompt or decoding), the layers on the step's tokens — so a run
-meets new kernels until it has seen most sizes: the throughput bench's LM head waited 20-50 ms
+meets new kernels until it has seen most sizes: the throughput bench's LM head waited 20-52 ms
 on 7 of its 9 prefill steps.
 
 ``warm_gemms`` runs each distinct linear layer of the model (one per class and weight shape:
