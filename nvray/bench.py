@@ -12,7 +12,8 @@ Subcommands:
   tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
   checkpoint with random bf16 weights (throughput does not depend on weight values here).
   ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
-  plain,logprobs,penalties`` adds top-5 log-probabilities or penalties to every request;
+  plain,logprobs,penalties,filters`` adds top-5 log-probabilities, penalties or top-p 0.95 with
+  top-k 20 (Qwen3's recommended sampling) to every request;
   ``--max-num-batched-tokens 8192,16384`` compares token budgets per step. Each run also gives
   its steps and their wall time by kind (``prefill_steps_s``: steps that launch prompt tokens;
   ``decode_steps_s``: the others), from the engine's stats.
@@ -198,6 +199,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "plain": {},
     "logprobs": {"logprobs": 5},
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+    "filters": {"top_p": 0.95, "top_k": 20},  # Qwen3's recommended sampling
 }
 
 

@@ -33,9 +33,9 @@ def _filter_sorted(sorted_logits: torch.Tensor, specs: list[SampleSpec]) -> torc
     """Mask (to -inf) what top-k/top-p/min-p remove; input sorted descending per row."""
     rows, vocab = sorted_logits.shape
     device = sorted_logits.device
-    top_k = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=device)
-    top_p = torch.tensor([s.top_p for s in specs], device=device, dtype=torch.float32)
-    min_p = torch.tensor([s.min_p for s in specs], device=device, dtype=torch.float32)
+    top_k = to_device([s.top_k if s.top_k > 0 else vocab for s in specs], device)
+    top_p = to_device([s.top_p for s in specs], device, torch.float32)
+    min_p = to_device([s.min_p for s in specs], device, torch.float32)
     rank = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
     masked = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = masked.softmax(dim=-1)
@@ -73,6 +73,14 @@ def _temperatures(specs: list[SampleSpec], device: torch.device) -> float | torc
     return to_device([s.temperature for s in specs], device, torch.float32)
 
 
+def _ban(logits: torch.Tensor, specs: list[SampleSpec]) -> None:
+    """-inf for each row's banned ids (one scatter for the whole batch)."""
+    where = [(i, token) for i, spec in enumerate(specs) for token in spec.banned_token_ids]
+    if where:
+        index = to_device(where, logits.device)
+        logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
 def _fused_sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     from kernels import race_sample  # noqa: PLC0415 - GPU-only import
 
@@ -88,18 +96,16 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], fused: bool = False) -
     elif fused and _is_plain(specs):
         return _fused_sample(logits, specs)
     logits = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
-    for i, spec in enumerate(specs):
-        if spec.banned_token_ids:
-            logits[i, list(spec.banned_token_ids)] = float("-inf")
+    _ban(logits, specs)
     greedy = logits.argmax(dim=-1)
     if all(s.temperature == 0.0 for s in specs):
         return greedy
-    temps = torch.tensor([s.temperature or 1.0 for s in specs], device=logits.device)
+    temps = to_device([s.temperature or 1.0 for s in specs], logits.device, torch.float32)
     scaled = logits / temps.unsqueeze(1)
     if _needs_filtering(specs):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, _filter_sorted(sorted_logits, specs))
     probs = scaled.softmax(dim=-1)
     sampled = (probs / _exponential_noise(tuple(probs.shape), specs, logits.device)).argmax(dim=-1)
-    is_greedy = torch.tensor([s.temperature == 0.0 for s in specs], device=logits.device)
+    is_greedy = to_device([s.temperature == 0.0 for s in specs], logits.device, torch.bool)
     return torch.where(is_greedy, greedy, sampled)
