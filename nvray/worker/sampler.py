@@ -5,7 +5,10 @@ argmax; otherwise logits / temperature, then top-k, top-p and min-p filtering (a
 gets probability exactly 0, so it can never be drawn), then an exponential-race draw
 (argmax of p / E with E ~ Exp(1), equivalent to sampling from p). A row with a seed draws its
 noise from a generator seeded by (seed, index of the token in the output), so its tokens do not
-depend on which other requests share the batch, nor on preemption.
+depend on which other requests share the batch, nor on preemption. When every sampled row has
+a top-k of at most ``_MAX_CANDIDATES``, the filters and the race run over each row's top K
+tokens (``topk``, K the largest top-k) instead of the sorted vocabulary: the same tokens survive,
+and a seeded row meets the same noise at each of them, so it draws the same token either way.
 
 ``fused=True`` (the model runner's choice on the GPU): a batch without filters, bans or seeds —
 the common case — and a greedy batch without bans run as one Triton kernel
@@ -23,6 +26,9 @@ from nvray.engine.step_input import SampleSpec
 from nvray.worker.device_lists import to_device
 
 _MASK64 = (1 << 63) - 1
+# top-k up to this many tokens filters and races over each row's top K instead of sorting the
+# whole vocabulary (H100, 256 rows of 151,936: the sort path took 6.4 ms of GPU time a step)
+_MAX_CANDIDATES = 1024
 
 
 def _row_seed(seed: int, step_index: int) -> int:
@@ -50,13 +56,45 @@ def _needs_filtering(specs: list[SampleSpec]) -> bool:
     return any(s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0 for s in specs)
 
 
-def _exponential_noise(shape: tuple[int, int], specs: list[SampleSpec], device: torch.device) -> torch.Tensor:
-    noise = torch.empty(shape, device=device).exponential_()
+def _exponential_noise(specs: list[SampleSpec], vocab: int, device: torch.device,
+                       columns: torch.Tensor | None = None) -> torch.Tensor:
+    """E ~ Exp(1) for every row and token [S, V], or for the tokens in ``columns`` only
+    [S, K]. A seeded row draws its whole vocabulary from its own generator and keeps the
+    columns asked for, so its noise at a token never depends on which columns those are."""
+    noise = torch.empty(len(specs), vocab if columns is None else columns.shape[1],
+                        device=device).exponential_()
     for i, spec in enumerate(specs):
         if spec.seed is not None:
             gen = torch.Generator(device=device).manual_seed(_row_seed(spec.seed, spec.step_index))
-            noise[i].exponential_(generator=gen)
+            row = torch.empty(vocab, device=device).exponential_(generator=gen)
+            noise[i] = row if columns is None else row[columns[i]]
     return noise
+
+
+def _candidate_count(specs: list[SampleSpec], vocab: int) -> int:
+    """K when every sampled (non-greedy) row keeps at most its ``top_k <= K`` best tokens:
+    then the top K of each row hold every token it can draw; 0 otherwise."""
+    ks = [s.top_k for s in specs if s.temperature != 0.0]
+    if not ks or min(ks) <= 0 or max(ks) > _MAX_CANDIDATES:
+        return 0
+    return min(max(ks), vocab)
+
+
+def _race(scaled: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """Filter ``scaled`` (logits / temperature) and draw one token per row."""
+    rows, vocab = scaled.shape
+    if not _needs_filtering(specs):
+        noise = _exponential_noise(specs, vocab, scaled.device)
+        return (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+    k = _candidate_count(specs, vocab)
+    if k:  # the rows' top K, sorted: the filters and the race over K columns, not V
+        top, columns = scaled.topk(k, dim=-1)
+        probs = _filter_sorted(top, specs).softmax(dim=-1)
+        noise = _exponential_noise(specs, vocab, scaled.device, columns)
+        return columns.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, _filter_sorted(sorted_logits, specs))
+    return (scaled.softmax(dim=-1) / _exponential_noise(specs, vocab, scaled.device)).argmax(dim=-1)
 
 
 def _is_plain(specs: list[SampleSpec]) -> bool:
@@ -101,11 +139,6 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], fused: bool = False) -
     if all(s.temperature == 0.0 for s in specs):
         return greedy
     temps = to_device([s.temperature or 1.0 for s in specs], logits.device, torch.float32)
-    scaled = logits / temps.unsqueeze(1)
-    if _needs_filtering(specs):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, _filter_sorted(sorted_logits, specs))
-    probs = scaled.softmax(dim=-1)
-    sampled = (probs / _exponential_noise(tuple(probs.shape), specs, logits.device)).argmax(dim=-1)
+    sampled = _race(logits / temps.unsqueeze(1), specs)
     is_greedy = to_device([s.temperature == 0.0 for s in specs], logits.device, torch.bool)
     return torch.where(is_greedy, greedy, sampled)

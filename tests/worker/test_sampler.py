@@ -59,6 +59,29 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
     assert len(set(other_step)) > 1  # the step index changes the noise
 
 
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_k=7, top_p=0.8),
+                                     dict(top_k=50, min_p=0.05), dict(top_k=200, top_p=0.5),
+                                     dict(top_k=3, banned_token_ids=(0, 1, 2))])
+def test_top_k_candidates_draw_what_the_sorted_vocabulary_draws(monkeypatch, filters):
+    """Seeded rows, one token at a time: the top-K path against the whole sorted vocabulary."""
+    from nvray.worker import sampler
+
+    torch.manual_seed(1)
+    logits = torch.randn(12, 300) * 3
+    specs = [spec(seed=100 + i, step_index=i, temperature=0.5 + 0.2 * i, **filters)
+             for i in range(12)]
+    specs[4] = specs[4]._replace(temperature=0.0)  # a greedy row among them
+    candidates = sample(logits, specs)
+    monkeypatch.setattr(sampler, "_MAX_CANDIDATES", 0)  # the sorted-vocabulary path
+    assert sample(logits, specs).tolist() == candidates.tolist()
+
+
+def test_top_k_above_the_candidate_bound_still_filters():
+    logits = torch.arange(2000, dtype=torch.float32).repeat(64, 1) / 400
+    ids = sample(logits, [spec(top_k=1500, temperature=0.3)] * 64)
+    assert ids.min().item() >= 2000 - 1500
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_k=-5),
                                  dict(min_p=1.5), dict(max_tokens=-1), dict(seed=-1),
                                  dict(min_tokens=20, max_tokens=10), dict(stop=[""]),
