@@ -8,7 +8,9 @@ noise from a generator seeded by (seed, index of the token in the output), so it
 depend on which other requests share the batch, nor on preemption. When every sampled row has
 a top-k of at most ``_MAX_CANDIDATES``, the filters and the race run over each row's top K
 tokens (``topk``, K the largest top-k) instead of the sorted vocabulary: the same tokens survive,
-and a seeded row meets the same noise at each of them, so it draws the same token either way.
+and a seeded row meets the same noise at each of them, so it draws the same token either way —
+except where tokens of equal logits straddle a filter's cut, which keeps one of them on each path
+(on an H100, bf16 logits: 2 rows of 64 differed with top-k 20 and top-p 0.95).
 
 ``fused=True`` (the model runner's choice on the GPU): a batch without filters, bans or seeds —
 the common case — and a greedy batch without bans run as one Triton kernel

@@ -63,7 +63,8 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
                                      dict(top_k=50, min_p=0.05), dict(top_k=200, top_p=0.5),
                                      dict(top_k=3, banned_token_ids=(0, 1, 2))])
 def test_top_k_candidates_draw_what_the_sorted_vocabulary_draws(monkeypatch, filters):
-    """Seeded rows, one token at a time: the top-K path against the whole sorted vocabulary."""
+    """Seeded rows: the top-K path against the whole sorted vocabulary (float logits without
+    ties: equal logits at a filter's cut may keep a different one of them on each path)."""
     from nvray.worker import sampler
 
     torch.manual_seed(1)
