@@ -84,7 +84,7 @@ def _candidate_count(specs: list[SampleSpec], vocab: int) -> int:
 
 def _race(scaled: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """Filter ``scaled`` (logits / temperature) and draw one token per row."""
-    rows, vocab = scaled.shape
+    vocab = scaled.shape[1]
     if not _needs_filtering(specs):
         noise = _exponential_noise(specs, vocab, scaled.device)
         return (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
