@@ -59,15 +59,16 @@ def warm_gemms(model: nn.Module, hidden_size: int, max_tokens: int, max_rows: in
     """Run the model's GEMMs (its linear layers, then ``compute_logits`` on ``hidden_size``-wide
     rows) at the row counts steps will use; returns how many ran."""
     weight = next(model.parameters())
-    buffer = torch.zeros(max(max_tokens, max_rows) * max(
-        [layer.weight.shape[1] for layer in distinct_linears(model)] + [hidden_size]),
-        dtype=weight.dtype, device=weight.device)
+    linears = distinct_linears(model)
+    widest = max([layer.weight.shape[1] for layer in linears] + [hidden_size])
+    buffer = torch.zeros(max(max_tokens, max_rows) * widest, dtype=weight.dtype,
+                         device=weight.device)
 
     def rows(m: int, width: int) -> torch.Tensor:  # contiguous, as the model's activations are
         return buffer[:m * width].view(m, width)
 
     runs = 0
-    for layer in distinct_linears(model):
+    for layer in linears:
         for m in token_counts(max_tokens):
             layer(rows(m, layer.weight.shape[1]))
             runs += 1

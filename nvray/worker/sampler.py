@@ -85,18 +85,19 @@ def _candidate_count(specs: list[SampleSpec], vocab: int) -> int:
 def _race(scaled: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     """Filter ``scaled`` (logits / temperature) and draw one token per row."""
     vocab = scaled.shape[1]
-    if not _needs_filtering(specs):
-        noise = _exponential_noise(specs, vocab, scaled.device)
-        return (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
-    k = _candidate_count(specs, vocab)
+    filtered = _needs_filtering(specs)
+    k = _candidate_count(specs, vocab) if filtered else 0
     if k:  # the rows' top K, sorted: the filters and the race over K columns, not V
         top, columns = scaled.topk(k, dim=-1)
         probs = _filter_sorted(top, specs).softmax(dim=-1)
         noise = _exponential_noise(specs, vocab, scaled.device, columns)
         return columns.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    scaled = torch.full_like(scaled, float("-inf")).scatter_(1, order, _filter_sorted(sorted_logits, specs))
-    return (scaled.softmax(dim=-1) / _exponential_noise(specs, vocab, scaled.device)).argmax(dim=-1)
+    if filtered:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        scaled = torch.full_like(scaled, float("-inf")).scatter_(
+            1, order, _filter_sorted(sorted_logits, specs))
+    noise = _exponential_noise(specs, vocab, scaled.device)
+    return (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
 
 
 def _is_plain(specs: list[SampleSpec]) -> bool:
