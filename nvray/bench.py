@@ -8,9 +8,11 @@ Subcommands:
   actors (compiled graph, plain actor calls) at TP=1, interleaved in one run; per decode step.
 - ``throughput``: nano-vllm's "bench" workload (256 sequences, seed 0, prompt ids uniform in
   [0, 10000), prompt length and max_tokens uniform in [100, 1024], ignore_eos, temperature 0.6)
-  through ``LLM``, in-process and on Ray (TP=1), CUDA graphs on and (``--eager``) off; output
+  through ``LLM``, in-process and on Ray, CUDA graphs on and (``--eager``) off; output
   tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
-  checkpoint with random bf16 weights (throughput does not depend on weight values here).
+  (``--shape 8b``: Qwen3-8B-shaped) checkpoint with random bf16 weights (throughput does not
+  depend on weight values here). ``--tensor-parallel-size 1,2`` runs Ray at each TP size
+  (in-process at TP=1 only) and gives each TP>1 run its ``speedup_vs_tp1``.
   ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
   plain,logprobs,penalties,filters`` adds top-5 log-probabilities, penalties or top-p 0.95 with
   top-k 20 (Qwen3's recommended sampling) to every request;
@@ -162,36 +164,47 @@ def bench_ray_overhead(model: str = "tiny", num_seqs: int = 32, prompt_len: int 
             "ratio_vs_inprocess": {k: v / base for k, v in medians.items() if k != "inprocess"}}
 
 
-# Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B). As in the real checkpoint, the model's
-# 151936 vocabulary rows are a little more than the tokenizer's 151669 tokens, so the LM head,
-# the sampler and the detokenizer cost what they cost with the real model.
+# Qwen3-0.6B's and Qwen3-8B's shapes (config.json of Qwen/Qwen3-0.6B and Qwen/Qwen3-8B). As in the
+# real checkpoints, the model's 151936 vocabulary rows are a little more than the tokenizer's
+# 151669 tokens, so the LM head, the sampler and the detokenizer cost what they cost with the
+# real model.
 QWEN3_0_6B_SHAPE: dict[str, Any] = {
     "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
     "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True}
-QWEN3_0_6B_VOCAB, QWEN3_0_6B_TOKENIZER_VOCAB = 151936, 151669
+QWEN3_8B_SHAPE: dict[str, Any] = {
+    **QWEN3_0_6B_SHAPE, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "tie_word_embeddings": False}
+QWEN3_SHAPES: dict[str, dict[str, Any]] = {"0.6b": QWEN3_0_6B_SHAPE, "8b": QWEN3_8B_SHAPE}
+QWEN3_VOCAB, QWEN3_TOKENIZER_VOCAB = 151936, 151669
+# the physical floor of the throughput workload (design.md), where it was measured
+DEFAULT_FLOORS = {"0.6b": 26600.0}  # H100 80GB HBM3
 
 
-def qwen3_0_6b_checkpoint(path: str, std: float = 0.2) -> str:
-    """A Qwen3-0.6B-shaped checkpoint with random bf16 weights at ``path`` (built once)."""
+def random_qwen3_checkpoint(path: str, shape: str = "0.6b", std: float = 0.2) -> str:
+    """A Qwen3 checkpoint of the named shape (``QWEN3_SHAPES``) with random bf16 weights at
+    ``path`` (built once)."""
     import os  # noqa: PLC0415
 
     from nvray.models.tiny import build_checkpoint  # noqa: PLC0415
 
+    if shape not in QWEN3_SHAPES:
+        raise ValueError(f"unknown Qwen3 shape {shape!r}; choose from {sorted(QWEN3_SHAPES)}")
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
-    return build_checkpoint(path, QWEN3_0_6B_SHAPE, seed=0, vocab_size=QWEN3_0_6B_VOCAB,
-                            tokenizer_vocab_size=QWEN3_0_6B_TOKENIZER_VOCAB, dtype="bfloat16",
+    return build_checkpoint(path, QWEN3_SHAPES[shape], seed=0, vocab_size=QWEN3_VOCAB,
+                            tokenizer_vocab_size=QWEN3_TOKENIZER_VOCAB, dtype="bfloat16",
                             std=std)
 
 
-def default_checkpoint() -> str:
-    """The benchmarks' default model: a Qwen3-0.6B-shaped random checkpoint in the temp dir."""
+def default_checkpoint(shape: str = "0.6b") -> str:
+    """The benchmarks' default model: a Qwen3-shaped random checkpoint in the temp dir."""
     import os  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
-    return qwen3_0_6b_checkpoint(os.path.join(tempfile.gettempdir(), "nvray-qwen3-0.6b-random"))
+    path = os.path.join(tempfile.gettempdir(), f"nvray-qwen3-{shape}-random")
+    return random_qwen3_checkpoint(path, shape)
 
 
 # what ``--features`` adds to every request of the throughput workload
@@ -216,14 +229,19 @@ def bench_workload(num_seqs: int = 256, seed: int = 0, **extra: Any
     return prompts, params
 
 
-def _wait_gpu_memory_released(baseline_used: int, timeout_s: float = 60.0) -> None:
-    """A Ray rank's memory goes back when its process exits, a moment after shutdown."""
+def _gpu_memory_used() -> list[int]:
+    """Bytes in use on each visible GPU (TP ranks hold the others)."""
     import torch  # noqa: PLC0415
 
+    return [total - free for free, total in
+            (torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))]
+
+
+def _wait_gpu_memory_released(baseline_used: list[int], timeout_s: float = 60.0) -> None:
+    """A Ray rank's memory goes back when its process exits, a moment after shutdown."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        free, total = torch.cuda.mem_get_info()
-        if total - free <= baseline_used + (512 << 20):
+        if all(used <= base + (512 << 20) for used, base in zip(_gpu_memory_used(), baseline_used)):
             return
         time.sleep(0.5)
 
@@ -273,26 +291,31 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      floor_tok_per_s: float | None = None,
                      overlaps: tuple[bool, ...] = (True,),
                      features: tuple[str, ...] = ("plain",),
-                     token_budgets: tuple[int | None, ...] = (None,)) -> dict[str, Any]:
+                     token_budgets: tuple[int | None, ...] = (None,),
+                     tensor_parallel_sizes: tuple[int, ...] = (1,),
+                     shape: str = "0.6b") -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
-    model = model or default_checkpoint()
+    placements = _placements(runtimes, tensor_parallel_sizes)
+    model = model or default_checkpoint(shape)
     if "ray" in runtimes:
         from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
 
         ensure_ray()
     cuda = torch.cuda.is_available()
-    baseline = (lambda f, t: t - f)(*torch.cuda.mem_get_info()) if cuda else 0
+    baseline = _gpu_memory_used() if cuda else []
     runs = []
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
         prompts, params = bench_workload(num_seqs, **FEATURES[feature])
-        for runtime, overlap, budget in ((r, o, b) for b in token_budgets for o in overlaps
-                                         for r in runtimes):
-            options = {"max_model_len": max_model_len, "overlap_scheduling": overlap}
+        for (runtime, tp), overlap, budget in ((p, o, b) for b in token_budgets for o in overlaps
+                                               for p in placements):
+            options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
+                       "tensor_parallel_size": tp}
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
             runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
+                         "tensor_parallel_size": tp,
                          **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
@@ -301,10 +324,36 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     for run in runs:
         if floor_tok_per_s:
             run["pct_of_floor"] = round(100 * run["output_tok_per_s"] / floor_tok_per_s, 1)
+        _add_speedup_vs_tp1(run, runs)
     return {"benchmark": "throughput", "workload": "nano-vllm bench: 256 seqs, seed 0",
             "model": model, "device": device, "num_seqs": num_seqs,
             "max_model_len": max_model_len, "floor_output_tok_per_s": floor_tok_per_s,
             "runs": runs}
+
+
+def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """A TP>1 run's throughput over the Ray TP=1 run of the same settings, when there is one."""
+    if run["tensor_parallel_size"] == 1:
+        return
+    same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling")
+    for other in runs:
+        if (other["runtime"] == "ray" and other["tensor_parallel_size"] == 1
+                and all(other[k] == run[k] for k in same)):
+            run["speedup_vs_tp1"] = round(run["output_tok_per_s"] / other["output_tok_per_s"], 3)
+
+
+def _placements(runtimes: tuple[str, ...], tensor_parallel_sizes: tuple[int, ...]
+                ) -> list[tuple[str, int]]:
+    """(runtime, TP size) pairs to run: every runtime at TP=1, only Ray beyond (in-process
+    holds one rank); a TP size no runtime can run is an error."""
+    unknown = [r for r in runtimes if r not in ("inprocess", "ray")]
+    if unknown:
+        raise ValueError(f"runtimes {unknown}: choose from inprocess, ray")
+    if any(tp < 1 for tp in tensor_parallel_sizes):
+        raise ValueError(f"tensor-parallel sizes {list(tensor_parallel_sizes)}: each must be >= 1")
+    if any(tp > 1 for tp in tensor_parallel_sizes) and "ray" not in runtimes:
+        raise ValueError("a tensor-parallel size above 1 needs the ray runtime (--runtimes ray)")
+    return [(r, tp) for tp in tensor_parallel_sizes for r in runtimes if r == "ray" or tp == 1]
 
 
 def _on_off(text: str) -> tuple[bool, ...]:
@@ -322,6 +371,13 @@ def _budgets(text: str | None) -> tuple[int | None, ...]:
         return tuple(int(b) for b in text.split(","))
     except ValueError:
         raise SystemExit(f"--max-num-batched-tokens {text!r}: give token counts, e.g. 8192,16384") from None
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--tensor-parallel-size {text!r}: give sizes, e.g. 1,2") from None
 
 
 def _features(text: str) -> tuple[str, ...]:
@@ -355,8 +411,13 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--eager", action="store_true", help="also run with enforce_eager=True")
     tp.add_argument("--num-seqs", type=int, default=256)
     tp.add_argument("--max-model-len", type=int, default=4096)
-    tp.add_argument("--floor", type=float, default=26600.0,
-                    help="physical floor in output tok/s for the %% column (design.md: H100)")
+    tp.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES),
+                    help="Qwen3 shape of the random checkpoint built without --model")
+    tp.add_argument("--tensor-parallel-size", default="1",
+                    help="TP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only)")
+    tp.add_argument("--floor", type=float, default=None,
+                    help="physical floor in output tok/s for the %% column (default without "
+                         "--model: design.md's H100 figure for the 0.6b shape, none for 8b)")
     tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
     tp.add_argument("--max-num-batched-tokens", default=None,
                     help="token budgets per step to compare, comma-separated (default: the engine's)")
@@ -387,10 +448,18 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "control-plane":
         result = bench_control_plane(args.num_seqs, args.steps, args.block_size)
     elif args.cmd == "throughput":
+        try:
+            _placements(tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size))
+        except ValueError as e:
+            raise SystemExit(f"throughput: {e}") from None
+        floor = args.floor
+        if floor is None and not args.model:
+            floor = DEFAULT_FLOORS.get(args.shape)
         result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,
-                                  args.num_seqs, args.max_model_len, args.floor,
+                                  args.num_seqs, args.max_model_len, floor,
                                   _on_off(args.overlap), _features(args.features),
-                                  _budgets(args.max_num_batched_tokens))
+                                  _budgets(args.max_num_batched_tokens),
+                                  _sizes(args.tensor_parallel_size), args.shape)
     elif args.cmd == "gpu-busy":
         from nvray.bench_gpu_busy import bench_gpu_busy  # noqa: PLC0415
 
