@@ -12,7 +12,9 @@ Subcommands:
   tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
   (``--shape 8b``: Qwen3-8B-shaped) checkpoint with random bf16 weights (throughput does not
   depend on weight values here). ``--tensor-parallel-size 1,2`` runs Ray at each TP size
-  (in-process at TP=1 only) and gives each TP>1 run its ``speedup_vs_tp1``.
+  (in-process at TP=1 only) and gives each TP>1 run its ``speedup_vs_tp1``. On a GPU whose
+  bandwidth and matmul peak were measured (H100, H200), each run is also given as a share of
+  the workload's bandwidth floor (design.md) and roofline floor (``nvray/bench_floor.py``).
   ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
   plain,logprobs,penalties,filters`` adds top-5 log-probabilities, penalties or top-p 0.95 with
   top-k 20 (Qwen3's recommended sampling) to every request;
@@ -33,11 +35,15 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
+from nvray.bench_floor import (floor_output_tok_per_s, measured_bandwidth, measured_matmul_peak,
+                               read_config, roofline_output_tok_per_s)
 from nvray.engine.engine import LLMEngine, ModelLimits
 from nvray.engine.step_input import StepInput, StepOutput
+from nvray.models.tiny import resolve_model
 from nvray.sampling_params import SamplingParams
 
 
@@ -178,8 +184,6 @@ QWEN3_8B_SHAPE: dict[str, Any] = {
     "num_attention_heads": 32, "tie_word_embeddings": False}
 QWEN3_SHAPES: dict[str, dict[str, Any]] = {"0.6b": QWEN3_0_6B_SHAPE, "8b": QWEN3_8B_SHAPE}
 QWEN3_VOCAB, QWEN3_TOKENIZER_VOCAB = 151936, 151669
-# the physical floor of the throughput workload (design.md), where it was measured
-DEFAULT_FLOORS = {"0.6b": 26600.0}  # H100 80GB HBM3
 
 
 def random_qwen3_checkpoint(path: str, shape: str = "0.6b", std: float = 0.2) -> str:
@@ -241,9 +245,13 @@ def _wait_gpu_memory_released(baseline_used: list[int], timeout_s: float = 60.0)
     """A Ray rank's memory goes back when its process exits, a moment after shutdown."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if all(used <= base + (512 << 20) for used, base in zip(_gpu_memory_used(), baseline_used)):
+        used = _gpu_memory_used()
+        if all(now <= base + (512 << 20) for now, base in zip(used, baseline_used)):
             return
         time.sleep(0.5)
+    print(f"GPU memory in use after {timeout_s:.0f} s: {[round(u / 2**30, 1) for u in used]} GiB "
+          f"against {[round(b / 2**30, 1) for b in baseline_used]} GiB before the first run",
+          file=sys.stderr, flush=True)
 
 
 def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list[list[int]],
@@ -321,14 +329,34 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
             if cuda:
                 _wait_gpu_memory_released(baseline)
     device = torch.cuda.get_device_name() if cuda else "cpu"
+    floors = _floors(model, device, num_seqs, floor_tok_per_s)
     for run in runs:
-        if floor_tok_per_s:
-            run["pct_of_floor"] = round(100 * run["output_tok_per_s"] / floor_tok_per_s, 1)
+        for name, floor in floors.items():
+            floor *= run["tensor_parallel_size"]
+            run[name] = round(floor)
+            run["pct_of_" + name.removesuffix("_output_tok_per_s")] = round(
+                100 * run["output_tok_per_s"] / floor, 1)
         _add_speedup_vs_tp1(run, runs)
     return {"benchmark": "throughput", "workload": "nano-vllm bench: 256 seqs, seed 0",
             "model": model, "device": device, "num_seqs": num_seqs,
-            "max_model_len": max_model_len, "floor_output_tok_per_s": floor_tok_per_s,
-            "runs": runs}
+            "max_model_len": max_model_len, "bandwidth_tb_per_s": measured_bandwidth(device),
+            "matmul_tflop_per_s": measured_matmul_peak(device),
+            **{name: round(floor) for name, floor in floors.items()}, "runs": runs}
+
+
+def _floors(model: str, device: str, num_seqs: int, floor: float | None) -> dict[str, float]:
+    """The workload's TP=1 floors (nvray/bench_floor.py) on this device: ``floor`` when given
+    (else design.md's bandwidth floor), and the roofline floor, where the device is known."""
+    bandwidth, peak = measured_bandwidth(device), measured_matmul_peak(device)
+    floors = {} if floor is None else {"floor_output_tok_per_s": floor}
+    if bandwidth is None or peak is None:
+        return floors
+    cfg = read_config(resolve_model(model))
+    prompts, params = bench_workload(num_seqs)
+    lens = [len(p) for p in prompts], [p.max_tokens for p in params]
+    floors.setdefault("floor_output_tok_per_s", floor_output_tok_per_s(cfg, *lens, bandwidth))
+    floors["roofline_output_tok_per_s"] = roofline_output_tok_per_s(cfg, *lens, bandwidth, peak)
+    return floors
 
 
 def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None:
@@ -416,8 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--tensor-parallel-size", default="1",
                     help="TP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only)")
     tp.add_argument("--floor", type=float, default=None,
-                    help="physical floor in output tok/s for the %% column (default without "
-                         "--model: design.md's H100 figure for the 0.6b shape, none for 8b)")
+                    help="TP=1 physical floor in output tok/s for the %% column (default: from "
+                         "the model's shape, the workload and the GPU's measured bandwidth, "
+                         "nvray/bench_floor.py; TP=n: n times it)")
     tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
     tp.add_argument("--max-num-batched-tokens", default=None,
                     help="token budgets per step to compare, comma-separated (default: the engine's)")
@@ -452,11 +481,8 @@ def main(argv: list[str] | None = None) -> None:
             _placements(tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size))
         except ValueError as e:
             raise SystemExit(f"throughput: {e}") from None
-        floor = args.floor
-        if floor is None and not args.model:
-            floor = DEFAULT_FLOORS.get(args.shape)
         result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,
-                                  args.num_seqs, args.max_model_len, floor,
+                                  args.num_seqs, args.max_model_len, args.floor,
                                   _on_off(args.overlap), _features(args.features),
                                   _budgets(args.max_num_batched_tokens),
                                   _sizes(args.tensor_parallel_size), args.shape)
