@@ -96,8 +96,8 @@ class RankWorker:
 
     def shutdown(self) -> None:
         if self.runner is not None:
+            release_frozen_objects()  # first: start-up froze the model's reference cycles
             self.runner.close()
             self.runner = None
-            release_frozen_objects()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -33,6 +33,6 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         if self.runner is not None:
-            self.runner.close()  # graphs, KV cache and weights: the GPU memory goes back now
-            release_frozen_objects()
+            release_frozen_objects()  # first: start-up froze the model's reference cycles
+            self.runner.close()  # graphs, KV cache and weights: the memory goes back now
         self.runner = None  # type: ignore[assignment]

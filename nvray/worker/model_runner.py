@@ -20,6 +20,7 @@ and the sampler always run eager on the rows to sample. ``close()`` gives the GP
 from __future__ import annotations
 
 import collections
+import gc
 import importlib.util
 import logging
 from typing import Any
@@ -291,13 +292,17 @@ class ModelRunner:
         self.inputs.tables.reset()
 
     def close(self) -> None:
-        """Drop graphs, cache and weights; give the GPU memory back."""
+        """Drop graphs, cache and weights and give their memory back: the modules hold reference
+        cycles, so this collects them (callers unfreeze start-up's objects first, gc_freeze.py)
+        and, on the GPU, empties the allocator's cache."""
         self._release_graphs()
         self._set_kv_cache(0)
         self.model = None  # type: ignore[assignment]
         self.attention_layers = []
         if self.device.type == "cuda":
             free_cached_memory()
+        else:
+            gc.collect()
 
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
