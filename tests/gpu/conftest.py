@@ -11,9 +11,9 @@ import torch
 
 @pytest.fixture(scope="session")
 def qwen3_06b_path(tmp_path_factory) -> str:
-    from nvray.bench import qwen3_0_6b_checkpoint
+    from nvray.bench import random_qwen3_checkpoint
 
-    return qwen3_0_6b_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")))
+    return random_qwen3_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "0.6b")
 
 
 @pytest.fixture(scope="session")
