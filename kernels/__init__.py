@@ -1,7 +1,7 @@
 """Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention, the
 attention prologue (per-head q/k RMSNorm + rotary, optionally fused with the KV store), the
-hidden-state RMSNorm (with the residual add), the MLP's gated activation and the sampler's
-greedy-or-tempered draw.
+hidden-state RMSNorm (with the residual add), the MLP's gated activation, the sampler's
+greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds.
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -49,6 +49,7 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 
 _patch_interpreter_for_numpy_2_4()
 
+from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_store  # noqa: E402
@@ -69,6 +70,8 @@ __all__ = [
     "qk_norm_rope_store",
     "rms_norm",
     "rms_norm_ref",
+    "filter_thresholds",
+    "filter_thresholds_ref",
     "race_sample",
     "race_sample_ref",
     "silu_and_mul",

@@ -3,7 +3,7 @@ softmax(logits / temperature) by a Gumbel race.
 
 Contract
 --------
-``race_sample(logits, temperatures, seed) -> ids``
+``race_sample(logits, temperatures, seed, thresholds=None) -> ids``
 
 * ``logits``: ``[rows, vocab]`` float32 / float16 / bfloat16, last dim contiguous (rows may be
   strided); ``vocab`` at least 1.
@@ -12,6 +12,10 @@ Contract
   its largest logit (``torch.argmax``'s choice on ties). Any other row draws
   ``argmax(logits / T + G)``, ``G`` i.i.d. standard Gumbel noise: the same distribution as
   sampling from ``softmax(logits / T)``, with no softmax pass and no normalizer.
+* ``thresholds`` (optional): float32 ``[rows]`` on logits' device; a row's tokens whose
+  ``logit / T`` (the logit itself on a greedy row) lies below its threshold take no part (the
+  sampler's top-k/top-p/min-p cut, ``kernels/filter_threshold.py``). At least one token of each
+  row must reach it.
 * ``seed``: an int; the noise comes from Philox (``tl.rand4x``) at offsets given by the row and
   the column, so one seed and one input give one answer.
 * returns int32 ``[rows]`` on logits' device.
@@ -46,24 +50,35 @@ _MAX_OFFSET = 2**31  # Philox offsets are int32: rows * vocab must stay below
 
 
 @triton.jit
-def _compete(base, cols, vocab, u, greedy, scale, best, best_col, NOISE: tl.constexpr):
+def _compete(base, cols, vocab, u, greedy, scale, floor, best, best_col, NOISE: tl.constexpr,
+             FILTER: tl.constexpr):
     """One slice of a row's race: the slice's values, then each lane's best so far (strict
     ``>``: a lane keeps its first column among equals, as slices come in column order)."""
-    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32) * scale
     if NOISE:
-        x = tl.where(greedy, x, x * scale - tl.log(-tl.log(u)))
+        noisy = tl.where(greedy, x, x - tl.log(-tl.log(u)))
+    else:
+        noisy = x
+    if FILTER:  # below the row's threshold: out of the race
+        noisy = tl.where(x >= floor, noisy, float("-inf"))
+    x = noisy
     better = x > best
     return tl.where(better, x, best), tl.where(better, cols, best_col)
 
 
 @triton.jit(do_not_specialize=["temperature", "seed"])
-def _race_kernel(logits_ptr, temps_ptr, out_ptr, stride, vocab, temperature, seed,
-                 BLOCK: tl.constexpr, PER_ROW: tl.constexpr, NOISE: tl.constexpr):
+def _race_kernel(logits_ptr, temps_ptr, thresholds_ptr, out_ptr, stride, vocab, temperature,
+                 seed, BLOCK: tl.constexpr, PER_ROW: tl.constexpr, NOISE: tl.constexpr,
+                 FILTER: tl.constexpr):
     row = tl.program_id(0)
     if PER_ROW:
         t = tl.load(temps_ptr + row)
     else:
         t = temperature
+    if FILTER:
+        floor = tl.load(thresholds_ptr + row)
+    else:
+        floor = float("-inf")
     greedy = t == 0.0
     scale = 1.0 / tl.where(greedy, 1.0, t)
     base = logits_ptr + row.to(tl.int64) * stride
@@ -78,14 +93,14 @@ def _race_kernel(logits_ptr, temps_ptr, out_ptr, stride, vocab, temperature, see
         else:  # every row greedy: no draws
             u0 = tl.zeros([QUARTER], tl.float32)
             u1, u2, u3 = u0, u0, u0
-        best, best_col = _compete(base, start + lanes, vocab, u0, greedy, scale, best, best_col,
-                                  NOISE)
-        best, best_col = _compete(base, start + QUARTER + lanes, vocab, u1, greedy, scale, best,
-                                  best_col, NOISE)
+        best, best_col = _compete(base, start + lanes, vocab, u0, greedy, scale, floor, best,
+                                  best_col, NOISE, FILTER)
+        best, best_col = _compete(base, start + QUARTER + lanes, vocab, u1, greedy, scale, floor,
+                                  best, best_col, NOISE, FILTER)
         best, best_col = _compete(base, start + 2 * QUARTER + lanes, vocab, u2, greedy, scale,
-                                  best, best_col, NOISE)
+                                  floor, best, best_col, NOISE, FILTER)
         best, best_col = _compete(base, start + 3 * QUARTER + lanes, vocab, u3, greedy, scale,
-                                  best, best_col, NOISE)
+                                  floor, best, best_col, NOISE, FILTER)
     top = tl.max(best, axis=0)
     tl.store(out_ptr + row, tl.min(tl.where(best == top, best_col, vocab), axis=0))
 
@@ -93,7 +108,8 @@ def _race_kernel(logits_ptr, temps_ptr, out_ptr, stride, vocab, temperature, see
 _INTERPRET = not isinstance(_race_kernel, triton.runtime.jit.JITFunction)
 
 
-def _validate(logits: torch.Tensor, temperatures: float | torch.Tensor) -> None:
+def _validate(logits: torch.Tensor, temperatures: float | torch.Tensor,
+              thresholds: torch.Tensor | None) -> None:
     if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (
             torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"logits: expected a float [rows, vocab] tensor with a contiguous last "
@@ -111,12 +127,17 @@ def _validate(logits: torch.Tensor, temperatures: float | torch.Tensor) -> None:
                              f"{tuple(temperatures.shape)} on {temperatures.device}")
     elif not temperatures >= 0.0:
         raise ValueError(f"temperatures: expected a float >= 0, got {temperatures!r}")
+    if thresholds is not None and (thresholds.shape != (rows,) or thresholds.dtype != torch.float32
+                                   or thresholds.device != logits.device):
+        raise ValueError(f"thresholds: expected a float32 [{rows}] tensor on {logits.device}, got "
+                         f"{thresholds.dtype} of shape {tuple(thresholds.shape)} on "
+                         f"{thresholds.device}")
 
 
-def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor,
-                seed: int) -> torch.Tensor:
+def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: int,
+                thresholds: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row of ``logits``: greedy at temperature 0, else a draw (module doc)."""
-    _validate(logits, temperatures)
+    _validate(logits, temperatures, thresholds)
     if logits.device.type != "cuda" and not _INTERPRET:
         raise ValueError(f"logits: expected a CUDA tensor, got device {logits.device} (CPU "
                          "tensors need TRITON_INTERPRET=1 set before triton kernels are imported)")
@@ -125,24 +146,27 @@ def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor,
     if rows:
         per_row = isinstance(temperatures, torch.Tensor)
         block = max(4, min(_BLOCK, triton.next_power_of_2(vocab)))
+        filtered = thresholds is not None
         _race_kernel[(rows,)](
-            logits, temperatures if per_row else out, out, logits.stride(0), vocab,
-            0.0 if per_row else float(temperatures), seed & 0x7FFFFFFF,
+            logits, temperatures if per_row else out, thresholds if filtered else out, out,
+            logits.stride(0), vocab, 0.0 if per_row else float(temperatures), seed & 0x7FFFFFFF,
             BLOCK=block, PER_ROW=per_row, NOISE=per_row or float(temperatures) != 0.0,
+            FILTER=filtered,
             num_warps=max(1, min(_NUM_WARPS, block // 256)), num_stages=1)
     return out
 
 
-def race_sample_ref(logits: torch.Tensor, temperatures: float | torch.Tensor,
-                    seed: int) -> torch.Tensor:
+def race_sample_ref(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: int,
+                    thresholds: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch reference of :func:`race_sample` (same contract; torch's Gumbel noise)."""
-    _validate(logits, temperatures)
+    _validate(logits, temperatures, thresholds)
     rows, vocab = logits.shape
-    x = logits.float()
     t = (temperatures if isinstance(temperatures, torch.Tensor)
-         else torch.full((rows,), float(temperatures), device=logits.device))
+         else torch.full((rows,), float(temperatures), device=logits.device)).unsqueeze(1)
+    x = torch.where(t == 0.0, logits.float(), logits.float() / t.clamp_min(1e-30))
+    if thresholds is not None:
+        x = x.masked_fill(x < thresholds.unsqueeze(1), float("-inf"))
     gen = torch.Generator(device=logits.device).manual_seed(seed)
     u = torch.rand(rows, vocab, generator=gen, device=logits.device)
-    gumbel = -(-u.log()).log()
-    drawn = (x / t.clamp_min(1e-30).unsqueeze(1) + gumbel).argmax(dim=-1)
-    return torch.where(t == 0.0, x.argmax(dim=-1), drawn).to(torch.int32)
+    drawn = (x - (-u.log()).log()).argmax(dim=-1)
+    return torch.where(t.squeeze(1) == 0.0, x.argmax(dim=-1), drawn).to(torch.int32)

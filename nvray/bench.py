@@ -16,11 +16,13 @@ Subcommands:
   bandwidth and matmul peak were measured (H100, H200), each run is also given as a share of
   the workload's bandwidth floor (design.md) and roofline floor (``nvray/bench_floor.py``).
   ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
-  plain,logprobs,penalties,filters`` adds top-5 log-probabilities, penalties or top-p 0.95 with
-  top-k 20 (Qwen3's recommended sampling) to every request;
+  plain,logprobs,penalties,filters,top_p`` adds top-5 log-probabilities, penalties, top-p 0.95
+  with top-k 20 (Qwen3's recommended sampling) or top-p 0.95 alone to every request;
   ``--max-num-batched-tokens 8192,16384`` compares token budgets per step. Each run also gives
   its steps and their wall time by kind (``prefill_steps_s``: steps that launch prompt tokens;
   ``decode_steps_s``: the others), from the engine's stats.
+- ``sampler``: the sampler's GPU and host time per step for each filter mix, sorting the
+  vocabulary and with the sort-free kernel (``nvray/bench_sampler.py``).
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
   (``nvray/bench_gpu_busy.py``).
 - ``soak``: minutes of streaming load with random disconnects against the app: unexpected
@@ -217,6 +219,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "logprobs": {"logprobs": 5},
     "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
     "filters": {"top_p": 0.95, "top_k": 20},  # Qwen3's recommended sampling
+    "top_p": {"top_p": 0.95},  # what many OpenAI clients send: no top-k to bound the candidates
 }
 
 
@@ -459,6 +462,10 @@ def main(argv: list[str] | None = None) -> None:
     gb.add_argument("--prompt-len", type=int, default=256)
     gb.add_argument("--steps", type=int, default=30)
     gb.add_argument("--max-model-len", type=int, default=4096)
+    sm = sub.add_parser("sampler", parents=[common],
+                        help="the sampler's GPU and host time per step by filter mix")
+    sm.add_argument("--rows", type=int, default=256)
+    sm.add_argument("--iters", type=int, default=20)
     sv = sub.add_parser("serve", parents=[common],
                         help="load generator for a running app (or one it starts): latency and tok/s")
     from nvray.bench_serve import add_arguments, run  # noqa: PLC0415
@@ -486,6 +493,10 @@ def main(argv: list[str] | None = None) -> None:
                                   _on_off(args.overlap), _features(args.features),
                                   _budgets(args.max_num_batched_tokens),
                                   _sizes(args.tensor_parallel_size), args.shape)
+    elif args.cmd == "sampler":
+        from nvray.bench_sampler import bench_sampler  # noqa: PLC0415
+
+        result = bench_sampler(args.rows, iters=args.iters)
     elif args.cmd == "gpu-busy":
         from nvray.bench_gpu_busy import bench_gpu_busy  # noqa: PLC0415
 

@@ -10,10 +10,15 @@ a top-k of at most ``_MAX_CANDIDATES``, the filters and the race run over each r
 tokens (``topk``, K the largest top-k) instead of the sorted vocabulary: the same tokens survive,
 and a seeded row meets the same noise at each of them, so it draws the same token either way —
 except where tokens of equal logits straddle a filter's cut, which keeps one of them on each path
-(on an H100, bf16 logits: 2 rows of 64 differed with top-k 20 and top-p 0.95).
+(on an H100, bf16 logits: 2 rows of 64 differed with top-k 20 and top-p 0.95). Other filtered
+batches sort the vocabulary, or with ``fused=True`` take each row's smallest kept logit from a
+sort-free kernel (``kernels/filter_threshold.py``): the same tokens survive, except that all
+tokens tied with the smallest kept logit do (a sort keeps some); a batch without seeds then
+races in the fused kernel over the tokens at or above each row's threshold, a seeded one races
+eagerly as above.
 
-``fused=True`` (the model runner's choice on the GPU): a batch without filters, bans or seeds —
-the common case — and a greedy batch without bans run as one Triton kernel
+``fused=True`` (the model runner's choice on the GPU) also runs a batch without filters, bans or
+seeds — the common case — and a greedy batch without bans as one Triton kernel
 (``kernels/sample_race.py``: greedy rows take the argmax, the others a Gumbel race, the same
 distribution); its noise seed comes from torch's default generator. A batch whose rows share one
 temperature passes it as a scalar, so the launch needs no host tensor. Other batches take the
@@ -37,18 +42,25 @@ def _row_seed(seed: int, step_index: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + step_index * 0xBF58476D1CE4E5B9 + 1) & _MASK64
 
 
-def _filter_sorted(sorted_logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
-    """Mask (to -inf) what top-k/top-p/min-p remove; input sorted descending per row."""
-    rows, vocab = sorted_logits.shape
-    device = sorted_logits.device
-    top_k = to_device([s.top_k if s.top_k > 0 else vocab for s in specs], device)
+def _filter_values(specs: list[SampleSpec], vocab: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' top-k (int32, ``vocab`` where off), top-p and min-p (float32) on device."""
+    top_k = to_device([s.top_k if s.top_k > 0 else vocab for s in specs], device, torch.int32)
     top_p = to_device([s.top_p for s in specs], device, torch.float32)
     min_p = to_device([s.min_p for s in specs], device, torch.float32)
-    rank = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
+    return top_k, top_p, min_p
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """Mask (to -inf) what top-k/top-p/min-p remove; input sorted descending per row."""
+    vocab = sorted_logits.shape[1]
+    top_k, top_p, min_p = _filter_values(specs, vocab, sorted_logits.device)
+    rank = torch.arange(vocab, device=sorted_logits.device).unsqueeze(0)  # [1, V]
     masked = sorted_logits.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = masked.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    remove = mass_before >= top_p.unsqueeze(1)
+    # top_p 1 is off: a float32 cumsum may reach 1 before the last token
+    remove = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     remove |= probs < (min_p * probs[:, :1].squeeze(1)).unsqueeze(1)
     remove[:, 0] = False  # the most likely token always survives
     return masked.masked_fill(remove, float("-inf"))
@@ -82,7 +94,22 @@ def _candidate_count(specs: list[SampleSpec], vocab: int) -> int:
     return min(max(ks), vocab)
 
 
-def _race(scaled: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+def _thresholds(scaled: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """Each row's smallest logit that top-k/top-p/min-p keep [S], from the sort-free kernel
+    (``kernels/filter_threshold.py``)."""
+    from kernels import filter_thresholds  # noqa: PLC0415 - GPU-only import
+
+    return filter_thresholds(scaled, *_filter_values(specs, scaled.shape[1], scaled.device))
+
+
+def _fused_race(scaled: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Unseeded rows: the race in one kernel over each row's tokens at or above its threshold."""
+    from kernels import race_sample  # noqa: PLC0415 - GPU-only import
+
+    return race_sample(scaled, 1.0, _kernel_seed(), thresholds)
+
+
+def _race(scaled: torch.Tensor, specs: list[SampleSpec], fused: bool) -> torch.Tensor:
     """Filter ``scaled`` (logits / temperature) and draw one token per row."""
     vocab = scaled.shape[1]
     filtered = _needs_filtering(specs)
@@ -92,7 +119,12 @@ def _race(scaled: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         probs = _filter_sorted(top, specs).softmax(dim=-1)
         noise = _exponential_noise(specs, vocab, scaled.device, columns)
         return columns.gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
-    if filtered:
+    if filtered and fused:
+        thresholds = _thresholds(scaled, specs)
+        if not any(s.seed is not None for s in specs):
+            return _fused_race(scaled, thresholds)
+        scaled = scaled.masked_fill(scaled < thresholds.unsqueeze(1), float("-inf"))
+    elif filtered:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         scaled = torch.full_like(scaled, float("-inf")).scatter_(
             1, order, _filter_sorted(sorted_logits, specs))
@@ -122,11 +154,15 @@ def _ban(logits: torch.Tensor, specs: list[SampleSpec]) -> None:
         logits[index[:, 0], index[:, 1]] = float("-inf")
 
 
+def _kernel_seed() -> int:
+    """The race kernel's noise seed, from torch's default generator."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
 def _fused_sample(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
     from kernels import race_sample  # noqa: PLC0415 - GPU-only import
 
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    return race_sample(logits, _temperatures(specs, logits.device), seed)
+    return race_sample(logits, _temperatures(specs, logits.device), _kernel_seed())
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec], fused: bool = False) -> torch.Tensor:
@@ -142,6 +178,6 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], fused: bool = False) -
     if all(s.temperature == 0.0 for s in specs):
         return greedy
     temps = to_device([s.temperature or 1.0 for s in specs], logits.device, torch.float32)
-    sampled = _race(logits / temps.unsqueeze(1), specs)
+    sampled = _race(logits / temps.unsqueeze(1), specs, fused)
     is_greedy = to_device([s.temperature == 0.0 for s in specs], logits.device, torch.bool)
     return torch.where(is_greedy, greedy, sampled)

@@ -67,6 +67,22 @@ def test_draws_over_a_vocabulary_of_several_blocks(sampler):
     _assert_follows(sampler(logits, 0.5, seed=5), logits[0], 0.5)
 
 
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_thresholds_keep_the_draws_at_or_above_them(sampler):
+    """Per-row thresholds on logits / T: a token below its row's never wins, and the kept ones
+    follow the softmax renormalized over them; a greedy row's threshold is on its logits."""
+    logits = _wide_logits(600)
+    cut = {0: LIKELY[1100], 1: LIKELY[10]}  # even rows keep two tokens, odd rows only the best
+    thresholds = torch.tensor([cut[i % 2] / 0.5 for i in range(600)], device=DEVICE)
+    ids = sampler(logits, 0.5, seed=9, thresholds=thresholds)
+    assert set(ids[1::2].tolist()) == {10}
+    kept = torch.full((WIDE_VOCAB,), float("-inf"))
+    kept[[10, 1100]] = logits[0, [10, 1100]].cpu()
+    _assert_follows(ids[0::2], kept, 0.5)
+    greedy = sampler(logits[:2], 0.0, seed=9, thresholds=torch.tensor([-40.0, 0.9], device=DEVICE))
+    assert greedy.tolist() == [10, 10]
+
+
 def test_greedy_ties_go_to_the_first_index():
     """Ties inside one lane (columns a block apart), across lanes, and across blocks."""
     ties = [(3, 1027), (5, 7), (1500, 2100), (0, WIDE_VOCAB - 1)]
@@ -109,3 +125,5 @@ def test_validation_names_the_argument():
     for name, args in bad:
         with pytest.raises(ValueError, match=name):
             kernels.race_sample(*args, seed=0)
+    with pytest.raises(ValueError, match="thresholds"):
+        kernels.race_sample(logits, 1.0, seed=0, thresholds=torch.zeros(3, device=DEVICE))
