@@ -484,15 +484,15 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "control-plane":
         result = bench_control_plane(args.num_seqs, args.steps, args.block_size)
     elif args.cmd == "throughput":
+        runtimes, sizes = tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size)
         try:
-            _placements(tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size))
+            _placements(runtimes, sizes)  # refused before a checkpoint is built
         except ValueError as e:
             raise SystemExit(f"throughput: {e}") from None
-        result = bench_throughput(args.model, tuple(args.runtimes.split(",")), args.eager,
-                                  args.num_seqs, args.max_model_len, args.floor,
-                                  _on_off(args.overlap), _features(args.features),
-                                  _budgets(args.max_num_batched_tokens),
-                                  _sizes(args.tensor_parallel_size), args.shape)
+        result = bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
+                                  args.max_model_len, args.floor, _on_off(args.overlap),
+                                  _features(args.features), _budgets(args.max_num_batched_tokens),
+                                  sizes, args.shape)
     elif args.cmd == "sampler":
         from nvray.bench_sampler import bench_sampler  # noqa: PLC0415
 
