@@ -13,16 +13,23 @@ Serve's proxy spreads a conversation's turns over the ingress replicas): which r
 request whose key started with each block of ``block_chars`` characters (chained xxh64 hashes
 of the leading blocks, like the engine's prefix cache does with token blocks; an LRU of 200k
 blocks; ``deployments/prefix_table.py``). If the index does not answer within 0.5 s (5 s while
-it starts), a router decides from the requests it routed itself. A new request goes to the least-loaded of
-the replicas that hold its longest remembered prefix — *prefix affinity* — while that
-replica's ongoing requests exceed the least-loaded candidate's by at most
-``max_load_imbalance``; otherwise, or with no remembered prefix, to the least-loaded replica
-(Serve's cached queue lengths; ties broken at random). A prefix every replica holds (a shared
-system prompt) thus steers nothing: load decides among them, and only what one replica alone
-holds (a conversation's own history) pulls a request there. The chosen replica comes first and
-the others after it, taken only if it refuses (its queue is full). Every request then marks its
+it starts), a router decides from the requests it routed itself.
+
+A new request goes to the least-loaded of the replicas that hold its longest remembered prefix
+— *prefix affinity* — while that replica's ongoing requests exceed the least-loaded
+candidate's by at most ``max_load_imbalance``; otherwise, or with no remembered prefix, to the
+least-loaded replica (ties broken at random). A prefix every replica holds (a shared system
+prompt) thus steers nothing: load decides among them, and only what one replica alone holds (a
+conversation's own history) pulls a request there. The chosen replica comes first and the
+others after it, taken only if it refuses (its queue is full). Every request then marks its
 blocks as held by the replica chosen for it, so under a skewed load a hot prefix spreads to a
 second replica instead of piling onto one.
+
+Loads are Serve's cached queue lengths, but affinity is given up only on loads the replicas
+report when asked: a router's cache takes a replica's whole count when it sends a request there
+and then sees only its own requests finish, so after a burst through several ingress replicas
+it counts, until its entries age out (10 s), requests that have ended; on those figures alone a
+conversation's next turn would leave the replica holding its history.
 
 Decisions are counted in the index, per app: "prefix" when affinity narrowed the choice to
 the replicas holding the prefix, "load" otherwise (``/metrics`` exports them as
@@ -46,6 +53,7 @@ from nvray.chat_template import as_chat_prompt, is_chat
 MAX_LOAD_IMBALANCE = 4  # ongoing requests above the least-loaded replica that affinity may add
 _INDEX_TIMEOUT_S = 0.5  # a slower shared index is skipped: this router's own table decides
 _INDEX_START_TIMEOUT_S = 5.0  # ... once it has answered; before, it may still be starting
+_PROBE_TIMEOUT_S = 0.5  # a replica asked for its load answers within this, else its cache counts
 _MAX_DECIDED = 10_000  # request ids remembered so that a retried routing counts once
 
 
@@ -99,24 +107,48 @@ class PrefixAwareRouter(RequestRouter):
         if key is None:  # not a request for an engine: Serve's shortest queue
             return [candidate_replicas]
         hashes = prefix_hashes(key, self.block_chars)
-        holders = await self._holders(hashes, [r.replica_id.unique_id for r in candidate_replicas])
-        chosen, by = self._choose(candidate_replicas, set(holders))
+        holders = set(await self._holders(hashes,
+                                          [r.replica_id.unique_id for r in candidate_replicas]))
+        loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
+        if not self._within_bound(loads, holders):
+            loads = await self._measured_loads(candidate_replicas, loads)
+        chosen, by = self._choose(candidate_replicas, holders, loads)
         self._record(hashes, chosen.replica_id.unique_id, by if self._first_time(pending_request)
                      else None)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
-    def _choose(self, candidates: list[RunningReplica], holders: set[str]
-                ) -> tuple[RunningReplica, str]:
+    def _within_bound(self, loads: dict[str, int], holders: set[str]) -> bool:
+        """Whether affinity holds: no holder, or one loaded at most the bound above the least."""
+        return not holders or (min(loads[h] for h in holders)
+                               <= min(loads.values()) + self.max_load_imbalance)
+
+    async def _measured_loads(self, candidates: list[RunningReplica], cached: dict[str, int]
+                              ) -> dict[str, int]:
+        """Each candidate's ongoing requests as it reports them now (its cached load if it does
+        not answer within the deadline); the answers refresh Serve's cache too."""
+        async def measure(replica: RunningReplica) -> int:
+            rid = replica.replica_id
+            try:
+                load = await asyncio.wait_for(replica.get_queue_len(deadline_s=_PROBE_TIMEOUT_S),
+                                              _PROBE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - slow or gone: keep the cached estimate
+                return cached[rid.unique_id]
+            self.replica_queue_len_cache.update(rid, load)
+            return load
+
+        loads = await asyncio.gather(*(measure(r) for r in candidates))
+        return {r.replica_id.unique_id: load for r, load in zip(candidates, loads)}
+
+    def _choose(self, candidates: list[RunningReplica], holders: set[str],
+                loads: dict[str, int]) -> tuple[RunningReplica, str]:
         """The least-loaded of the replicas holding the longest known prefix, while within the
         imbalance bound ("prefix"; "load" if every replica holds it); else the least-loaded."""
-        loads = {r.replica_id.unique_id: self._load(r) for r in candidates}
-        least = min(loads.values())
-        if holders:
+        if holders and self._within_bound(loads, holders):
             nearest = min(loads[h] for h in holders)
-            if nearest <= least + self.max_load_imbalance:
-                chosen = random.choice([r for r in candidates if r.replica_id.unique_id in holders
-                                        and loads[r.replica_id.unique_id] == nearest])
-                return chosen, "prefix" if len(holders) < len(candidates) else "load"
+            chosen = random.choice([r for r in candidates if r.replica_id.unique_id in holders
+                                    and loads[r.replica_id.unique_id] == nearest])
+            return chosen, "prefix" if len(holders) < len(candidates) else "load"
+        least = min(loads.values())
         return random.choice([r for r in candidates
                               if loads[r.replica_id.unique_id] == least]), "load"
 

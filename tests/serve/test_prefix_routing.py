@@ -9,11 +9,13 @@ channel was opened for it ends no other request.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
 
 import pytest
+import ray
 import requests
 from ray import serve
 
@@ -23,11 +25,12 @@ from serve_helpers import greedy
 MAX_MODEL_LEN = 1024
 CONVERSATIONS, TURNS = 6, 4
 HOT_CLIENTS = 16
+IMBALANCE = 4  # ongoing requests above the least-loaded engine that affinity may add
 
 
 def app_args(prefix_routing: bool) -> dict:
     return {"max_model_len": MAX_MODEL_LEN, "min_replicas": 2, "max_replicas": 2,
-            "prefix_routing": prefix_routing}
+            "prefix_routing": prefix_routing, "prefix_routing_max_imbalance": IMBALANCE}
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +170,59 @@ def test_handle_calls_are_routed_by_prefix(apps):
     again = handle.generate.remote(prompt + first.text, greedy(8)).result(timeout_s=120)
     assert again.num_cached_tokens > 0  # the second call found the first one's blocks
     assert routed(apps["on"])["prefix"] == before + 1
+
+
+@ray.remote(num_cpus=0)
+class LeaseHolder:
+    """Another caller of the prefix-routed engines, in a process (and request router) of its
+    own: it holds engine leases, as an ingress does for the requests it serves."""
+
+    def __init__(self, app: str) -> None:
+        self.handle = serve.get_deployment_handle("NvrayEngine", app_name=app)
+        self.calls: list = []
+
+    async def hold(self, routing_key: str, n: int) -> list[str]:
+        """Leases ``n`` engine slots, one at a time; returns the engine id of each."""
+        engines = []
+        for _ in range(n):
+            call = self.handle.options(stream=True).lease.remote(routing_key=routing_key)
+            engine_id, _ = await call.__anext__()
+            self.calls.append(call)
+            engines.append(engine_id)
+        return engines
+
+    async def release(self) -> None:
+        """Ends every held lease and waits until each call has ended."""
+        for call in self.calls:
+            call.cancel()
+        for call in self.calls:
+            with contextlib.suppress(Exception):  # the cancellation, as the call's end
+                await call.__anext__()
+        self.calls.clear()
+
+
+def lease_once(handle, routing_key: str) -> str:
+    """One lease through ``handle`` (this process's request router), ended at once: its engine."""
+    call = handle.options(stream=True).lease.remote(routing_key=routing_key)
+    engine_id, _ = next(call)
+    call.cancel()
+    return engine_id
+
+
+def test_affinity_outlives_another_callers_ended_requests(apps):
+    """A router's cached load of an engine is the engine's whole count when the router last
+    sent there, less the router's own requests that ended since: another caller's requests
+    that end stay counted (until the cache ages out, 10 s). Affinity must not be given up on
+    them: the next request for a conversation still goes to the engine that holds it."""
+    key = "A conversation's history, held by one engine and leased by two callers. " * 2
+    mine = serve.get_deployment_handle("NvrayEngine", app_name="prefix-on")
+    home = lease_once(mine, key)  # the first request: by load; this router now knows the engine
+    other = LeaseHolder.remote("prefix-on")
+    try:
+        held = ray.get(other.hold.remote(key, IMBALANCE + 1), timeout=60)
+        assert held == [home] * (IMBALANCE + 1)  # affinity, up to the imbalance bound
+        assert lease_once(mine, key) == home  # its cache still had the engine idle: it counts
+        ray.get(other.release.remote(), timeout=60)  # ... the other's requests, now ended
+        assert lease_once(mine, key) == home
+    finally:
+        ray.kill(other)
