@@ -28,7 +28,6 @@ must see real (not string) annotations to find the request body models.
 
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -39,6 +38,7 @@ from starlette.background import BackgroundTask
 from ray import serve
 
 from deployments.args import AppArgs, parse_args
+from deployments.auth import bearer_key_matches
 from deployments.body_limit import BodySizeLimit
 from deployments.engines import Lease, LeasedEngines, LocalEngine
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
@@ -115,9 +115,7 @@ class NvrayServer:
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        if not bearer_key_matches(request.headers.get("authorization", ""), self.api_key):
             raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
 
     def _check_model(self, model: str | None, param: str | None = "model") -> None:

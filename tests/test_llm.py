@@ -52,6 +52,27 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert first not in held.token_ids[:3]
 
 
+def test_a_stop_string_completed_by_the_min_tokens_th_token_stops_there(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ids = llm.generate("The engine", greedy, use_tqdm=False)[0].token_ids
+    texts = [llm.tokenizer.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+    # the first k >= 3 whose token adds whole characters seen nowhere before: the stop string
+    k = next(k for k in range(3, len(ids)) if texts[k + 1].startswith(texts[k])
+             and (stop := texts[k + 1][len(texts[k]):]).strip() and "\ufffd" not in stop
+             and stop not in texts[k])
+    stop, num_tokens = texts[k + 1][len(texts[k]):], k + 1
+    out = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                     stop=[stop], min_tokens=num_tokens),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == ids[:num_tokens]
+    assert out.text == texts[k]
+    later = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24,
+                                                       ignore_eos=True, stop=[stop],
+                                                       min_tokens=num_tokens + 1),
+                         use_tqdm=False)[0]
+    assert len(later.token_ids) > num_tokens  # one token short of min_tokens: no stop yet
+
+
 def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=42, ignore_eos=True)
     alone = llm.generate("seeded prompt", params)[0]

@@ -56,6 +56,21 @@ def test_beams_equal_the_reference(llm, tiny_path, width, max_tokens, length_pen
                    for b in beams)
 
 
+@pytest.mark.parametrize("length_penalty", [0.0, 3.0])
+def test_length_penalty_ranks_beams_that_ended_at_different_lengths(llm, tiny_path,
+                                                                     length_penalty):
+    """A prompt whose beams reach EOS at several lengths: the penalty changes which beams win
+    (the reference says so), and the engine's beams follow it."""
+    prompt = random_prompts(1, 3, 12, seed=11)[0]
+    eos = llm.engine.limits.eos_token_ids
+    neutral = reference_beam_search(tiny_path, prompt, 4, 8, eos, 1.0)
+    expected = reference_beam_search(tiny_path, prompt, 4, 8, eos, length_penalty)
+    assert [t for t, _ in expected] != [t for t, _ in neutral]  # the penalty matters here
+    params = BeamSearchParams(beam_width=4, max_tokens=8, length_penalty=length_penalty)
+    beams = llm.beam_search([prompt], params, use_tqdm=False)[0]
+    assert [b.token_ids for b in beams] == [t for t, _ in expected]
+
+
 def test_beams_share_blocks_and_give_every_block_back(llm):
     engine, bm = llm.engine, llm.engine.block_manager
     prompt = random_prompts(1, 29, 29, seed=7)[0]  # 3 full blocks and a partial one

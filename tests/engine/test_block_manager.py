@@ -39,6 +39,27 @@ def test_chained_hash_does_not_match_a_block_with_a_different_prefix():
     assert bm.find_cached_prefix(other) == []
 
 
+def test_a_block_is_found_only_after_the_prefix_it_was_computed_after():
+    """Two sequences share their second block's tokens after different first blocks; a third
+    that starts like the second must get the second's KV for both blocks, never the first's
+    (whose KV was computed after another prefix)."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    first = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run_prefill(bm, first)
+    second = seq_of([0, 0, 0, 0, 5, 6, 7, 8, 9])
+    run_prefill(bm, second)
+    assert second.num_cached_tokens == 0  # its first block differs: nothing reused
+    assert bm.find_cached_prefix(seq_of([0, 0, 0, 0, 5, 6, 7, 8, 10])) == second.block_table[:2]
+
+
+def test_a_cached_block_is_not_reused_after_a_different_cached_prefix():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    run_prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    other = seq_of([0, 0, 0, 0, 9])
+    run_prefill(bm, other)  # [0, 0, 0, 0] is cached too, as a first block
+    assert bm.find_cached_prefix(seq_of([0, 0, 0, 0, 5, 6, 7, 8, 9])) == other.block_table[:1]
+
+
 def test_token_equality_guards_against_hash_collisions():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = seq_of([1, 2, 3, 4, 5])

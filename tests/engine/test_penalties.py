@@ -90,3 +90,32 @@ def test_out_of_vocabulary_ids_are_rejected_naming_the_parameter(llm):
     for name, value in (("logit_bias", {vocab: 1.0}), ("allowed_token_ids", [3, vocab])):
         with pytest.raises(ValueError, match=name):
             llm.generate("x", SamplingParams(**{name: value}), use_tqdm=False)
+
+
+def test_logits_adjustment_counts_each_repeat_of_an_output_token():
+    """``adjust_logits`` against the definitions written out here: frequency scales with the
+    count (a token seen 4 times, the newest still on the device, loses 4 frequencies), presence
+    and repetition do not; a row without penalties in the same batch is left alone."""
+    from array import array
+
+    from nvray.engine.step_input import Penalties, SampleSpec
+    from nvray.worker.logits_processors import adjust_logits
+
+    prompt, output, pending = [1, 2], [3, 3, 5, 3], 3
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8)
+    tokens = array("i", prompt + output).tobytes()
+    penalized = SampleSpec(1.0, 1.0, -1, 0.0, None, len(output) + 1, penalties=Penalties(
+        presence=0.25, frequency=0.5, repetition=1.5, tokens=tokens, num_prompt_tokens=2,
+        pending_row=1))
+    plain = SampleSpec(1.0, 1.0, -1, 0.0, None, 0)
+    prev_sampled = torch.tensor([6, pending], dtype=torch.int32)  # row 1: the pending token
+    adjusted = adjust_logits(logits.clone(), [plain, penalized], prev_sampled)
+    expected = logits[1].clone()
+    full_output = output + [pending]
+    for token in set(prompt + full_output):
+        expected[token] = expected[token] / 1.5 if expected[token] > 0 else expected[token] * 1.5
+    for token in set(full_output):
+        expected[token] -= 0.5 * full_output.count(token) + 0.25
+    assert torch.equal(adjusted[0], logits[0])
+    torch.testing.assert_close(adjusted[1], expected)

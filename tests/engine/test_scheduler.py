@@ -110,6 +110,47 @@ def test_preemption_by_recompute_when_blocks_run_out():
     assert sched.block_manager.num_free_blocks == 4 - len(a.block_table)
 
 
+def three_running(policy: str, priorities: tuple[int, int, int]
+                  ) -> tuple[Scheduler, list[Sequence]]:
+    """Three 7-token prompts (2 blocks each of 6) prefilled and decoded once: 9 tokens each,
+    the next decode needs a 3rd block. Returned in arrival order."""
+    sched = make(num_blocks=6, block_size=4, policy=policy)
+    seqs = [add(sched, 7, name, arrival=float(i), priority=p)
+            for i, (name, p) in enumerate(zip("abc", priorities))]
+    run_step(sched)
+    run_step(sched)
+    assert all(s.num_tokens == 9 for s in seqs) and sched.block_manager.num_free_blocks == 0
+    return sched, seqs
+
+
+def test_preemption_takes_the_newest_running_sequence():
+    sched, (a, b, c) = three_running("fcfs", (0, 0, 0))
+    out = sched.schedule()
+    assert out.preempted == [c]
+    assert [s.request_id for s, _ in out.scheduled] == ["a", "b"]
+
+
+def test_preemption_under_priority_takes_the_lowest_priority_first():
+    sched, (a, b, c) = three_running("priority", (0, 5, 1))  # b ranks last, though not newest
+    out = sched.schedule()
+    assert out.preempted == [b]
+    assert sorted(s.request_id for s, _ in out.scheduled) == ["a", "c"]
+
+
+def test_a_preempted_sequence_goes_ahead_of_those_already_waiting():
+    sched = make(num_blocks=4, block_size=4, max_num_seqs=2)
+    a = add(sched, 7, "a", arrival=0)
+    b = add(sched, 7, "b", arrival=1)
+    waiter = add(sched, 3, "waiter", arrival=2)  # no seat: max_num_seqs=2
+    run_step(sched)
+    run_step(sched)
+    out = sched.schedule()  # a needs a 3rd block: b is preempted
+    assert out.preempted == [b]
+    assert list(sched.waiting) == [b, waiter]
+    sched.finish(a, "stop")
+    assert [name for name, _ in run_step(sched)] == ["b", "waiter"]
+
+
 def test_finished_sequences_release_all_blocks():
     sched = make(num_blocks=16)
     seqs = [add(sched, 6, f"r{i}") for i in range(3)]

@@ -31,9 +31,10 @@ def test_api_key_is_required_on_v1_but_health_stays_open(serve_http):
         missing = requests.post(f"{base}/v1/completions", json=COMPLETION, timeout=60)
         assert missing.status_code == 401
         assert missing.json()["error"]["type"] == "authentication_error"
-        wrong = requests.post(f"{base}/v1/completions", json=COMPLETION, timeout=60,
-                              headers={"Authorization": "Bearer s3cre7"})
-        assert wrong.status_code == 401
+        for token in ("s3cre7", "s3cre", "", "s3cret2"):  # wrong, a prefix, empty, longer
+            wrong = requests.post(f"{base}/v1/completions", json=COMPLETION, timeout=60,
+                                  headers={"Authorization": f"Bearer {token}"})
+            assert wrong.status_code == 401, token
         assert requests.get(f"{base}/v1/models", timeout=60).status_code == 401
         ok = requests.post(f"{base}/v1/completions", json=COMPLETION, timeout=60,
                            headers={"Authorization": "Bearer s3cret"})

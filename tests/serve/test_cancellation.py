@@ -1,5 +1,6 @@
 """Cancellation through the Serve app: streams cut at random points, a flood of requests whose
-clients time out, and cancelled handle calls all end their engine requests and free every KV
+clients time out, and cancelled handle calls all end their engine requests as aborted (not by
+running to their length: each asks for hundreds of tokens more than it reads) and free every KV
 block within a bound, and a canary request then succeeds promptly with its known text."""
 
 from __future__ import annotations
@@ -28,6 +29,20 @@ def wait_engine_idle(base_url: str) -> None:
     raise AssertionError("the engine still holds requests or KV blocks after the clients left")
 
 
+def finished_counts(base_url: str) -> dict[str, float]:
+    return {reason: metric(base_url, "nvray_requests_finished_total", reason=reason)
+            for reason in ("abort", "length")}
+
+
+def assert_aborted(base_url: str, before: dict[str, float], num_cancelled: int,
+                   num_completed: int = 0) -> None:
+    """Since ``before``, the engine ended exactly ``num_cancelled`` requests as aborted while
+    they still had tokens to generate, and ``num_completed`` ran to their length."""
+    after = finished_counts(base_url)
+    assert after["abort"] - before["abort"] == num_cancelled
+    assert after["length"] - before["length"] == num_completed
+
+
 def assert_canary(base_url: str, offline) -> None:
     start = time.monotonic()
     out = requests.post(f"{base_url}/v1/completions", timeout=30, json={
@@ -49,9 +64,11 @@ def cut_stream(base_url: str, seed: int) -> int:
 
 
 def test_streams_cut_at_random_points_free_everything(base_url, offline):
+    before = finished_counts(base_url)
     with ThreadPoolExecutor(12) as pool:
         list(pool.map(lambda s: cut_stream(base_url, s), range(12)))
     wait_engine_idle(base_url)
+    assert_aborted(base_url, before, 12)
     assert_canary(base_url, offline)
 
 
@@ -64,10 +81,12 @@ def test_a_flood_of_timed_out_clients_leaves_the_engine_idle(base_url, offline):
             return True
         return False
 
+    before = finished_counts(base_url)
     with ThreadPoolExecutor(16) as pool:
         timed_out = list(pool.map(impatient, range(16)))
     assert sum(timed_out) >= 8  # 400 tokens each do not fit in half a second here
     wait_engine_idle(base_url)
+    assert_aborted(base_url, before, sum(timed_out), len(timed_out) - sum(timed_out))
     assert_canary(base_url, offline)
 
 
@@ -88,6 +107,8 @@ def test_cancelled_handle_calls_free_their_requests(base_url, ray_cluster, offli
         unary.cancel()
         return got
 
+    before = finished_counts(base_url)
     assert ray.get(start_and_cancel.remote(), timeout=60) == 3
     wait_engine_idle(base_url)
+    assert_aborted(base_url, before, 2)
     assert_canary(base_url, offline)

@@ -28,7 +28,21 @@ def test_top_k_never_emits_a_token_outside_the_k_best():
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = LOGITS.softmax(-1)
     p = float(probs[0] + probs[1]) - 1e-4  # the two best reach p; the third is not needed
-    assert draws(spec(top_p=p)) <= {0, 1}
+    assert draws(spec(top_p=p)) == {0, 1}
+    assert draws(spec(top_p=p, top_k=5)) == {0, 1}  # the top-K candidates' path
+
+
+# probabilities 0.5, 0.25, 0.25 exactly (float32 softmax of these logits is exact)
+HALVES = torch.tensor([0.5, 0.25, 0.25]).log()
+
+
+@pytest.mark.parametrize("top_k", [-1, 3], ids=["sorted", "candidates"])
+@pytest.mark.parametrize("top_p,kept", [(0.5, {0}), (0.75, {0, 1}), (0.76, {0, 1, 2})])
+def test_top_p_stops_at_the_first_token_whose_mass_reaches_p(top_k, top_p, kept):
+    """A set whose mass equals ``top_p`` exactly is enough: the next token is not kept."""
+    n = 600
+    drawn = set(sample(HALVES.repeat(n, 1), [spec(top_p=top_p, top_k=top_k)] * n).tolist())
+    assert drawn == kept
 
 
 def test_min_p_drops_tokens_below_the_fraction_of_the_best():
