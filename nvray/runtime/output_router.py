@@ -47,6 +47,11 @@ class RequestSink:
     ``request_ids[i]`` is slot ``i``'s request; ``errors[i]`` why it failed (rejected at
     admission, or the engine died), else None; ``num_prompt_tokens[i]`` its prompt's length
     once admitted.
+
+    ``abort`` ends the sink's unfinished requests. Their ids stay routed to it, and in use,
+    until the engine's final output for each arrives (the sink drops their outputs): an id is
+    free for another request only once the engine has ended the aborted one, so a request that
+    reuses it never receives the aborted one's outputs.
     """
 
     def __init__(self, router: "OutputRouter", request_ids: list[str]) -> None:
@@ -58,6 +63,7 @@ class RequestSink:
         self.errors: list[BaseException | None] = [None] * len(request_ids)
         self.num_prompt_tokens = [0] * len(request_ids)
         self.num_open = len(request_ids)
+        self.aborted = False
         self.open_slots: dict[str, int] = {}  # request_id -> its slots still open
         for rid in request_ids:
             self.open_slots[rid] = self.open_slots.get(rid, 0) + 1
@@ -66,6 +72,10 @@ class RequestSink:
     def push(self, index: int, out: RequestOutput) -> None:
         if out.finished:
             self._close(index)
+        if self.aborted:  # nobody reads it: drop the output
+            self.ready.set()
+            return
+        if out.finished:
             if out.finish_reason == "error":
                 self.errors[index] = EngineDeadError(out.error or "engine failed")
                 self.ready.set()
@@ -119,13 +129,19 @@ class RequestSink:
         return [f if e is None else e for f, e in zip(self.finals, self.errors)]  # type: ignore[misc]
 
     def abort(self) -> None:
-        """Abort every request of this sink that has not finished (fire and forget)."""
+        """Abort every request of this sink that has not finished (fire and forget); their
+        outputs are dropped from now on (see the class docstring)."""
+        self.aborted = True
         open_ids = list(dict.fromkeys(rid for i, rid in enumerate(self.request_ids)
                                       if self.finals[i] is None and self.errors[i] is None))
-        for rid in open_ids:
-            self._unroute(rid)
         if open_ids:
             self.router.abort(open_ids)
+
+    def forget(self) -> None:
+        """Stop routing the sink's requests at once: the engine may never have received them
+        (the call that queued them failed), so no final output may come to free their ids."""
+        for rid in set(self.request_ids):
+            self._unroute(rid)
 
 
 def coalesce_by_index(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
@@ -234,6 +250,7 @@ class OutputRouter:
             added_or_errors = await self.driver.add_requests.remote(self.consumer_id, specs)
         except BaseException:
             sink.abort()
+            sink.forget()
             raise
         for first, n, added in zip(firsts, counts, added_or_errors):
             for slot in range(first, first + n):

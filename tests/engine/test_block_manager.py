@@ -130,3 +130,119 @@ def test_can_allocate_counts_revived_cached_blocks():
     assert len(cached) == 2
     assert bm.can_allocate(cached, 6)  # 2 revived + 1 new = 3 free
     assert not bm.can_allocate(cached, 8)
+
+
+def test_blocks_filled_by_decoding_are_found_by_a_later_prompt():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq_of([1, 2, 3, 4, 5])
+    run_prefill(bm, a)  # one full block cached
+    for token in (6, 7, 8, 9):  # decoding fills the second block
+        a.append_token(token)
+        bm.append_slots(a, 1)
+        a.num_computed_tokens += 1
+        bm.cache_full_blocks(a)
+    b = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert bm.find_cached_prefix(b) == a.block_table[:2]
+
+
+def test_only_blocks_whose_kv_is_written_are_cached():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq_of(list(range(9)))
+    bm.allocate_prefix(a, [])
+    bm.append_slots(a, 9)
+    a.num_computed_tokens = 9  # launched, but only the first block's KV is written so far
+    bm.cache_full_blocks(a, num_written=4)
+    assert bm.find_cached_prefix(seq_of(list(range(10)))) == a.block_table[:1]
+    bm.cache_full_blocks(a)
+    assert bm.find_cached_prefix(seq_of(list(range(10)))) == a.block_table[:2]
+
+
+def test_content_computed_again_after_its_block_was_reused_is_cached_again():
+    """(1, 2) is cached, its block reused for other tokens, then (1, 2) computed again in
+    another block: a later prompt finds that one (the reused block's stale entry is gone)."""
+    bm = BlockManager(num_blocks=3, block_size=2)
+    first = seq_of([1, 2, 3])
+    run_prefill(bm, first)
+    old_block = first.block_table[0]
+    bm.free(first)
+    second = seq_of([5, 6, 7, 8, 9])
+    run_prefill(bm, second)  # takes every block: (1, 2)'s among them
+    bm.free(second)
+    holder = seq_of([4, 4])
+    run_prefill(bm, holder)
+    assert holder.block_table == [old_block]  # (1, 2)'s old block now holds (4, 4)
+    again = seq_of([1, 2, 9])
+    run_prefill(bm, again)
+    assert again.block_table[0] != old_block
+    assert bm.find_cached_prefix(seq_of([1, 2, 3])) == again.block_table[:1]
+
+
+def test_hit_rate_counts_every_lookup():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    for _ in range(3):
+        run_prefill(bm, seq_of(list(range(9))))
+    assert bm.prefix_hit_rate == (0 + 8 + 8) / (9 * 3)
+    assert bm.usage == 1 - bm.num_free_blocks / 10
+
+
+def test_a_new_manager_holds_nothing_to_copy_release_or_count():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    assert bm.take_copies() == [] and bm.take_released() == [] and bm.num_copied_blocks == 0
+    assert bm.usage == 0.0 and bm.prefix_hit_rate == 0.0 and bm.num_free_blocks == 3
+
+
+def test_freed_sequences_are_released_once_and_forget_their_hashes():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = seq_of(list(range(9))), seq_of([7])
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert bm.take_released() == [a.seq_id, b.seq_id] and bm.take_released() == []
+    assert not bm.seq_block_hashes  # nothing kept for sequences that are gone
+    assert a.block_table == [] and a.num_computed_tokens == 0 and a.ranks_table_len == 0
+
+
+def test_new_and_rewritten_tables_go_to_the_ranks_whole():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq_of(list(range(9)))
+    run_prefill(bm, a)
+    a.ranks_table_len = len(a.block_table)  # the ranks got it
+    b = seq_of(list(range(9)))
+    bm.allocate_prefix(b, bm.find_cached_prefix(b))
+    assert b.ranks_table_len == 0 and b.num_cached_tokens == 8
+
+
+def test_block_needs_of_a_sequence_writing_more_tokens():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = seq_of(list(range(6)))
+    run_prefill(bm, a)  # 2 blocks, 6 of 8 slots written
+    assert not bm.needs_blocks(a, 2) and bm.num_new_blocks(a, 2) == 0
+    assert bm.needs_blocks(a, 3) and bm.num_new_blocks(a, 3) == 1
+    assert bm.num_new_blocks(a, 11) == 3 and bm.can_append_slots(a, 11)
+    assert not bm.can_append_slots(a, 2 + 4 * 8 + 1)  # 9 more blocks; 8 are free
+
+
+def test_writing_into_a_shared_block_needs_a_copy():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    parent, child = seq_of(list(range(7))), seq_of(list(range(7)))
+    run_prefill(bm, parent)
+    assert not bm.needs_blocks(parent, 1)  # not shared yet
+    bm.fork(child, parent, 6)  # shares block 0 and the partly filled block 1
+    assert child.block_table == parent.block_table and child.num_computed_tokens == 6
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    assert bm.needs_blocks(child, 1) and bm.num_new_blocks(child, 1) == 1
+    assert bm.num_new_blocks(child, 3) == 2  # the copy and a third block
+    bm.append_slots(child, 1)
+    assert child.block_table[0] == parent.block_table[0]
+    assert bm.take_copies() == [(parent.block_table[1], child.block_table[1])]
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 1]
+    assert not bm.needs_blocks(child, 1) and bm.num_copied_blocks == 1
+
+
+def test_a_fork_fits_when_its_new_blocks_and_copy_are_free():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    run_prefill(bm, seq_of(list(range(7))))  # 2 blocks used, 2 free
+    assert bm.can_fork(6, 1)  # the copy of the partly filled block
+    assert bm.can_fork(8, 8) and not bm.can_fork(8, 9)  # 2 new blocks fit, 3 don't
+    assert bm.can_fork(6, 6) and not bm.can_fork(6, 7)  # the copy and 1 new, not 2

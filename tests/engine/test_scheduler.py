@@ -157,3 +157,96 @@ def test_finished_sequences_release_all_blocks():
     run_step(sched)
     sched.finish_many(seqs, lambda s: "stop")
     assert sched.block_manager.num_free_blocks == 16 and not sched.has_unfinished()
+
+
+def add_fork(sched: Scheduler, source: Sequence, name: str, **kwargs) -> Sequence:
+    """A choice of ``source``'s request: the same prompt, forked from it."""
+    seq = Sequence(name, source.prompt_token_ids, SamplingParams(), **kwargs)
+    seq.fork_of = source
+    sched.add(seq)
+    return seq
+
+
+def test_a_fork_waits_for_its_source_then_shares_the_full_prompt_blocks():
+    sched = make(num_blocks=8, block_size=4)
+    source = add(sched, 9, "source")  # 2 full prompt blocks, then the last prompt token
+    fork = add_fork(sched, source, "fork")
+    assert run_step(sched) == [("source", 9)]  # the fork waits: nothing computed to share yet
+    assert run_step(sched) == [("source", 1), ("fork", 1)]  # only its last prompt token
+    bm = sched.block_manager
+    assert fork.block_table[:2] == source.block_table[:2]
+    assert all(bm.blocks[b].ref_count == 2 for b in source.block_table[:2])
+    assert fork.block_table[2] not in source.block_table and fork.num_cached_tokens == 8
+    assert bm.take_copies() == []  # full blocks are shared, never written again
+    assert bm.num_free_blocks == 8 - 4
+
+
+def test_a_fork_copies_the_shared_block_it_writes_into():
+    sched = make(num_blocks=8, block_size=4)
+    source = add(sched, 7, "source")  # its 2nd block holds prompt tokens 4..6
+    fork = add_fork(sched, source, "fork")
+    run_step(sched)
+    assert run_step(sched) == [("source", 1), ("fork", 1)]
+    bm = sched.block_manager
+    assert fork.block_table[0] == source.block_table[0]
+    assert bm.blocks[source.block_table[0]].ref_count == 2
+    assert fork.block_table[1] != source.block_table[1]
+    assert bm.blocks[source.block_table[1]].ref_count == 1
+    assert bm.take_copies() == [(source.block_table[1], fork.block_table[1])]
+    assert bm.take_copies() == [] and bm.num_copied_blocks == 1
+    assert fork.ranks_table_len == 0  # the ranks get the fork's whole table
+
+
+def test_a_fork_whose_source_finished_prefills_on_its_own():
+    sched = make(num_blocks=8, block_size=4)
+    source = add(sched, 6, "source")
+    fork = add_fork(sched, source, "fork")
+    run_step(sched)
+    sched.finish(source, "stop")
+    assert run_step(sched) == [("fork", 6)]
+    assert fork.fork_of is None and fork.num_cached_tokens == 0
+
+
+def test_a_fork_without_room_waits_and_so_do_those_behind_it():
+    sched = make(num_blocks=4, block_size=4)
+    source = add(sched, 13, "source")  # 4 blocks: the cache is full
+    fork = add_fork(sched, source, "fork")
+    behind = add(sched, 2, "behind", arrival=1.0)
+    run_step(sched)
+    assert run_step(sched) == [("source", 1)]  # no free block for the fork's own
+    assert list(sched.waiting) == [fork, behind] and fork.fork_of is source
+
+
+def test_a_fork_ahead_of_its_waiting_source_lets_the_others_through():
+    sched = make(num_blocks=16, block_size=4, policy="priority")
+    source = add(sched, 6, "source", priority=1)
+    fork = add_fork(sched, source, "fork", priority=0)  # ranked first, but nothing to share
+    other = add(sched, 3, "other", priority=2)
+    assert run_step(sched) == [("source", 6), ("other", 3)]
+    assert list(sched.waiting) == [fork]
+
+
+def test_running_sequences_whose_next_token_is_pending_are_skipped_when_they_must_wait():
+    sched = make(num_blocks=16, block_size=4)
+    waits, last, free = (add(sched, 4, name, arrival=float(i))
+                         for i, name in enumerate(["waits", "last", "free"]))
+    last.params = SamplingParams(max_tokens=1)
+    run_step(sched)
+    for seq in (waits, last, free):  # overlapped: each one's sampled token is still on the device
+        seq.token_ids.pop()
+        seq.num_pending = 1
+    waits.waits_for_tokens = True  # its next step needs that token on the host
+    assert run_step(sched) == [("free", 1)]  # last's pending token is its max_tokens-th
+
+
+def test_a_prefilled_sequence_with_nothing_to_generate_is_not_scheduled():
+    sched = make(num_blocks=16, block_size=4)
+    done = Sequence("done", [1, 2, 3], SamplingParams(max_tokens=0))
+    sched.add(done)
+    other = add(sched, 2, "other")
+    out = sched.schedule()
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("done", 3), ("other", 2)]
+    done.num_computed_tokens = 3
+    other.num_computed_tokens = 2
+    other.append_token(7)
+    assert [(s.request_id, n) for s, n in sched.schedule().scheduled] == [("other", 1)]
