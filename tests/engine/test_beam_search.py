@@ -69,6 +69,19 @@ def test_length_penalty_ranks_beams_that_ended_at_different_lengths(llm, tiny_pa
     params = BeamSearchParams(beam_width=4, max_tokens=8, length_penalty=length_penalty)
     beams = llm.beam_search([prompt], params, use_tqdm=False)[0]
     assert [b.token_ids for b in beams] == [t for t, _ in expected]
+    assert [b.cumulative_logprob for b in beams] == pytest.approx([c for _, c in expected],
+                                                                  abs=1e-4)
+    assert [b.finish_reason for b in beams] == [  # EOS ends a beam early; the rest hit the limit
+        "stop" if t[-1] in eos else "length" for t, _ in expected]
+
+
+def test_ignore_eos_keeps_every_beam_to_max_tokens(llm, tiny_path):
+    prompt = random_prompts(1, 3, 12, seed=11)[0]  # its beams reach EOS when it is not ignored
+    expected = reference_beam_search(tiny_path, prompt, 4, 8, eos=())
+    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    beams = llm.beam_search([prompt], params, use_tqdm=False)[0]
+    assert [b.token_ids for b in beams] == [t for t, _ in expected]
+    assert all(len(b.token_ids) == 8 and b.finish_reason == "length" for b in beams)
 
 
 def test_beams_share_blocks_and_give_every_block_back(llm):

@@ -246,3 +246,11 @@ def test_a_fork_fits_when_its_new_blocks_and_copy_are_free():
     assert bm.can_fork(6, 1)  # the copy of the partly filled block
     assert bm.can_fork(8, 8) and not bm.can_fork(8, 9)  # 2 new blocks fit, 3 don't
     assert bm.can_fork(6, 6) and not bm.can_fork(6, 7)  # the copy and 1 new, not 2
+
+
+def test_blocks_of_one_slot_cache_every_token_but_the_last():
+    bm = BlockManager(num_blocks=8, block_size=1)
+    run_prefill(bm, seq_of([5, 6, 7]))
+    again = seq_of([5, 6, 7])
+    run_prefill(bm, again)
+    assert again.num_cached_tokens == 2 and bm.num_free_blocks == 8 - 4

@@ -74,9 +74,9 @@ def test_sjf_admits_shortest_first():
 def test_sjf_aging_lets_a_long_request_through():
     clock = FakeClock()
     sched = make(max_num_seqs=1, policy="sjf", aging_s=5.0, clock=clock)
-    add(sched, 40, "long", arrival=0.0)
+    add(sched, 40, "long", arrival=3.0)
     first = None
-    for t in range(1, 20):  # a stream of short requests keeps arriving
+    for t in range(4, 20):  # a stream of short requests keeps arriving
         clock.now = float(t)
         add(sched, 2, f"short{t}", arrival=clock.now)
         out = sched.schedule()
@@ -86,7 +86,7 @@ def test_sjf_aging_lets_a_long_request_through():
         if admitted:
             first = t
             break
-    assert first is not None and first >= 5  # waited its aging time, then went ahead
+    assert first == 3 + 5  # waited exactly its aging time, then went ahead of shorter ones
 
 
 def test_priority_admits_lower_value_first():
@@ -108,6 +108,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert sched.waiting[0] is b
     assert sched.block_manager.num_free_blocks == 4 - len(a.block_table)
+    assert b.num_preemptions == 1 and sched.num_preemptions == 1 and a.num_preemptions == 0
 
 
 def three_running(policy: str, priorities: tuple[int, int, int]
@@ -153,10 +154,39 @@ def test_a_preempted_sequence_goes_ahead_of_those_already_waiting():
 
 def test_finished_sequences_release_all_blocks():
     sched = make(num_blocks=16)
+    assert not sched.has_unfinished() and sched.num_preemptions == 0
     seqs = [add(sched, 6, f"r{i}") for i in range(3)]
+    assert sched.has_unfinished()  # waiting only
     run_step(sched)
+    assert sched.has_unfinished() and not sched.waiting  # running only
     sched.finish_many(seqs, lambda s: "stop")
     assert sched.block_manager.num_free_blocks == 16 and not sched.has_unfinished()
+    assert all(s.finish_reason == "stop" and s.is_finished for s in seqs)
+
+
+def test_finish_ends_one_sequence_waiting_or_running_with_its_reason():
+    sched = make(num_blocks=16, max_num_seqs=1)
+    running, waiting = add(sched, 3, "running"), add(sched, 3, "waiting")
+    run_step(sched)
+    sched.finish(waiting, "abort")
+    sched.finish(running, "length")
+    assert (waiting.finish_reason, running.finish_reason) == ("abort", "length")
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 16
+
+
+def test_a_sequence_preempted_twice_counts_both():
+    """The engine tells a preempted sequence's stale results by its preemption count."""
+    sched = make(num_blocks=3, block_size=4, policy="priority")
+    a, b = add(sched, 7, "a", arrival=0), add(sched, 3, "b", arrival=1)
+    run_step(sched)
+    run_step(sched)
+    assert sched.schedule().preempted == [b]  # a needs a 3rd block
+    sched.finish(a, "stop")
+    c = add(sched, 3, "c", arrival=2, priority=-1)  # admitted first, so b runs behind it
+    assert [name for name, _ in run_step(sched)] == ["c", "b"]
+    run_step(sched)
+    assert sched.schedule().preempted == [b]  # c needs a 2nd block
+    assert b.num_preemptions == 2 and sched.num_preemptions == 2 and c.num_preemptions == 0
 
 
 def add_fork(sched: Scheduler, source: Sequence, name: str, **kwargs) -> Sequence:
@@ -250,3 +280,32 @@ def test_a_prefilled_sequence_with_nothing_to_generate_is_not_scheduled():
     other.num_computed_tokens = 2
     other.append_token(7)
     assert [(s.request_id, n) for s, n in sched.schedule().scheduled] == [("other", 1)]
+
+
+def test_a_fork_starts_once_its_source_computed_all_but_the_last_prompt_token():
+    sched = make(num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    source = add(sched, 9, "source")
+    fork = add_fork(sched, source, "fork")
+    assert run_step(sched) == [("source", 8)]  # a chunk: the 8 tokens the fork shares
+    assert run_step(sched) == [("source", 1), ("fork", 1)]
+    assert run_step(sched) == [("source", 1), ("fork", 1)]  # both decode from here on
+    sched.finish(fork, "stop")
+    assert sched.running == [source] and fork.is_finished
+
+
+def test_a_preempted_fork_prefills_again_on_its_own():
+    sched = make(num_blocks=4, block_size=4)
+    source = add(sched, 5, "source")  # 2 blocks
+    fork = add_fork(sched, source, "fork")
+    run_step(sched)
+    run_step(sched)  # the fork shares block 0 and takes its own second block
+    assert sched.block_manager.num_free_blocks == 1
+    for _ in range(3):  # the source decodes into its 2nd block
+        run_step(sched)
+    out = sched.schedule()  # both need a 3rd block: one is free, the fork is preempted
+    assert out.preempted == [fork]
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+    sched.finish(source, "stop")
+    num_tokens = fork.num_tokens
+    assert run_step(sched) == [("fork", num_tokens)] and fork.fork_of is None

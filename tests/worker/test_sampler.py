@@ -15,14 +15,31 @@ def spec(**kw) -> SampleSpec:
 
 
 LOGITS = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
+# probabilities 0.5, 0.25, 0.25 exactly (float32 softmax of these logits is exact)
+HALVES = torch.tensor([0.5, 0.25, 0.25]).log()
 
 
 def draws(s: SampleSpec, n: int = 400) -> set[int]:
     return set(sample(LOGITS.repeat(n, 1), [s] * n).tolist())
 
 
-def test_top_k_never_emits_a_token_outside_the_k_best():
-    assert draws(spec(top_k=3, temperature=5.0)) <= {0, 1, 2}
+def test_top_k_keeps_exactly_the_k_best():
+    assert draws(spec(top_k=3, temperature=5.0)) == {0, 1, 2}
+    assert draws(spec(top_k=1, temperature=5.0)) == {0}
+
+
+@pytest.mark.parametrize("top_k", [-1, 3], ids=["sorted", "candidates"])
+def test_min_p_keeps_tokens_exactly_at_the_fraction_of_the_best(top_k):
+    n = 600
+    at_half = set(sample(HALVES.repeat(n, 1), [spec(min_p=0.5, top_k=top_k)] * n).tolist())
+    above_half = set(sample(HALVES.repeat(n, 1), [spec(min_p=0.51, top_k=top_k)] * n).tolist())
+    assert (at_half, above_half) == ({0, 1, 2}, {0})
+
+
+def test_different_seeds_draw_different_tokens():
+    logits = torch.zeros(1, 1000)  # uniform: the seed alone decides
+    ids = {sample(logits, [spec(seed=seed)]).item() for seed in range(20)}
+    assert len(ids) > 10
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
@@ -32,8 +49,6 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert draws(spec(top_p=p, top_k=5)) == {0, 1}  # the top-K candidates' path
 
 
-# probabilities 0.5, 0.25, 0.25 exactly (float32 softmax of these logits is exact)
-HALVES = torch.tensor([0.5, 0.25, 0.25]).log()
 
 
 @pytest.mark.parametrize("top_k", [-1, 3], ids=["sorted", "candidates"])
