@@ -122,6 +122,19 @@ def test_aborting_a_beam_search_ends_it_and_frees_its_blocks(llm):
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_failed_step_ends_a_search_with_the_engines_error(llm):
+    engine, bm = llm.engine, llm.engine.block_manager
+    engine.add_request("doomed", "fail this search", BeamSearchParams(beam_width=2, max_tokens=30))
+    for _ in range(4):
+        engine.step()
+    outs = engine.fail_all("engine failed: boom")
+    assert [o.index for o in outs] == [0, 1]
+    assert all(o.finish_reason == "error" and o.error == "engine failed: boom" for o in outs)
+    for _ in range(5):
+        engine.step()
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+
+
 @pytest.mark.parametrize("bad", [dict(beam_width=0), dict(beam_width=11), dict(max_tokens=0),
                                  dict(temperature=0.5), dict(length_penalty=float("nan"))])
 def test_bad_beam_search_params_are_rejected_naming_the_field(bad):

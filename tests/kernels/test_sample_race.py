@@ -127,3 +127,28 @@ def test_validation_names_the_argument():
             kernels.race_sample(*args, seed=0)
     with pytest.raises(ValueError, match="thresholds"):
         kernels.race_sample(logits, 1.0, seed=0, thresholds=torch.zeros(3, device=DEVICE))
+
+
+def _spec(temperature: float, **kw):
+    from nvray.engine.step_input import SampleSpec
+
+    base = dict(temperature=temperature, top_p=1.0, top_k=-1, min_p=0.0, seed=None, step_index=0)
+    return SampleSpec(**{**base, **kw})
+
+
+def test_the_sampler_runs_greedy_and_plain_batches_in_the_kernel():
+    """``sample(..., fused=True)`` as the model runner calls it on the GPU: a greedy batch gives
+    the argmax; a batch sharing one temperature and one mixing two follow each row's
+    ``softmax(logits / T)``."""
+    from nvray.worker.sampler import sample
+
+    torch.manual_seed(0)
+    scattered = torch.randn(8, 50).to(DEVICE)
+    assert sample(scattered, [_spec(0.0)] * 8, fused=True).tolist() == \
+        scattered.argmax(-1).tolist()
+    shared = sample(_narrow_logits(200), [_spec(1.0)] * 200, fused=True)
+    _assert_follows(shared, NARROW, 1.0)
+    mixed = sample(_narrow_logits(200), [_spec(0.5), _spec(2.0)] * 100, fused=True)
+    _assert_follows(mixed[0::2], NARROW, 0.5)
+    _assert_follows(mixed[1::2], NARROW, 2.0)
+

@@ -15,6 +15,11 @@ def test_the_exact_key_passes(header):
     assert bearer_key_matches(header, KEY)
 
 
+def test_a_key_with_spaces_passes_whole():
+    assert bearer_key_matches("Bearer two words", "two words")
+    assert not bearer_key_matches("Bearer words", "two words")
+
+
 @pytest.mark.parametrize("header", [
     "", "Bearer", "Bearer ", f"Bearer {KEY[:-1]}", f"Bearer {KEY[:1]}", f"Bearer {KEY}x",
     f"Bearer {KEY} ", f"Bearer  {KEY}", f"Basic {KEY}", KEY, f"Token {KEY}",
