@@ -25,7 +25,7 @@ from deployments.args import AppArgs, parse_args
 from deployments.engine_replica import NvrayEngine
 from deployments.server import NvrayServer
 from nvray.config import EngineConfig
-from nvray.runtime.client import resolve_device
+from nvray.runtime.cluster import resolve_device
 from nvray.runtime.placement import engine_bundles
 
 __all__ = ["AppArgs", "NvrayEngine", "NvrayServer", "app", "build_app"]
@@ -80,4 +80,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     ).bind(parsed.model_dump(), engines)
 
 
-app = build_app({})
+def __getattr__(name: str) -> Application:
+    """``app`` (what ``serve run deployments:app`` imports) is built when first asked for, not at
+    import: importing ``deployments`` starts nothing and resolves no device."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()["app"] = built = build_app({})
+    return built

@@ -16,7 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from deployments.admission import AdmissionGate
-from nvray.config import EngineConfig
+from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+
+_ENGINE = EngineConfig()  # the engine's defaults, the one source of each
 
 
 class AppArgs(BaseModel):
@@ -26,25 +28,26 @@ class AppArgs(BaseModel):
                                            "random-weight Qwen3 (no download)")
     served_model_name: str | None = Field(None, description="name clients pass as 'model'; "
                                                             "default: 'tiny' or the directory name")
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs (rank actors) per engine")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto': cuda when a GPU "
+    tensor_parallel_size: int = Field(_ENGINE.tensor_parallel_size, ge=1, le=64, description="GPUs (rank actors) per engine")
+    device: Literal["auto", "cpu", "cuda"] = Field(_ENGINE.device, description="'auto': cuda when a GPU "
                                                                        "is visible, else cpu")
     max_model_len: int | None = Field(None, ge=1, description="prompt + completion limit; "
                                                               "default: the model's")
-    max_num_seqs: int = Field(256, ge=1, description="sequences per engine batch")
-    max_num_batched_tokens: int = Field(8192, ge=1, description=(
-        "token budget per engine step (the engine's offline default is 16384; smaller prefill "
-        "chunks keep streams' inter-token latency low while long prompts prefill)"))
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory "
+    max_num_seqs: int = Field(_ENGINE.max_num_seqs, ge=1, description="sequences per engine batch")
+    max_num_batched_tokens: int = Field(SERVE_MAX_NUM_BATCHED_TOKENS, ge=1, description=(
+        f"token budget per engine step (the engine's offline default is "
+        f"{_ENGINE.max_num_batched_tokens}; smaller prefill chunks keep streams' inter-token "
+        f"latency low while long prompts prefill)"))
+    gpu_memory_utilization: float = Field(_ENGINE.gpu_memory_utilization, gt=0, le=1, description="fraction of GPU memory "
                                                                        "for weights + KV cache")
-    kvcache_block_size: int = Field(16, ge=1, description="tokens per KV cache block")
-    enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
-    enforce_eager: bool = Field(False, description="disable CUDA graphs")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="weights "
+    kvcache_block_size: int = Field(_ENGINE.kvcache_block_size, ge=1, description="tokens per KV cache block")
+    enable_prefix_caching: bool = Field(_ENGINE.enable_prefix_caching, description="reuse KV of shared prompt prefixes")
+    enforce_eager: bool = Field(_ENGINE.enforce_eager, description="disable CUDA graphs")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(_ENGINE.dtype, description="weights "
                                                                                         "and KV dtype")
-    scheduling_policy: Literal["fcfs", "sjf", "priority"] = Field("fcfs", description="admission "
+    scheduling_policy: Literal["fcfs", "sjf", "priority"] = Field(_ENGINE.scheduling_policy, description="admission "
                                                                                       "order")
-    num_cpus_per_rank: float = Field(0.9, gt=0, description="CPUs per rank actor (CPU engines; "
+    num_cpus_per_rank: float = Field(_ENGINE.num_cpus_per_rank, gt=0, description="CPUs per rank actor (CPU engines; "
                                      "0.9 lets a TP=2 engine and its replica fit 2 cores)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
                                            "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1} "

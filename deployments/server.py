@@ -50,8 +50,8 @@ from deployments.logprobs_format import TokenTexts
 from deployments.responses import DONE, ChatFormat, CompletionFormat, sse, with_usage
 from nvray.outputs import RequestOutput
 from nvray.reasoning import reasoning_parser_for
+from nvray.request import EngineRequest
 from nvray.runtime.output_router import RequestSink
-from nvray.runtime.output_router import Request as EngineRequest
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class NvrayServer:
         """Token texts for log-probabilities: the model's tokenizer, loaded in this replica
         the first time a request asks for them (a lookup per token: no call to the driver)."""
         if self._texts is None:
-            from nvray.bootstrap import load_tokenizer  # noqa: PLC0415
+            from nvray.tokenizer import load_tokenizer  # noqa: PLC0415
             from nvray.models.tiny import resolve_model  # noqa: PLC0415
 
             self._texts = TokenTexts(load_tokenizer(resolve_model(self.args.model)))

@@ -94,7 +94,8 @@ def _qk_norm_rope_kernel(
     k_mask = mask & (heads >= NUM_HEADS)[:, None]
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        k_mask = k_mask & (slot >= 0)
+        if slot < 0:  # no cache slot: q is stored, k and v are not (as in store_kv.py)
+            return
         row = slot * (NUM_KV_HEADS * HEAD_DIM)  # contiguous cache: slot s starts at s * KVH * D
     else:
         row = t * (NUM_KV_HEADS * HEAD_DIM)

@@ -1,6 +1,7 @@
 """EngineConfig: every engine setting in one frozen dataclass, validated on construction.
 
-Values only known at run time (the KV block count, EOS ids, the model's HF config) are not
+Every engine default is written here once: the Serve app's arguments, the batch job's flags
+and ``LLM`` take theirs from these fields. Values only known at run time (the KV block count, EOS ids, the model's HF config) are not
 kept here: they live in the objects that discover them. A bad value raises ``ValueError``
 naming the field, the value and what is allowed.
 """
@@ -18,6 +19,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 RUNTIMES = ("ray", "inprocess")
 RAY_DISPATCH = ("compiled", "actor_calls")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+# The Serve app's step token budget (deployments/args.py): smaller prefill chunks than the
+# offline default keep streams' inter-token latency low while long prompts prefill.
+SERVE_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -32,7 +36,7 @@ class EngineConfig:
     model: str = "tiny"
     max_num_seqs: int = 256
     # nano-vllm's default: offline throughput (eager prefill steps cost ~30 ms of host time
-    # each, so fewer, larger ones pay); the Serve app defaults to 8192 for inter-token latency
+    # each, so fewer, larger ones pay); the Serve app's is SERVE_MAX_NUM_BATCHED_TOKENS
     max_num_batched_tokens: int = 16384
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     kvcache_block_size: int = 16

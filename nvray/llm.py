@@ -47,7 +47,7 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from nvray.bootstrap import load_tokenizer  # noqa: PLC0415
+            from nvray.tokenizer import load_tokenizer  # noqa: PLC0415
             from nvray.models.tiny import resolve_model  # noqa: PLC0415
 
             self._tokenizer = load_tokenizer(resolve_model(self.config.model))
@@ -159,9 +159,9 @@ class LLM:
 
     def _run_on_ray(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],
                     prios: list[int], bar: tqdm) -> list[RequestOutput]:
-        from nvray.runtime.output_router import Request  # noqa: PLC0415
+        from nvray.request import EngineRequest  # noqa: PLC0415
 
-        sink = self.client.submit([Request(p, sp, rid, prio) for rid, p, sp, prio
+        sink = self.client.submit([EngineRequest(p, sp, rid, prio) for rid, p, sp, prio
                                    in zip(ids, prompts, params, prios)])
         results: list[RequestOutput | None] = [None] * len(sink.request_ids)  # n per prompt
         last = (time.perf_counter(), self.client.stats()) if not bar.disable else (0.0, {})

@@ -121,3 +121,23 @@ def serve_http(ray_cluster) -> str:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
+
+
+# NVRAY_TESTS_FAST_FIRST=1 (set by .ci/mutation): unit tests run before those that build an
+# engine, run kernels under the interpreter or start Ray, so that with -x a mutant fails fast.
+_SLOW_TESTS_BY_RANK = (("tests/engine/test_penalties.py", "tests/engine/test_beam_search.py"),
+                       ("tests/kernels/",), ("tests/runtime/", "tests/serve/test_"))
+
+
+def _speed_rank(item) -> int:
+    path = item.nodeid.split("::")[0]
+    if path.endswith(("test_api_key.py", "test_block_manager.py", "test_scheduler.py",
+                      "test_sampler.py")):
+        return 0
+    return 1 + next((rank for rank, prefixes in enumerate(_SLOW_TESTS_BY_RANK)
+                     if path.startswith(prefixes)), 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("NVRAY_TESTS_FAST_FIRST"):
+        items.sort(key=_speed_rank)

@@ -1,4 +1,4 @@
-"""The throughput workload's physical floors (nvray/bench_floor.py): design.md's bandwidth floor
+"""The throughput workload's physical floors (nvray/bench/floor.py): design.md's bandwidth floor
 against its figures (KV per token 112 KiB for Qwen3-0.6B and 144 KiB for 8B; the bench
 workload's floor ≈ 26.6k output tok/s for the 0.6B shape on an H100 at 3.0 TB/s, and issue 10's
 ≈ 17.3k for the 8B shape on an H200 at 4.3 TB/s), and both floors on a workload small enough to
@@ -6,9 +6,10 @@ work out by hand."""
 
 import pytest
 
-from nvray.bench import QWEN3_SHAPES, QWEN3_VOCAB, bench_workload
-from nvray.bench_floor import (floor_output_tok_per_s, kv_bytes_per_token, measured_bandwidth,
+from nvray.bench.checkpoints import QWEN3_SHAPES, QWEN3_VOCAB
+from nvray.bench.floor import (floor_output_tok_per_s, kv_bytes_per_token, measured_bandwidth,
                                roofline_output_tok_per_s)
+from nvray.bench.throughput import bench_workload
 from nvray.models.tiny import TINY_CONFIG, _hf_config
 
 

@@ -8,7 +8,7 @@ import torch
 
 from oracle import hf_greedy, hf_model, random_prompts
 from nvray import LLM, EngineConfig, SamplingParams
-from nvray.engine.step_input import SampleSpec, SeqStep, StepInput
+from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from nvray.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -42,13 +42,13 @@ def test_logits_close_for_prefill_and_decode(model, request):
     table = list(range(15, -1, -1))  # shuffled physical blocks
     hf = hf_model(path)
     tokens = list(prompt)
-    ours = runner.forward_logits(_step(prompt, 0, table))[0]
+    ours = runner.forward(_step(prompt, 0, table))[0][0]
     for step in range(4):
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4, msg=f"step {step}")
         tokens.append(int(ref.argmax()))
-        ours = runner.forward_logits(_step([tokens[-1]], len(tokens) - 1, table))[0]
+        ours = runner.forward(_step([tokens[-1]], len(tokens) - 1, table))[0][0]
 
 
 @pytest.mark.parametrize("model", ["tiny_path", "other_qwen3_path", "qwen2_path"])

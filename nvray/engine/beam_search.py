@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from nvray.engine.scheduler import Scheduler
 from nvray.engine.sequence import Sequence, SequenceStatus
-from nvray.engine.step_input import SeqPlan
+from nvray.engine.step_builder import SeqPlan
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 

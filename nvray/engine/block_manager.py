@@ -14,7 +14,7 @@ Contract:
   filled last block), it gets a private copy; the (source, copy) pair waits in
   ``take_copies()`` for the step that must copy the KV before it writes.
 - The ranks keep each sequence's block table between steps and get only its changes
-  (``step_input.py``): a sequence's ``ranks_table_len`` counts the leading entries they hold,
+  (``nvray/step_protocol.py``): a sequence's ``ranks_table_len`` counts the leading entries they hold,
   and this class lowers it where it changes an entry (a copy-on-write, a new table); a freed
   sequence waits in ``take_released()`` for the step that tells the ranks to drop its table.
 """

@@ -47,7 +47,7 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.ranks_table_len = 0  # leading block_table entries the ranks hold (step_input.py)
+        self.ranks_table_len = 0  # leading block_table entries the ranks hold (step_protocol.py)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.arrival_time = arrival_time

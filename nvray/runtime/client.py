@@ -21,21 +21,14 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from nvray.config import EngineConfig
 from nvray.models.tiny import TINY_NAME, resolve_model
 from nvray.outputs import RequestOutput
-from nvray.runtime.output_router import Request
-from nvray.runtime.cluster import cluster_has_gpus, ensure_ray
+from nvray.request import EngineRequest
+from nvray.runtime.cluster import ensure_ray, resolve_device
 from nvray.runtime.driver import EngineDriver
 from nvray.runtime.placement import DRIVER_CPUS, create_engine_placement_group, in_bundle
 from nvray.runtime.sync_router import SyncRouter, SyncSink
 
 _SHUTDOWN_TIMEOUT_S = 30.0
 _DRIVER_MAX_CONCURRENCY = 10_000
-
-
-def resolve_device(config: EngineConfig) -> EngineConfig:
-    """Pin device 'auto' to what the cluster has: 'cuda' if it has GPUs, else 'cpu'."""
-    if config.device != "auto":
-        return config
-    return config.replace(device="cuda" if cluster_has_gpus() else "cpu")
 
 
 def start_engine(config: EngineConfig, pg: PlacementGroup | None = None) -> "EngineClient":
@@ -90,7 +83,7 @@ class EngineClient:
                 weakref.finalize(self, self._router.close)
             return self._router
 
-    def submit(self, requests: Sequence[Request], stream: bool = False,
+    def submit(self, requests: Sequence[EngineRequest], stream: bool = False,
                all_or_nothing: bool = True) -> SyncSink:
         """Queue requests; read their outputs from the returned sink (see OutputRouter.add)."""
         return self.router.add(list(requests), stream, all_or_nothing)
@@ -98,7 +91,7 @@ class EngineClient:
     def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
                  priority: int = 0) -> RequestOutput | list[RequestOutput]:
         """The final output (with ``n > 1``: the list of the ``n`` choices' outputs)."""
-        results = self.submit([Request(prompt, sampling_params, request_id, priority)]).results()
+        results = self.submit([EngineRequest(prompt, sampling_params, request_id, priority)]).results()
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -108,14 +101,14 @@ class EngineClient:
                       ) -> list[RequestOutput | BaseException]:
         """Final outputs of many prompts, in order (``n`` consecutive ones per prompt with
         ``n > 1``); a rejected or failed one gives its error."""
-        sink = self.submit([Request(p, sampling_params) for p in prompts], all_or_nothing=False)
+        sink = self.submit([EngineRequest(p, sampling_params) for p in prompts], all_or_nothing=False)
         return sink.results()
 
     def stream(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
                priority: int = 0) -> Iterator[RequestOutput]:
         """Deltas as the engine makes them (coalesced if read slowly), the final output last.
         Stopping the iteration early aborts the request."""
-        sink = self.submit([Request(prompt, sampling_params, request_id, priority)], stream=True)
+        sink = self.submit([EngineRequest(prompt, sampling_params, request_id, priority)], stream=True)
         for _, out in sink.outputs():
             yield out
 

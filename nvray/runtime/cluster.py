@@ -4,7 +4,8 @@ An address that was asked for (``RAY_ADDRESS``) must answer: if nothing listens 
 fails within seconds with a ConnectionError that says what was tried, instead of Ray's minutes
 of retries. Without one, the cluster that ``ray start`` recorded on this machine is joined if
 its head still answers; a record left by a head that was killed is reported in a warning and a
-new local single-node cluster is started instead.
+new local single-node cluster is started instead. ``resolve_device`` pins an engine's
+device 'auto' to what the cluster has.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import socket
 
 import ray
+
+from nvray.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 _PROBE_TIMEOUT_S = 2.0
@@ -67,3 +70,10 @@ def cluster_has_gpus() -> bool:
 
         return torch.cuda.is_available()
     return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def resolve_device(config: EngineConfig) -> EngineConfig:
+    """Pin device 'auto' to what the cluster has: 'cuda' if it has GPUs, else 'cpu'."""
+    if config.device != "auto":
+        return config
+    return config.replace(device="cuda" if cluster_has_gpus() else "cpu")

@@ -32,6 +32,7 @@ token counts and ids a client sees are the ones the engine runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 import uuid
@@ -43,13 +44,13 @@ from nvray.bootstrap import create_engine
 from nvray.chat_template import is_chat, render_chat
 from nvray.config import EngineConfig
 from nvray.outputs import RequestOutput, WireOutput
+from nvray.request import EngineRequest
 from nvray.runtime.consumer_channel import ConsumerChannel, FinalOutput, OutputSink
-from nvray.runtime.engine_loop import EngineLoop, NewRequest
+from nvray.runtime.engine_loop import EngineLoop
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.ray_executor import RayExecutor
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
-RequestSpec = tuple[str, Any, Any, int, bool]  # request_id, prompt, sampling_params, priority, stream
 
 
 class EngineDriver:
@@ -81,7 +82,7 @@ class EngineDriver:
         if prompt == "":
             return []
         prepared = self.prepare_prompt(prompt)
-        return prepared if isinstance(prepared, list) else self.engine.tokenize(prepared)
+        return prepared if isinstance(prepared, list) else self.engine.intake.tokenize(prepared)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens included (the inverse of ``tokenize``)."""
@@ -98,19 +99,23 @@ class EngineDriver:
             raise EngineDeadError(self.loop.dead)
         return self.loop
 
-    def _new_request(self, spec: RequestSpec) -> NewRequest:
-        request_id, prompt, params, priority, stream = spec
+    def _prepare(self, request: EngineRequest) -> EngineRequest:
+        """The request as the engine takes it: chat rendered, parameters validated."""
+        assert request.request_id is not None, "the output router names every request"
+        params = request.params
         if not isinstance(params, BeamSearchParams):
             params = SamplingParams.coerce(params)
-        return NewRequest(request_id, self.prepare_prompt(prompt), params, priority, stream)
+        return dataclasses.replace(request, prompt=self.prepare_prompt(request.prompt),
+                                   params=params)
 
-    async def _add(self, specs: list[RequestSpec], sink: OutputSink) -> list[int | ValueError]:
+    async def _add(self, requests: list[EngineRequest], sink: OutputSink
+                   ) -> list[int | ValueError]:
         loop = self._live_loop()
-        results: list[int | ValueError] = [0] * len(specs)
+        results: list[int | ValueError] = [0] * len(requests)
         accepted, where = [], []
-        for i, spec in enumerate(specs):
+        for i, request in enumerate(requests):
             try:
-                accepted.append(self._new_request(spec))
+                accepted.append(self._prepare(request))
                 where.append(i)
             except ValueError as e:  # bad sampling values or chat messages: this request only
                 results[i] = e
@@ -118,7 +123,7 @@ class EngineDriver:
             results[i] = result
         return results
 
-    async def add_requests(self, consumer_id: str, requests: list[RequestSpec]
+    async def add_requests(self, consumer_id: str, requests: list[EngineRequest]
                            ) -> list[int | ValueError]:
         """Queue requests for the consumer's channel; per request its number of prompt tokens,
         or the ValueError that rejected it."""
@@ -136,7 +141,8 @@ class EngineDriver:
                              "(EngineClient.generate) for n > 1 or a beam search")
         sink = FinalOutput()
         request_id = request_id or uuid.uuid4().hex
-        [added] = await self._add([(request_id, prompt, sampling_params, priority, False)], sink)
+        [added] = await self._add([EngineRequest(prompt, sampling_params, request_id, priority)],
+                                  sink)
         if isinstance(added, ValueError):
             raise added
         try:

@@ -20,22 +20,12 @@ from typing import Any, Callable
 
 from nvray.engine.engine import LLMEngine
 from nvray.outputs import RequestOutput
+from nvray.request import EngineRequest
 from nvray.runtime.consumer_channel import OutputSink
 from nvray.runtime.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 1.0  # only a bound: commands wake the loop at once
-
-
-@dataclass
-class NewRequest:
-    """A request as the driver hands it to the loop (prompt already templated)."""
-
-    request_id: str
-    prompt: str | list[int]
-    params: Any
-    priority: int = 0
-    stream: bool = False
 
 
 class EngineLoop:
@@ -63,12 +53,12 @@ class EngineLoop:
         self.wakeup.set()
         return fut
 
-    def add(self, requests: list[NewRequest], sink: OutputSink) -> concurrent.futures.Future:
+    def add(self, requests: list[EngineRequest], sink: OutputSink) -> concurrent.futures.Future:
         """Queue requests whose outputs go to ``sink``; the future holds, per request, its
         number of prompt tokens or the ValueError that rejected it (then it is not queued)."""
         return self.call(lambda: [self._add_one(r, sink) for r in requests])
 
-    def _add_one(self, request: NewRequest, sink: OutputSink) -> int | ValueError:
+    def _add_one(self, request: EngineRequest, sink: OutputSink) -> int | ValueError:
         try:
             token_ids = self.engine.add_request(request.request_id, request.prompt,
                                                 request.params, request.priority, request.stream)

@@ -17,26 +17,17 @@ import asyncio
 import contextvars
 import logging
 import uuid
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 from nvray.outputs import RequestOutput, coalesce, from_wire
+from nvray.request import EngineRequest
 from nvray.runtime.errors import EngineDeadError
 from nvray.sampling_params import num_choices
 
 logger = logging.getLogger(__name__)
 # Steps the driver may run ahead of a slow consumer before its messages merge (Ray-side buffer).
 _MESSAGES_IN_FLIGHT = 4
-
-
-@dataclass
-class Request:
-    """One request as a consumer asks for it."""
-
-    prompt: Any  # a string, token ids, or chat messages
-    params: Any = None  # a SamplingParams or a dict of its fields
-    request_id: str | None = None
-    priority: int = 0
 
 
 class RequestSink:
@@ -228,7 +219,7 @@ class OutputRouter:
             sink.fail(index, error)
         self.sinks.clear()
 
-    async def add(self, requests: list[Request], stream: bool = False,
+    async def add(self, requests: list[EngineRequest], stream: bool = False,
                   all_or_nothing: bool = True) -> RequestSink:
         """Queue ``requests``; their outputs collect in the returned sink.
 
@@ -245,9 +236,10 @@ class OutputRouter:
         sink = RequestSink(self, [rid for rid, n in zip(ids, counts) for _ in range(n)])
         for rid, first in zip(ids, firsts):  # before the call: outputs may come before its reply
             self.sinks[rid] = (sink, first)
-        specs = [(rid, r.prompt, r.params, r.priority, stream) for rid, r in zip(ids, requests)]
+        named = [dataclasses.replace(r, request_id=rid, stream=stream)
+                 for rid, r in zip(ids, requests)]
         try:
-            added_or_errors = await self.driver.add_requests.remote(self.consumer_id, specs)
+            added_or_errors = await self.driver.add_requests.remote(self.consumer_id, named)
         except BaseException:
             sink.abort()
             sink.forget()

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from nvray.config import EngineConfig
-from nvray.engine.step_input import StepInput, StepOutput
+from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import freeze_startup_objects, release_frozen_objects
 from nvray.worker.model_runner import ModelRunner
+from nvray.worker.startup import num_kvcache_blocks, prepare_kv_cache
 
 _DIST_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -55,7 +56,7 @@ class RankWorker:
     def load(self, model_path: str) -> int:
         """Build the model shard; returns how many KV blocks fit on this rank."""
         self.runner = ModelRunner(self.config, model_path)
-        return self.runner.num_kvcache_blocks()
+        return num_kvcache_blocks(self.runner)
 
     def model_facts(self) -> dict[str, int]:
         assert self.runner is not None, "load() first"
@@ -64,7 +65,7 @@ class RankWorker:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None, "load() first"
-        self.runner.allocate_kv_cache(num_blocks)
+        prepare_kv_cache(self.runner, num_blocks)
         freeze_startup_objects()  # the rank's start-up is done (cache and CUDA graphs exist)
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from nvray.config import EngineConfig
-from nvray.engine.step_input import StepInput, StepOutput
+from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import release_frozen_objects
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.placement import in_bundle, rank_resources

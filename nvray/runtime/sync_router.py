@@ -12,7 +12,8 @@ import threading
 from typing import Any, Coroutine, Iterator, TypeVar
 
 from nvray.outputs import RequestOutput
-from nvray.runtime.output_router import OutputRouter, Request, RequestSink
+from nvray.request import EngineRequest
+from nvray.runtime.output_router import OutputRouter, RequestSink
 
 T = TypeVar("T")
 _CLOSE_TIMEOUT_S = 5.0
@@ -63,7 +64,7 @@ class SyncRouter:
         """Run ``coro`` on the router's loop and wait for it (time-outs belong inside it)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def add(self, requests: list[Request], stream: bool = False,
+    def add(self, requests: list[EngineRequest], stream: bool = False,
             all_or_nothing: bool = True) -> SyncSink:
         return SyncSink(self, self.run(self.router.add(requests, stream, all_or_nothing)))
 

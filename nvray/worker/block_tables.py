@@ -1,7 +1,7 @@
 """DeviceBlockTables: the block tables of the sequences the ranks run, kept on the device.
 
 A running sequence's table only grows, one block every ``block_size`` tokens, so the control
-plane sends each table's changes only (``step_input.py``): a step carries, per sequence, the
+plane sends each table's changes only (``nvray/step_protocol.py``): a step carries, per sequence, the
 entries from ``table_start`` on (0: the whole table). Each sequence gets a row of a persistent
 ``[max_rows, max_blocks]`` int32 table, mirrored on the host (the builder computes KV slots
 from it); only the entries that changed travel to the device, as (flat index, block id) pairs.

@@ -1,14 +1,16 @@
-"""InProcessExecutor: runs one ModelRunner (TP=1) in the calling process.
+"""InProcessExecutor: the step protocol's ``Executor`` (``nvray/step_protocol.py``) over one
+``ModelRunner`` (TP=1) in the calling process.
 
-It is the yardstick the Ray executor is measured against, and what a worker actor wraps.
+It is the yardstick the Ray executor (``nvray/runtime/ray_executor.py``) is measured against.
 """
 
 from __future__ import annotations
 
 from nvray.config import EngineConfig
-from nvray.engine.step_input import StepInput, StepOutput
+from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import release_frozen_objects
 from nvray.worker.model_runner import ModelRunner
+from nvray.worker.startup import num_kvcache_blocks, prepare_kv_cache
 
 
 class InProcessExecutor:
@@ -17,8 +19,8 @@ class InProcessExecutor:
             raise ValueError("the in-process executor runs tensor_parallel_size=1 only; "
                              "use the Ray runtime for tensor parallelism")
         self.runner = ModelRunner(config, model_path)
-        self.num_blocks = self.runner.num_kvcache_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
+        self.num_blocks = num_kvcache_blocks(self.runner)
+        prepare_kv_cache(self.runner, self.num_blocks)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
 
@@ -30,6 +32,9 @@ class InProcessExecutor:
 
     def discard_in_flight(self) -> None:
         self.runner.discard_in_flight()
+
+    def check_health(self) -> None:
+        """The runner lives in this process: it cannot die on its own."""
 
     def shutdown(self) -> None:
         if self.runner is not None:

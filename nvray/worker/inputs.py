@@ -17,7 +17,7 @@ context length is the chunk's start + the graph's query length.
 The host buffer is reused every step, so before writing it the builder waits for the previous
 step's copy (an event: free on rank 0, which synchronizes on the sampled tokens anyway).
 
-Overlapped steps: a placeholder id (negative: ``step_input.py``) stands for a token the
+Overlapped steps: a placeholder id (negative: ``nvray/step_protocol.py``) stands for a token the
 previous step is still sampling on the device; the builder sends where each one goes and which
 row of that step's sampled ids fills it, and fills them on the device after the copy, so the
 token never travels to the host and back before the next step can start.
@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from nvray.engine.step_input import StepInput, placeholder_row
+from nvray.step_protocol import StepInput, placeholder_row
 from nvray.layers.attention import AttentionMetadata
 from nvray.worker.block_tables import DeviceBlockTables
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nvray.engine.step_input import Penalties, SampleSpec
+from nvray.step_protocol import Penalties, SampleSpec
 from nvray.worker.device_lists import to_device
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nvray.engine.step_input import StepOutput
+from nvray.step_protocol import StepOutput
 from nvray.worker.logprobs import HostLogprobs
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from nvray.engine.step_input import SampleSpec
+from nvray.step_protocol import SampleSpec
 from nvray.worker.device_lists import to_device
 
 _MASK64 = (1 << 63) - 1

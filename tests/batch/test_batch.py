@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nvray.batch_io import input_schema
+from nvray.batch.io import input_schema
 from ray_nodes import RAY_CLI, REPO, SECOND_NODE_IP, TOKEN, Cluster, child_env
 
 MAX_TOKENS, MAX_MODEL_LEN = 8, 96
@@ -235,7 +235,7 @@ def test_engines_that_do_not_fit_the_cluster_fail_fast(ray_head, tmp_path):
     ([{"id": True, "prompt": "x"}], "line 1: 'id' must be a string or an integer"),
 ])
 def test_malformed_jsonl_is_rejected_with_the_row_number(tmp_path, lines, message):
-    from nvray.batch_io import validate_input
+    from nvray.batch.io import validate_input
 
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     with pytest.raises(ValueError) as err:
@@ -244,7 +244,7 @@ def test_malformed_jsonl_is_rejected_with_the_row_number(tmp_path, lines, messag
 
 
 def test_malformed_parquet_is_rejected_with_the_row_number(tmp_path):
-    from nvray.batch_io import validate_input
+    from nvray.batch.io import validate_input
 
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": ["a", None, "c"], "prompt": ["x", "y", "z"]}), path)
@@ -277,7 +277,7 @@ def test_cli_fails_fast_on_malformed_input_before_starting_ray(tmp_path):
 
 
 def test_input_directory_and_output_path_checks(tmp_path):
-    from nvray.batch_io import check_output_path, find_input_files, validate_input
+    from nvray.batch.io import check_output_path, find_input_files, validate_input
 
     write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "prompt": "1"}])
     write_jsonl(tmp_path / "b.jsonl", [{"id": "y", "prompt": "2"}, {"id": "x", "prompt": "3"}])
@@ -331,7 +331,7 @@ def fake_batch() -> pa.Table:
 
 @pytest.mark.parametrize("restarts", [1, 0])
 def test_pool_actor_replaces_a_dead_engine_and_keeps_request_errors(restarts):
-    from nvray.batch_udf import GenerateBatch
+    from nvray.batch.udf import GenerateBatch
 
     engines: list[FakeEngine] = []
 
@@ -355,7 +355,7 @@ def test_pool_actor_replaces_a_dead_engine_and_keeps_request_errors(restarts):
 
 # ---------------------------------------------------------------- reading and writing rows
 def test_parquet_rows_are_normalized_to_the_input_schema():
-    from nvray.batch_read import normalize_rows
+    from nvray.batch.read import normalize_rows
 
     only_messages = pa.Table.from_pylist([
         {"id": 3, "messages": [{"role": "user", "content": "hi", "name": "x"}], "extra": 1},
@@ -373,7 +373,7 @@ def test_parquet_rows_are_normalized_to_the_input_schema():
 
 @pytest.mark.parametrize("name", ["out.jsonl", "out.parquet"])
 def test_output_appears_only_when_the_job_succeeds(tmp_path, name):
-    from nvray.batch_io import OutputWriter, output_schema
+    from nvray.batch.io import OutputWriter, output_schema
 
     path, fmt = tmp_path / name, name.split(".")[1]
     schema = output_schema(pa.string())

@@ -98,7 +98,7 @@ def test_logits_adjustment_counts_each_repeat_of_an_output_token():
     and repetition do not; a row without penalties in the same batch is left alone."""
     from array import array
 
-    from nvray.engine.step_input import Penalties, SampleSpec
+    from nvray.step_protocol import Penalties, SampleSpec
     from nvray.worker.logits_processors import adjust_logits
 
     prompt, output, pending = [1, 2], [3, 3, 5, 3], 3
@@ -106,7 +106,7 @@ def test_logits_adjustment_counts_each_repeat_of_an_output_token():
     logits = torch.randn(2, 8)
     tokens = array("i", prompt + output).tobytes()
     penalized = SampleSpec(1.0, 1.0, -1, 0.0, None, len(output) + 1, penalties=Penalties(
-        presence=0.25, frequency=0.5, repetition=1.5, tokens=tokens, num_prompt_tokens=2,
+        presence=0.25, frequency=0.5, repetition=2.0, tokens=tokens, num_prompt_tokens=2,
         pending_row=1))
     plain = SampleSpec(1.0, 1.0, -1, 0.0, None, 0)
     prev_sampled = torch.tensor([6, pending], dtype=torch.int32)  # row 1: the pending token
@@ -114,7 +114,7 @@ def test_logits_adjustment_counts_each_repeat_of_an_output_token():
     expected = logits[1].clone()
     full_output = output + [pending]
     for token in set(prompt + full_output):
-        expected[token] = expected[token] / 1.5 if expected[token] > 0 else expected[token] * 1.5
+        expected[token] = expected[token] / 2 if expected[token] > 0 else expected[token] * 2
     for token in set(full_output):
         expected[token] -= 0.5 * full_output.count(token) + 0.25
     assert torch.equal(adjusted[0], logits[0])

@@ -1,5 +1,5 @@
 """A step crosses to the Ray ranks unchanged: what the ranks unpickle equals what the driver
-built, field for field and type for type (the wire form is plain tuples: step_input.py)."""
+built, field for field and type for type (the wire form is plain tuples: nvray/step_protocol.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pickle
 import numpy as np
 import ray
 
-from nvray.engine.step_input import (Penalties, PromptScore, SampleSpec, SeqStep, StepInput,
-                                     placeholder_id)
+from nvray.step_protocol import (Penalties, PromptScore, SampleSpec, SeqStep, StepInput,
+                                 placeholder_id)
 
 
 def a_step() -> StepInput:

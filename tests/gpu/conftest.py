@@ -11,7 +11,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def qwen3_06b_path(tmp_path_factory) -> str:
-    from nvray.bench import random_qwen3_checkpoint
+    from nvray.bench.checkpoints import random_qwen3_checkpoint
 
     return random_qwen3_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "0.6b")
 

@@ -9,7 +9,7 @@ import torch
 
 from gpu_oracle import check_greedy_near_argmax, hf_logits, wait_gpu_memory_below
 from nvray import LLM, EngineConfig, SamplingParams
-from nvray.engine.step_input import SampleSpec, SeqStep, StepInput
+from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from oracle import random_prompts
 
 pytestmark = [
@@ -28,11 +28,12 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def runner(qwen3_06b_path):
     from nvray.worker.model_runner import ModelRunner
+    from nvray.worker.startup import prepare_kv_cache
 
     config = EngineConfig(model=qwen3_06b_path, max_model_len=1024, max_num_seqs=16,
                           num_kvcache_blocks=160)
     r = ModelRunner(config, qwen3_06b_path)
-    r.allocate_kv_cache(160)
+    prepare_kv_cache(r, 160)
     assert r.graphs is not None and r.graph_sizes == [1, 2, 4, 8, 16]
     yield r
     r.close()
@@ -46,7 +47,7 @@ def test_prefill_and_graph_decode_logits_match_hf_within_bf16_noise(runner, qwen
     seqs = [list(p) for p in prompts]
     replays = runner.num_graph_replays
     for decode_step in range(4):  # the prefill, then 3 decode steps (graph of batch size 4)
-        ours = runner.forward_logits(step)
+        ours = runner.forward(step)[0]
         assert ours is not None and torch.isfinite(ours).all()
         assert runner.num_graph_replays - replays == decode_step  # decodes of 4 replay the graph of 4
         next_step = []
@@ -67,13 +68,13 @@ def test_decode_batch_padded_into_a_larger_graph_matches_eager(runner):
     prompts = [random_prompts(1, n, n, seed=40 + n, vocab=VOCAB)[0] for n in (17, 64, 200)]
     tables = [list(range(80 + 20 * i, 100 + 20 * i)) for i in range(3)]
     prefill = StepInput([SeqStep(10 + i, p, 0, tables[i], GREEDY_SPEC) for i, p in enumerate(prompts)])
-    first = runner.forward_logits(prefill).argmax(-1).tolist()
+    first = runner.forward(prefill)[0].argmax(-1).tolist()
     decode = StepInput([SeqStep(10 + i, [first[i]], len(p), tables[i], GREEDY_SPEC)
                         for i, p in enumerate(prompts)])
-    graphed = runner.forward_logits(decode).clone()
+    graphed = runner.forward(decode)[0].clone()
     graphs, runner.graphs = runner.graphs, None  # the same step, eager
     try:
-        eager = runner.forward_logits(decode)
+        eager = runner.forward(decode)[0]
     finally:
         runner.graphs = graphs
     assert torch.isfinite(graphed).all()

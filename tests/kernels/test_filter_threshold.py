@@ -124,7 +124,7 @@ def test_bad_arguments_are_rejected_naming_them(bad):
 def test_the_sampler_draws_what_the_sorted_vocabulary_draws(filters):
     """Seeded rows of the sampler: thresholds from the kernel (``fused=True``) against the whole
     sorted vocabulary (float logits without ties), greedy and unfiltered rows among them."""
-    from nvray.engine.step_input import SampleSpec
+    from nvray.step_protocol import SampleSpec
     from nvray.worker.sampler import sample
 
     base = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, step_index=0)
@@ -141,7 +141,7 @@ def test_the_sampler_draws_what_the_sorted_vocabulary_draws(filters):
 def test_unseeded_filtered_batches_race_in_the_kernel_over_the_kept_tokens():
     """No seeds: the fused sampler races in the kernel. Top-p 0.9 over six tokens keeps the
     three best; their draws follow the softmax renormalized over them."""
-    from nvray.engine.step_input import SampleSpec
+    from nvray.step_protocol import SampleSpec
     from nvray.worker.sampler import sample
 
     row = torch.tensor([2.0, 1.5, 1.0, -1.0, -2.0, -3.0])

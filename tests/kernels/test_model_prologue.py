@@ -21,8 +21,9 @@ import kernels  # noqa: E402
 from nvray import EngineConfig  # noqa: E402
 from nvray.layers.activation import SiluAndMul  # noqa: E402
 from nvray.layers.norm import RMSNorm  # noqa: E402
-from nvray.engine.step_input import SampleSpec, SeqStep, StepInput  # noqa: E402
+from nvray.step_protocol import SampleSpec, SeqStep, StepInput  # noqa: E402
 from nvray.worker.model_runner import ModelRunner  # noqa: E402
+from nvray.worker.setup import use_triton_kernels  # noqa: E402
 
 if not importlib.import_module("kernels.qk_norm_rope")._INTERPRET:
     pytest.skip("runs the kernel on CPU tensors: needs TRITON_INTERPRET=1", allow_module_level=True)
@@ -36,7 +37,7 @@ def _step(tokens: list[int], start: int, table: list[int]) -> StepInput:
 def test_logits_with_the_triton_kernels_match_hf(model, request):
     path = request.getfixturevalue(model)
     runner = ModelRunner(EngineConfig(model=path, num_kvcache_blocks=8, kvcache_block_size=16), path)
-    runner._use_triton_kernels()  # noqa: SLF001 - what the runner does on the GPU
+    assert use_triton_kernels(runner.model)  # what the runner does on the GPU
     fused = [m for m in runner.model.modules() if getattr(m, "fused_prologue", None) is not None]
     assert fused, "the model's attention layers take the fused kernel"
     norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
@@ -47,10 +48,10 @@ def test_logits_with_the_triton_kernels_match_hf(model, request):
     prompt = random_prompts(1, 21, 21, seed=5)[0]
     table = [3, 7, 1, 0, 5, 2, 6, 4]
     tokens = list(prompt)
-    ours = runner.forward_logits(_step(prompt, 0, table))[0]
+    ours = runner.forward(_step(prompt, 0, table))[0][0]
     for step in range(3):
         with torch.no_grad():
             ref = hf_model(path)(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4, msg=f"step {step}")
         tokens.append(int(ref.argmax()))
-        ours = runner.forward_logits(_step([tokens[-1]], len(tokens) - 1, table))[0]
+        ours = runner.forward(_step([tokens[-1]], len(tokens) - 1, table))[0][0]

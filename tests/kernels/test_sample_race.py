@@ -130,7 +130,7 @@ def test_validation_names_the_argument():
 
 
 def _spec(temperature: float, **kw):
-    from nvray.engine.step_input import SampleSpec
+    from nvray.step_protocol import SampleSpec
 
     base = dict(temperature=temperature, top_p=1.0, top_k=-1, min_p=0.0, seed=None, step_index=0)
     return SampleSpec(**{**base, **kw})

@@ -12,7 +12,7 @@ import pytest
 
 from nvray import EngineConfig
 from nvray.runtime import start_engine
-from nvray.runtime.output_router import Request
+from nvray.request import EngineRequest
 
 LONG = {"max_tokens": 400, "ignore_eos": True}  # far more than any test reads
 SETTLE_S = 30
@@ -74,14 +74,14 @@ def test_aborting_a_sink_ends_only_its_unfinished_requests(client):
     choices) end as aborted; the finished request's id, meanwhile reused by another caller, is
     not aborted; an aborted id, reused as soon as the router takes it, gets its own output."""
     before = finished(client)
-    sink = client.submit([Request("short one", {"max_tokens": 1, "ignore_eos": True}, "short"),
-                          Request("long one", {**LONG, "n": 2}, "long-pair"),
-                          Request("long two", LONG, "long-single")], stream=True)
+    sink = client.submit([EngineRequest("short one", {"max_tokens": 1, "ignore_eos": True}, "short"),
+                          EngineRequest("long one", {**LONG, "n": 2}, "long-pair"),
+                          EngineRequest("long two", LONG, "long-single")], stream=True)
     deadline = time.monotonic() + SETTLE_S
     while sink.sink.finals[0] is None:  # the short one has finished
         assert time.monotonic() < deadline, "the one-token request never finished"
         sink.next_batch(timeout=SETTLE_S)
-    reused = client.submit([Request("the id again", {"max_tokens": 8, "ignore_eos": True},
+    reused = client.submit([EngineRequest("the id again", {"max_tokens": 8, "ignore_eos": True},
                                     "short")])
     sink.abort()
     again = reuse_when_free(client, "long-single")

@@ -11,7 +11,8 @@ import pytest
 from nvray import EngineConfig, SamplingParams
 from nvray.outputs import RequestOutput, from_wire
 from nvray.runtime.consumer_channel import ConsumerChannel
-from nvray.runtime.engine_loop import EngineLoop, NewRequest
+from nvray.request import EngineRequest
+from nvray.runtime.engine_loop import EngineLoop
 from oracle import random_prompts
 
 MAX_TOKENS = 12
@@ -41,7 +42,7 @@ async def stream_through_channel(engine, prompts: list[list[int]]) -> tuple[dict
     loop = EngineLoop(engine)
     channel = CountingChannel()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = [NewRequest(f"r{len(prompts)}-{i}", p, params, stream=True) for i, p in enumerate(prompts)]
+    requests = [EngineRequest(p, params, f"r{len(prompts)}-{i}", stream=True) for i, p in enumerate(prompts)]
     added = await asyncio.wrap_future(loop.add(requests, channel))
     assert added == [len(p) for p in prompts]
     outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}

@@ -108,10 +108,10 @@ def test_chat_messages_as_prompt(tp2, tiny_path):
 
 
 def test_abort_frees_the_requests_blocks(tp2):
-    from nvray.runtime.output_router import Request
+    from nvray.request import EngineRequest
 
     client = tp2.client
-    sink = client.submit([Request("abort me " * 10, {"max_tokens": 400, "ignore_eos": True},
+    sink = client.submit([EngineRequest("abort me " * 10, {"max_tokens": 400, "ignore_eos": True},
                                   "to-abort")], stream=True)
     assert sink.next_batch(timeout=60)  # it is running
     assert client.stats()["kv_cache_usage"] > 0
@@ -201,14 +201,14 @@ def test_a_rank_fault_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(
 
 def test_many_streams_share_one_message_per_step(tp2):
     """Through Ray: 16 streams of one client arrive as at most one message per engine step."""
-    from nvray.runtime.output_router import Request
+    from nvray.request import EngineRequest
 
     client = tp2.client
     prompts = [f"stream number {i}" for i in range(16)]
     params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
     router = client.router.router
     steps_before, messages_before = client.stats()["num_steps"], router.num_messages
-    sink = client.submit([Request(p, params) for p in prompts], stream=True)
+    sink = client.submit([EngineRequest(p, params) for p in prompts], stream=True)
     streamed: dict[int, list] = {}
     for index, out in sink.outputs():
         streamed.setdefault(index, []).append(out)
@@ -222,13 +222,13 @@ def test_many_streams_share_one_message_per_step(tp2):
 
 
 def test_a_request_id_in_use_is_refused_and_the_first_request_is_unharmed(tp2):
-    from nvray.runtime.output_router import Request
+    from nvray.request import EngineRequest
 
     client = tp2.client
     params = {"temperature": 0.0, "max_tokens": 30, "ignore_eos": True}
-    first = client.submit([Request("first of two", params, "dup-id")], stream=True)
+    first = client.submit([EngineRequest("first of two", params, "dup-id")], stream=True)
     with pytest.raises(ValueError, match="already in use"):
-        client.submit([Request("second of two", params, "dup-id")])
+        client.submit([EngineRequest("second of two", params, "dup-id")])
     [out] = first.results(timeout=120)
     assert out.token_ids == client.generate("first of two", params).token_ids
 

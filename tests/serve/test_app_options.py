@@ -3,15 +3,47 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
 from ray import serve
 
 from deployments import build_app
+from deployments.args import AppArgs
+from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+
+
+def test_importing_the_app_module_builds_nothing_until_app_is_asked_for():
+    """``import deployments`` resolves no device and binds no deployment; ``deployments.app``
+    (what ``serve run deployments:app`` reads) is the tiny-model app, built on first access."""
+    code = ("import deployments, ray\n"
+            "assert 'app' not in vars(deployments), 'the app was built at import'\n"
+            "assert not ray.is_initialized()\n"
+            "from ray.serve import Application\n"
+            "assert isinstance(deployments.app, Application)\n"
+            "assert deployments.app is deployments.app\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_app_defaults_are_the_engines_except_the_documented_step_budget():
+    engine = EngineConfig()
+    args = AppArgs()
+    shared = set(AppArgs.model_fields) & {f.name for f in dataclasses.fields(EngineConfig)}
+    assert {"max_num_seqs", "gpu_memory_utilization", "kvcache_block_size"} <= shared
+    differing = {name for name in shared if getattr(args, name) != getattr(engine, name)}
+    assert differing == {"max_num_batched_tokens"}
+    assert args.max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert args.engine_config().max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
 
 
 def test_unknown_or_invalid_args_fail_at_start_up_naming_them():

@@ -234,7 +234,7 @@ def scripted_thinker(tmp_path_factory) -> str:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from nvray.bootstrap import load_tokenizer
+    from nvray.tokenizer import load_tokenizer
     from nvray.models.tiny import build_checkpoint
 
     path = build_checkpoint(str(tmp_path_factory.mktemp("scripted-thinker")),

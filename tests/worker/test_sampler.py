@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvray.engine.step_input import SampleSpec
+from nvray.step_protocol import SampleSpec
 from nvray.worker.sampler import sample
 
 

@@ -1,5 +1,10 @@
-"""StepInput: what the control plane sends the model ranks for one step (plain, picklable: it
-pickles as plain tuples and lists, which is how it crosses to the Ray ranks every step).
+"""The step protocol: THE contract between the control plane and the model ranks.
+
+Both sides import this module and nothing of each other: the engine (``nvray/engine``) builds a
+``StepInput`` per step and hands it to an ``Executor``; the ranks (``nvray/worker``, behind
+``nvray/runtime`` on Ray) run it and answer with a ``StepOutput``. The types are plain and
+picklable: a ``StepInput`` pickles as plain tuples and lists, which is how it crosses to the Ray
+ranks every step.
 
 For each scheduled sequence: the tokens whose KV is computed this step, where they start,
 its block table, and — when the step reaches the end of the sequence — how to sample its next
@@ -7,9 +12,9 @@ token.
 
 Block tables travel as changes: the ranks keep each sequence's table from step to step, and a
 ``SeqStep`` carries the entries from ``table_start`` on (0: the whole table; a running sequence
-sends nothing most steps, a new block every ``block_size`` tokens). ``build_step_input`` sends
-what ``Sequence.ranks_table_len`` says the ranks lack; a step's ``released`` seq ids are
-sequences whose blocks were freed (finished, preempted): the ranks drop their tables first.
+sends nothing most steps, a new block every ``block_size`` tokens). A step's ``released`` seq
+ids are sequences whose blocks were freed (finished, preempted): the ranks drop their tables
+first.
 
 The ranks answer with one sampled token id per sequence that has a ``SampleSpec``, in order.
 
@@ -24,17 +29,17 @@ the first ``len(targets)`` rows of the sequence's chunk from ``offset`` on, each
 the prompt token that follows it. The ranks answer with a ``StepOutput``: the sampled ids, then
 ``logprobs`` rows — first one per sampling row that asked, in row order, then the score rows
 of each sequence in step order.
+
+``Executor`` is what runs steps for the engine: the in-process runner
+(``nvray/worker/executor.py``) or the Ray rank group (``nvray/runtime/ray_executor.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from nvray.engine.scheduler import SchedulerOutput
-from nvray.engine.sequence import Sequence
 from nvray.outputs import TokenLogprobs
-from nvray.sampling_params import SamplingParams
 
 
 class Penalties(NamedTuple):
@@ -143,95 +148,25 @@ def placeholder_row(token_id: int) -> int:
     return -1 - token_id
 
 
-@dataclass
-class SeqPlan:
-    """What shapes a sequence's steps, fixed at admission (the parts of its SampleSpecs that
-    never change are computed once), except ``num_scored``: prompt positions whose scoring was
-    launched."""
+class Executor(Protocol):
+    """Runs steps on the model ranks; what ``LLMEngine`` and ``bootstrap`` rely on."""
 
-    stop_ids: tuple[int, ...]  # EOS (unless ignore_eos) and stop_token_ids
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each bad word
-    num_scored: int = 0
-    fixed: tuple = ()  # temperature, top_p, top_k, min_p, seed
-    min_tokens: int = 0
-    logprobs: int = -1
-    adjusts_logits: bool = False
+    num_blocks: int  # KV cache blocks every rank holds (the minimum over the ranks)
+    max_model_len: int  # prompt + output tokens a sequence may reach
+    vocab_size: int
 
-    @classmethod
-    def of(cls, params: SamplingParams, stop_ids: tuple[int, ...],
-           bad_words: tuple[tuple[int, ...], ...] = ()) -> "SeqPlan":
-        p = params
-        return cls(stop_ids, bad_words, fixed=(p.temperature, p.top_p, p.top_k, p.min_p, p.seed),
-                   min_tokens=p.min_tokens, logprobs=-1 if p.logprobs is None else p.logprobs,
-                   adjusts_logits=p.adjusts_logits)
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run ``step`` to completion; rank 0's answer."""
 
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
+        """Launch ``step`` (None: nothing new); return the answer of the step launched before
+        (None if there was none)."""
 
-def banned_by_words(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int]) -> tuple[int, ...]:
-    """Last tokens of the bad words whose other tokens end the output."""
-    banned = []
-    for word in bad_words:
-        prefix = word[:-1]
-        if not prefix or (len(output_ids) >= len(prefix)
-                          and tuple(output_ids[len(output_ids) - len(prefix):]) == prefix):
-            banned.append(word[-1])
-    return tuple(banned)
+    def discard_in_flight(self) -> None:
+        """Forget launched steps whose answers were not read (the engine failed its requests)."""
 
+    def check_health(self) -> None:
+        """Raise if the ranks can no longer run steps."""
 
-def sample_spec_for(seq: Sequence, plan: SeqPlan) -> SampleSpec:
-    index = len(seq.token_ids) - seq.num_prompt_tokens + seq.num_pending  # planned outputs
-    banned = plan.stop_ids if index < plan.min_tokens else ()
-    if plan.bad_words:  # with multi-token words the output is complete here (scheduler)
-        banned += banned_by_words(plan.bad_words, seq.output_token_ids)
-    if not plan.adjusts_logits:
-        t, p, k, m, seed = plan.fixed
-        return SampleSpec(t, p, k, m, seed, index, banned, plan.logprobs)
-    p = seq.params
-    penalties = None
-    if p.has_penalties:
-        assert seq.history is not None, "a penalized sequence keeps its history"
-        penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-                              seq.history.tobytes(), seq.num_prompt_tokens,
-                              seq.pending_row if seq.num_pending else -1)
-    return SampleSpec(*plan.fixed, index, banned, plan.logprobs, penalties,
-                      tuple(p.logit_bias.items()) if p.logit_bias else (), p.allowed_token_ids)
-
-
-def prompt_score_for(seq: Sequence, plan: SeqPlan, start: int, end: int) -> PromptScore | None:
-    """Score the prompt positions of chunk [start, end) not scored before (a recomputed chunk
-    after preemption is not scored twice); advances ``plan.num_scored``."""
-    k = seq.params.prompt_logprobs
-    lo, hi = max(start, plan.num_scored), min(end, seq.num_prompt_tokens - 1)
-    if k is None or hi <= lo:
-        return None
-    plan.num_scored = hi
-    return PromptScore(k, lo - start, seq.token_ids[lo + 1:hi + 1])
-
-
-def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
-                     block_copies: list[tuple[int, int]] | None = None,
-                     released: list[int] | None = None) -> StepInput:
-    """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan. The
-    step must be launched: the sequences count the entries sent as held by the ranks."""
-    steps, adjusts, logprobs = [], False, False
-    for seq, num_new in out.scheduled:
-        start = seq.num_computed_tokens
-        end = start + num_new
-        token_ids = seq.token_ids[start:end]
-        num_tokens = len(seq.token_ids) + seq.num_pending
-        if len(token_ids) < num_new:  # the newest token is being sampled on the device
-            assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
-            token_ids.append(placeholder_id(seq.pending_row))
-        plan, params = plans[seq.seq_id], seq.params
-        sample = None
-        if end == num_tokens and params.max_tokens:
-            sample = sample_spec_for(seq, plan)
-            adjusts = adjusts or plan.adjusts_logits
-            logprobs = logprobs or plan.logprobs >= 0
-        score = None
-        if params.prompt_logprobs is not None:
-            score = prompt_score_for(seq, plan, start, end)
-        table, held = seq.block_table, seq.ranks_table_len
-        seq.ranks_table_len = len(table)
-        steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
-                             score, held))
-    return StepInput(steps, block_copies or [], released or [], adjusts, logprobs)
+    def shutdown(self) -> None:
+        """Stop the ranks and free their memory; the executor is unusable after."""

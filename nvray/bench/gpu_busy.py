@@ -16,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+from nvray.bench.checkpoints import default_checkpoint
 from nvray.sampling_params import SamplingParams
 
 
@@ -108,7 +109,6 @@ def bench_gpu_busy(model: str | None = None, batch_sizes: tuple[int, ...] = (256
     import torch  # noqa: PLC0415
 
     from nvray import LLM  # noqa: PLC0415
-    from nvray.bench import default_checkpoint  # noqa: PLC0415
 
     model = model or default_checkpoint()
     runs = []

@@ -2,13 +2,13 @@
 
 Contract:
 
-- The input (JSON Lines or Parquet, a file or a directory; see ``nvray.batch_io``) has rows
+- The input (JSON Lines or Parquet, a file or a directory; see ``nvray.batch.io``) has rows
   with an ``id`` and a ``prompt`` string or chat ``messages``. It is validated in one plain
   pass before anything starts on Ray: a malformed file, a row without an id or a prompt, or a
   duplicate id ends the run at once with exit status 2 and a message naming the file and row.
 - Ray Data reads the rows and streams them, ``--batch-size`` at a time, through a pool of
   ``--concurrency`` actors, each owning one whole nvray engine (driver + tensor-parallel ranks
-  in their own placement group; see ``nvray.batch_udf``).
+  in their own placement group; see ``nvray.batch.udf``).
 - Every input row yields exactly one output row (``id``, ``text``, ``finish_reason``,
   ``prompt_tokens``, ``completion_tokens``, ``error``), in input order. A request that fails
   (say, a prompt longer than ``--max-model-len``) gets an ``error`` and the job goes on. The
@@ -28,12 +28,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from nvray.batch_io import InputSpec, OutputWriter, check_output_path, output_schema, \
+from nvray.batch.io import InputSpec, OutputWriter, check_output_path, output_schema, \
     validate_input
 from nvray.config import EngineConfig
 from nvray.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
+_ENGINE = EngineConfig()  # the engine's defaults: the one source of each
 _SUBMITTED_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for `ray job submit` drivers
 
 
@@ -100,8 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="Batch inference on Ray Data with nvray engines.")
     p.add_argument("--input", required=True, help="JSON Lines / Parquet file or directory")
     p.add_argument("--output", required=True, help="output file: .jsonl or .parquet")
-    p.add_argument("--model", default="tiny", help="checkpoint directory or 'tiny' (default)")
-    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--model", default=_ENGINE.model, help="checkpoint directory or 'tiny' (default)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int,
+                   default=_ENGINE.tensor_parallel_size)
     p.add_argument("--concurrency", type=_positive_int, default=1,
                    help="engines in the pool (one Ray Data actor each)")
     p.add_argument("--batch-size", type=_positive_int, default=64,
@@ -118,12 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    p.add_argument("--num-cpus-per-rank", type=float, default=0.9,
+    p.add_argument("--max-model-len", type=_positive_int, default=_ENGINE.max_model_len)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=_ENGINE.max_num_seqs)
+    p.add_argument("--num-cpus-per-rank", type=float, default=_ENGINE.num_cpus_per_rank,
                    help="CPUs per rank when running on CPU")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=_ENGINE.device, help="auto, cpu or cuda")
+    p.add_argument("--dtype", default=_ENGINE.dtype)
     return p.parse_args(argv)
 
 
@@ -183,8 +185,8 @@ def build_dataset(plan: BatchPlan) -> Any:
     """Read the input and map it through the pool of engine actors."""
     from ray.data import ActorPoolStrategy, DataContext  # noqa: PLC0415
 
-    from nvray.batch_read import read_dataset  # noqa: PLC0415
-    from nvray.batch_udf import GenerateBatch  # noqa: PLC0415
+    from nvray.batch.read import read_dataset  # noqa: PLC0415
+    from nvray.batch.udf import GenerateBatch  # noqa: PLC0415
 
     DataContext.get_current().execution_options.preserve_order = True
     pool = ActorPoolStrategy(size=plan.concurrency,

@@ -20,7 +20,7 @@ import re
 import time
 from typing import Any
 
-from nvray.bench_serve import LoadSpec, auth_headers, request_body, start_app
+from nvray.bench.http_load import LoadSpec, auth_headers, request_body, start_app
 
 
 async def metric(session: Any, url: str, name: str) -> float:

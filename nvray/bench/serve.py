@@ -14,7 +14,7 @@ errors, and the engine's median step time while the batch was full (from ``/metr
 per chunk come from ``stream_options.continuous_usage_stats``; a server that ignores it is
 counted as one token per chunk. The floor of the path is a bare ``GET /v1/models`` round trip.
 
-``--workload multiturn`` runs multi-turn chats instead (``nvray/bench_multiturn.py``): prefix-
+``--workload multiturn`` runs multi-turn chats instead (``nvray/bench/multiturn.py``): prefix-
 cache hit rate and TTFT with and without prefix-aware routing.
 
 ``--out results.json`` writes the figures, and a PNG chart next to it (throughput and latency
@@ -28,121 +28,11 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-WORDS = ("engine", "paged", "cache", "token", "stream", "batch", "kernel", "rank", "block",
-         "prefix", "schedule", "decode", "prefill", "graph", "tensor", "replica")
-
-
-@dataclass
-class LoadSpec:
-    url: str
-    model: str | None = None
-    api: str = "completions"  # or "chat"
-    prompt_len: int = 256
-    output_len: int = 256
-    api_key: str | None = None
-    timeout_s: float = 600.0
-    max_token_id: int = 10000  # prompt ids are drawn below this (and below the model's vocab)
-
-
-@dataclass
-class RequestRecord:
-    ok: bool = False
-    error: str | None = None
-    ttft_s: float | None = None
-    e2e_s: float = 0.0
-    output_tokens: int = 0
-    num_chunks: int = 0
-    itl_s: list[float] = field(default_factory=list)  # one per token after the first
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
-    text: str = ""  # the streamed answer
-
-
-def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-    pick = lambda q: round(scale * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
-    return {"p50": round(scale * statistics.median(ordered), 3), "p90": pick(0.9), "p99": pick(0.99)}
-
-
-def auth_headers(spec: LoadSpec) -> dict[str, str]:
-    return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-
-
-def request_body(spec: LoadSpec, rng: random.Random, stream: bool) -> tuple[str, dict[str, Any]]:
-    common: dict[str, Any] = {"max_tokens": spec.output_len, "temperature": 0, "ignore_eos": True,
-                              "stream": stream}
-    if spec.model:
-        common["model"] = spec.model
-    if stream:
-        common["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    if spec.api == "chat":
-        text = " ".join(rng.choice(WORDS) for _ in range(spec.prompt_len))
-        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
-    return "/v1/completions", {**common, "prompt": [rng.randrange(spec.max_token_id) for _ in range(spec.prompt_len)]}
-
-
-def chunk_has_output(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or ():
-        if choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
-            return True
-    return False
-
-
-async def send(session: Any, spec: LoadSpec, path: str, body: dict[str, Any]) -> RequestRecord:
-    rec = RequestRecord()
-    headers = auth_headers(spec)
-    start = time.perf_counter()
-    try:
-        async with session.post(spec.url + path, json=body, headers=headers) as resp:
-            if resp.status != 200:
-                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return rec
-            if body["stream"]:
-                await read_stream(resp, rec, start)
-            else:
-                payload = await resp.json()
-                rec.output_tokens = payload["usage"]["completion_tokens"]
-            rec.e2e_s = time.perf_counter() - start
-            rec.ok = rec.error is None
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-        rec.error = f"{type(e).__name__}: {e}"[:200]
-    return rec
-
-
-async def read_stream(resp: Any, rec: RequestRecord, start: float) -> None:
-    last_t, tokens = start, 0
-    async for line in resp.content:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-            continue
-        now, chunk = time.perf_counter(), json.loads(line[6:])
-        if "error" in chunk:
-            rec.error = f"stream error: {chunk['error'].get('message')}"[:200]
-            return
-        if not chunk_has_output(chunk):
-            if chunk.get("usage") and not chunk.get("choices"):
-                tokens = chunk["usage"]["completion_tokens"]  # the final usage chunk
-                rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details")
-                                     or {}).get("cached_tokens", 0)
-            continue
-        rec.text += "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
-                            for c in chunk["choices"])
-        usage = chunk.get("usage")
-        new = (usage["completion_tokens"] - tokens) if usage else 1
-        tokens += new
-        rec.num_chunks += 1
-        if rec.ttft_s is None:
-            rec.ttft_s = now - start
-            new -= 1  # the first token has no gap before it
-        if new > 0:
-            rec.itl_s.extend([(now - last_t) / new] * new)
-        last_t = now
-    rec.output_tokens = tokens
+from nvray.bench import multiturn
+from nvray.bench.http_load import (LoadSpec, RequestRecord, auth_headers, percentiles,
+                                   request_body, send, start_app)
 
 
 async def engine_step_sampler(session: Any, spec: LoadSpec, full_batch: int,
@@ -242,22 +132,6 @@ async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requ
             "prompt_len": spec.prompt_len, "output_len": spec.output_len, "floor": floor,
             "levels": results}
 
-
-def start_app(app_args: dict[str, Any], port: int, name: str | None = None) -> str:
-    """Start the nvray app on this machine's Ray cluster (at ``/name`` if named, else at
-    ``/``); returns its base URL."""
-    from ray import serve  # noqa: PLC0415
-
-    from deployments import build_app  # noqa: PLC0415
-    from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
-
-    ensure_ray()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    prefix = f"/{name}" if name else "/"
-    serve.run(build_app(app_args), name=name or "nvray-bench", route_prefix=prefix)
-    return f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
-
-
 def save_chart(result: dict[str, Any], path: str) -> str | None:
     """Throughput and latency against concurrency, as a PNG (None without matplotlib)."""
     try:
@@ -305,9 +179,7 @@ def parse_app_args(items: list[str]) -> dict[str, Any]:
 
 def run(args: Any) -> dict[str, Any]:
     if args.workload == "multiturn":
-        from nvray.bench_multiturn import run as run_multiturn  # noqa: PLC0415
-
-        return run_multiturn(args, parse_app_args(args.app_args or []))
+        return multiturn.run(args, parse_app_args(args.app_args or []))
     url = args.url
     if url is None:
         url = start_app(parse_app_args(args.app_args or []), args.port)
@@ -325,7 +197,7 @@ def run(args: Any) -> dict[str, Any]:
 def add_arguments(p: Any) -> None:
     p.add_argument("--workload", choices=("sweep", "multiturn"), default="sweep",
                    help="sweep: concurrency sweep (below); multiturn: chats resending their "
-                        "history (nvray/bench_multiturn.py), without --url against the app with "
+                        "history (nvray/bench/multiturn.py), without --url against the app with "
                         "and without prefix routing")
     p.add_argument("--url", help="base URL of a running app (default: start one here)")
     p.add_argument("--app-args", nargs="*", metavar="KEY=VALUE",

@@ -1,7 +1,7 @@
 """The Ray Data side of ``python -m nvray.batch``'s input: a validated input as a dataset.
 
 Contract: ``read_dataset(spec, rows_per_block)`` gives a dataset whose rows have exactly
-``nvray.batch_io.input_schema`` (``id``, ``prompt``, ``messages``; absent ones null), in input
+``nvray.batch.io.input_schema`` (``id``, ``prompt``, ``messages``; absent ones null), in input
 order, in blocks of about ``rows_per_block`` rows so that every engine of a pool gets work.
 Every task it runs asks for a fraction of a CPU: on a small host the engines' placement groups
 may hold all but a fraction of the CPUs, and a 1-CPU task would then wait forever. (That is
@@ -17,7 +17,7 @@ import pyarrow as pa
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
-from nvray.batch_io import PARQUET, InputSpec, input_schema
+from nvray.batch.io import PARQUET, InputSpec, input_schema
 
 _READ_CPUS = 0.25
 _MAX_BLOCKS = 10_000

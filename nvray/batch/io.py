@@ -11,7 +11,7 @@ Contract:
   raises ``ValueError`` naming the file and the row (``line N`` for JSON Lines, 1-based;
   ``row N`` for Parquet, 1-based) of the first problem: bad JSON, a row that is not an object,
   a missing or ill-typed ``id``, ``prompt`` or ``messages``, a duplicate id.
-- ``input_schema`` is the schema rows are read with (see ``nvray.batch_read``): ``id``,
+- ``input_schema`` is the schema rows are read with (see ``nvray.batch.read``): ``id``,
   ``prompt``, ``messages``; absent ones are null.
 - An output is one JSON Lines (``.jsonl``/``.json``) or Parquet (``.parquet``) file with the
   columns of ``output_schema``; ``OutputWriter`` writes it to a temporary file next to the

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import ray
 
-from nvray.batch_io import output_schema
+from nvray.batch.io import output_schema
 from nvray.config import EngineConfig
 from nvray.runtime import EngineDeadError, start_engine
 from nvray.sampling_params import SamplingParams

@@ -56,7 +56,7 @@ def _host_ms(call: Any, iters: int) -> float:
 def bench_sampler(rows: int = 256, vocab: int = 151936, iters: int = 20) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
-    from nvray.engine.step_input import SampleSpec  # noqa: PLC0415
+    from nvray.step_protocol import SampleSpec  # noqa: PLC0415
     from nvray.worker.sampler import sample  # noqa: PLC0415
 
     if not torch.cuda.is_available():

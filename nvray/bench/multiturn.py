@@ -26,7 +26,8 @@ import re
 import time
 from typing import Any
 
-from nvray.bench_serve import WORDS, LoadSpec, RequestRecord, auth_headers, percentiles, send
+from nvray.bench.http_load import (WORDS, LoadSpec, RequestRecord, auth_headers, percentiles,
+                                   send, start_app)
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -129,8 +130,6 @@ def run(args: Any, app_args: dict[str, Any]) -> dict[str, Any]:
         result["given"] = _run_against(args, args.url.rstrip("/"))
         return result
     from ray import serve  # noqa: PLC0415
-
-    from nvray.bench_serve import start_app  # noqa: PLC0415
 
     for name, on in (("prefix_router", True), ("default_router", False)):
         url = start_app({**app_args, "prefix_routing": on}, args.port, name)

@@ -1,0 +1,179 @@
+"""``python -m nvray.bench``: benchmarks that print and save figures (tests never time things).
+
+Subcommands:
+- ``control-plane``: scheduler + block manager time per step, and the whole control plane
+  (schedule, step input, stop checks, detokenization) with 256 running sequences; the model is
+  replaced by an executor that answers instantly, so only the control plane is timed
+  (``nvray/bench/control_plane.py``).
+- ``ray-overhead``: the same LLMEngine stepping the model in-process and through Ray rank
+  actors (compiled graph, plain actor calls) at TP=1, interleaved in one run; per decode step
+  (``nvray/bench/ray_overhead.py``).
+- ``throughput``: nano-vllm's "bench" workload (256 sequences, seed 0, prompt ids uniform in
+  [0, 10000), prompt length and max_tokens uniform in [100, 1024], ignore_eos, temperature 0.6)
+  through ``LLM``, in-process and on Ray, CUDA graphs on and (``--eager``) off; output
+  tokens per second, prefill included. Without ``--model`` it builds a Qwen3-0.6B-shaped
+  (``--shape 8b``: Qwen3-8B-shaped) checkpoint with random bf16 weights (throughput does not
+  depend on weight values here). ``--tensor-parallel-size 1,2`` runs Ray at each TP size
+  (in-process at TP=1 only) and gives each TP>1 run its ``speedup_vs_tp1``. On a GPU whose
+  bandwidth and matmul peak were measured (H100, H200), each run is also given as a share of
+  the workload's bandwidth floor (design.md) and roofline floor (``nvray/bench/floor.py``).
+  ``--overlap on,off`` runs each runtime with overlapped steps and without; ``--features
+  plain,logprobs,penalties,filters,top_p`` adds top-5 log-probabilities, penalties, top-p 0.95
+  with top-k 20 (Qwen3's recommended sampling) or top-p 0.95 alone to every request;
+  ``--max-num-batched-tokens 8192,16384`` compares token budgets per step. Each run also gives
+  its steps and their wall time by kind (``prefill_steps_s``: steps that launch prompt tokens;
+  ``decode_steps_s``: the others), from the engine's stats (``nvray/bench/throughput.py``).
+- ``sampler``: the sampler's GPU and host time per step for each filter mix, sorting the
+  vocabulary and with the sort-free kernel (``nvray/bench/sampler.py``).
+- ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
+  (``nvray/bench/gpu_busy.py``).
+- ``soak``: minutes of streaming load with random disconnects against the app: unexpected
+  errors, driver memory and KV usage over time (``nvray/bench/soak.py``).
+- ``serve``: a load generator for the HTTP app (``nvray/bench/serve.py``): concurrency sweep,
+  streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from nvray.bench import serve, soak
+from nvray.bench.checkpoints import QWEN3_SHAPES
+from nvray.bench.throughput import FEATURES, bench_throughput, resolve_placements
+
+
+def _on_off(text: str) -> tuple[bool, ...]:
+    values = {"on": True, "off": False}
+    words = text.split(",")
+    if not words or any(w not in values for w in words):
+        raise SystemExit(f"--overlap {text!r}: give on, off or on,off")
+    return tuple(values[w] for w in words)
+
+
+def _budgets(text: str | None) -> tuple[int | None, ...]:
+    if text is None:
+        return (None,)
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--max-num-batched-tokens {text!r}: give token counts, e.g. 8192,16384") from None
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--tensor-parallel-size {text!r}: give sizes, e.g. 1,2") from None
+
+
+def _features(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        raise SystemExit(f"--features: unknown {unknown}; choose from {list(FEATURES)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nvray.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", help="also write the figures to this JSON file")
+    cp = sub.add_parser("control-plane", parents=[common], help="scheduler + block manager time per step")
+    cp.add_argument("--num-seqs", type=int, default=256)
+    cp.add_argument("--steps", type=int, default=200)
+    cp.add_argument("--block-size", type=int, default=16)
+    ro = sub.add_parser("ray-overhead", parents=[common],
+                        help="Ray rank actors vs in-process, per decode step")
+    ro.add_argument("--model", default="tiny")
+    ro.add_argument("--num-seqs", type=int, default=32)
+    ro.add_argument("--rounds", type=int, default=3)
+    tp = sub.add_parser("throughput", parents=[common],
+                        help="nano-vllm's bench workload: output tok/s, in-process and on Ray")
+    tp.add_argument("--model", default=None,
+                    help="checkpoint directory (default: a random Qwen3-0.6B-shaped bf16 one)")
+    tp.add_argument("--runtimes", default="inprocess,ray")
+    tp.add_argument("--eager", action="store_true", help="also run with enforce_eager=True")
+    tp.add_argument("--num-seqs", type=int, default=256)
+    tp.add_argument("--max-model-len", type=int, default=4096)
+    tp.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES),
+                    help="Qwen3 shape of the random checkpoint built without --model")
+    tp.add_argument("--tensor-parallel-size", default="1",
+                    help="TP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only)")
+    tp.add_argument("--floor", type=float, default=None,
+                    help="TP=1 physical floor in output tok/s for the %% column (default: from "
+                         "the model's shape, the workload and the GPU's measured bandwidth, "
+                         "nvray/bench/floor.py; TP=n: n times it)")
+    tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
+    tp.add_argument("--max-num-batched-tokens", default=None,
+                    help="token budgets per step to compare, comma-separated (default: the engine's)")
+    tp.add_argument("--features", default="plain",
+                    help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
+    gb = sub.add_parser("gpu-busy", parents=[common],
+                        help="GPU busy share of decode steps (torch profiler), overlap on and off")
+    gb.add_argument("--model", default=None)
+    gb.add_argument("--batch-sizes", default="256,32", help="running sequences, comma-separated")
+    gb.add_argument("--prompt-len", type=int, default=256)
+    gb.add_argument("--steps", type=int, default=30)
+    gb.add_argument("--max-model-len", type=int, default=4096)
+    sm = sub.add_parser("sampler", parents=[common],
+                        help="the sampler's GPU and host time per step by filter mix")
+    sm.add_argument("--rows", type=int, default=256)
+    sm.add_argument("--iters", type=int, default=20)
+    sv = sub.add_parser("serve", parents=[common],
+                        help="load generator for a running app (or one it starts): latency and tok/s")
+    serve.add_arguments(sv)
+    sk = sub.add_parser("soak", parents=[common],
+                        help="streaming load with random disconnects for minutes: errors, memory")
+    soak.add_arguments(sk)
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The figures of the subcommand ``args`` names (each imports what it runs, when it runs)."""
+    if args.cmd == "serve":
+        return serve.run(args)
+    if args.cmd == "soak":
+        return soak.run(args)
+    if args.cmd == "control-plane":
+        from nvray.bench.control_plane import bench_control_plane  # noqa: PLC0415
+
+        return bench_control_plane(args.num_seqs, args.steps, args.block_size)
+    if args.cmd == "throughput":
+        runtimes, sizes = tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size)
+        try:
+            resolve_placements(runtimes, sizes)  # refused before a checkpoint is built
+        except ValueError as e:
+            raise SystemExit(f"throughput: {e}") from None
+        return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
+                                args.max_model_len, args.floor, _on_off(args.overlap),
+                                _features(args.features), _budgets(args.max_num_batched_tokens),
+                                sizes, args.shape)
+    if args.cmd == "sampler":
+        from nvray.bench.sampler import bench_sampler  # noqa: PLC0415
+
+        return bench_sampler(args.rows, iters=args.iters)
+    if args.cmd == "gpu-busy":
+        from nvray.bench.gpu_busy import bench_gpu_busy  # noqa: PLC0415
+
+        return bench_gpu_busy(args.model, tuple(int(b) for b in args.batch_sizes.split(",")),
+                              args.prompt_len, args.steps, max_model_len=args.max_model_len)
+    from nvray.bench.ray_overhead import bench_ray_overhead  # noqa: PLC0415
+
+    return bench_ray_overhead(args.model, args.num_seqs, rounds=args.rounds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    result = run(args)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

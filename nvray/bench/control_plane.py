@@ -1,0 +1,94 @@
+"""``python -m nvray.bench control-plane``: the control plane's time per step, without a model.
+
+An ``LLMEngine`` over an executor that answers every step at once with pseudo-random tokens
+(``InstantExecutor``) is filled with ``num_seqs`` running sequences (prompts of 100 to 1024
+tokens, ignore_eos); then ``steps`` decode steps time the scheduler alone, the step input
+(schedule output to ``StepInput`` plus accounting), and the whole control plane (schedule, step
+input, stop checks, detokenization). Medians (and the full step's p90), in microseconds.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from nvray.config import EngineConfig
+from nvray.engine.engine import LLMEngine, ModelLimits
+from nvray.sampling_params import SamplingParams
+from nvray.step_protocol import StepInput, StepOutput
+
+
+class InstantExecutor:
+    """Answers every step at once with pseudo-random tokens: isolates the control plane."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+        self.previous: StepOutput | None = None
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return StepOutput([self.rng.randrange(3, self.vocab) for _ in range(step.num_samples)])
+
+    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
+        previous, self.previous = self.previous, (None if step is None else self.execute(step))
+        return previous
+
+    def discard_in_flight(self) -> None:
+        self.previous = None
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _engine(num_seqs: int, block_size: int, tokenizer: Any, vocab: int) -> LLMEngine:
+    limits = ModelLimits(max_model_len=4096, vocab_size=vocab, num_kvcache_blocks=200_000,
+                         block_size=block_size, eos_token_ids=())
+    config = EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=1 << 20,
+                          kvcache_block_size=block_size)
+    return LLMEngine(config, tokenizer, InstantExecutor(vocab), limits)
+
+
+def _fill(engine: LLMEngine, num_seqs: int, vocab: int) -> None:
+    rng = random.Random(0)
+    for i in range(num_seqs):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(100, 1024))]
+        engine.add_request(f"b{i}", prompt, SamplingParams(temperature=0.6, max_tokens=2000,
+                                                           ignore_eos=True))
+    engine.step()  # one prefill step admits everyone; what follows are pure decode steps
+
+
+def bench_control_plane(num_seqs: int = 256, steps: int = 200, block_size: int = 16) -> dict[str, Any]:
+    from nvray.tokenizer import load_tokenizer  # noqa: PLC0415
+    from nvray.models.tiny import tiny_model_path  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(tiny_model_path())
+    vocab = len(tokenizer)
+    engine = _engine(num_seqs, block_size, tokenizer, vocab)
+    _fill(engine, num_seqs, vocab)
+    sched_us, input_us, step_us = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        launched = engine._launch_scheduled(out)  # noqa: SLF001 - step input + accounting
+        t2 = time.perf_counter()
+        sampled = engine.executor.execute(launched.step_input)
+        engine._postprocess(launched, sampled)  # noqa: SLF001
+        sched_us.append((t1 - t0) * 1e6)
+        input_us.append((t2 - t1) * 1e6)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        step_us.append((time.perf_counter() - t0) * 1e6)
+    assert len(engine.scheduler.running) == num_seqs
+    return {"benchmark": "control-plane", "num_running_seqs": num_seqs, "block_size": block_size,
+            "steps": steps, "schedule_us_median": statistics.median(sched_us),
+            "step_input_us_median": statistics.median(input_us),
+            "full_control_plane_step_us_median": statistics.median(step_us),
+            "full_control_plane_step_us_p90": sorted(step_us)[int(0.9 * steps)]}

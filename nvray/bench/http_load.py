@@ -1,0 +1,146 @@
+"""HTTP load against an nvray app: what the ``serve``, ``soak`` and multi-turn benchmarks share.
+
+``LoadSpec`` says where requests go and what they look like; ``request_body`` draws one random
+request (completions: random token ids; chat: random ``WORDS``); ``send`` posts one and returns
+its ``RequestRecord`` (TTFT, inter-token gaps, tokens, cached prompt tokens, the streamed text;
+a failed request is recorded with its error, never raised); ``percentiles`` gives p50/p90/p99 in
+milliseconds; ``start_app`` starts the nvray app on this machine's Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORDS = ("engine", "paged", "cache", "token", "stream", "batch", "kernel", "rank", "block",
+         "prefix", "schedule", "decode", "prefill", "graph", "tensor", "replica")
+
+
+@dataclass
+class LoadSpec:
+    url: str
+    model: str | None = None
+    api: str = "completions"  # or "chat"
+    prompt_len: int = 256
+    output_len: int = 256
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    max_token_id: int = 10000  # prompt ids are drawn below this (and below the model's vocab)
+
+
+@dataclass
+class RequestRecord:
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    num_chunks: int = 0
+    itl_s: list[float] = field(default_factory=list)  # one per token after the first
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
+    text: str = ""  # the streamed answer
+
+
+def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+    pick = lambda q: round(scale * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
+    return {"p50": round(scale * statistics.median(ordered), 3), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def auth_headers(spec: LoadSpec) -> dict[str, str]:
+    return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+
+
+def request_body(spec: LoadSpec, rng: random.Random, stream: bool) -> tuple[str, dict[str, Any]]:
+    common: dict[str, Any] = {"max_tokens": spec.output_len, "temperature": 0, "ignore_eos": True,
+                              "stream": stream}
+    if spec.model:
+        common["model"] = spec.model
+    if stream:
+        common["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if spec.api == "chat":
+        text = " ".join(rng.choice(WORDS) for _ in range(spec.prompt_len))
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**common, "prompt": [rng.randrange(spec.max_token_id) for _ in range(spec.prompt_len)]}
+
+
+def chunk_has_output(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("finish_reason"):
+            return True
+    return False
+
+
+async def send(session: Any, spec: LoadSpec, path: str, body: dict[str, Any]) -> RequestRecord:
+    rec = RequestRecord()
+    headers = auth_headers(spec)
+    start = time.perf_counter()
+    try:
+        async with session.post(spec.url + path, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            if body["stream"]:
+                await read_stream(resp, rec, start)
+            else:
+                payload = await resp.json()
+                rec.output_tokens = payload["usage"]["completion_tokens"]
+            rec.e2e_s = time.perf_counter() - start
+            rec.ok = rec.error is None
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+    return rec
+
+
+async def read_stream(resp: Any, rec: RequestRecord, start: float) -> None:
+    last_t, tokens = start, 0
+    async for line in resp.content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        now, chunk = time.perf_counter(), json.loads(line[6:])
+        if "error" in chunk:
+            rec.error = f"stream error: {chunk['error'].get('message')}"[:200]
+            return
+        if not chunk_has_output(chunk):
+            if chunk.get("usage") and not chunk.get("choices"):
+                tokens = chunk["usage"]["completion_tokens"]  # the final usage chunk
+                rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details")
+                                     or {}).get("cached_tokens", 0)
+            continue
+        rec.text += "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                            for c in chunk["choices"])
+        usage = chunk.get("usage")
+        new = (usage["completion_tokens"] - tokens) if usage else 1
+        tokens += new
+        rec.num_chunks += 1
+        if rec.ttft_s is None:
+            rec.ttft_s = now - start
+            new -= 1  # the first token has no gap before it
+        if new > 0:
+            rec.itl_s.extend([(now - last_t) / new] * new)
+        last_t = now
+    rec.output_tokens = tokens
+
+
+def start_app(app_args: dict[str, Any], port: int, name: str | None = None) -> str:
+    """Start the nvray app on this machine's Ray cluster (at ``/name`` if named, else at
+    ``/``); returns its base URL."""
+    from ray import serve  # noqa: PLC0415
+
+    from deployments import build_app  # noqa: PLC0415
+    from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
+
+    ensure_ray()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    prefix = f"/{name}" if name else "/"
+    serve.run(build_app(app_args), name=name or "nvray-bench", route_prefix=prefix)
+    return f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+

@@ -1,0 +1,200 @@
+"""``python -m nvray.bench throughput``: nano-vllm's bench workload through ``LLM``, output tok/s.
+
+The workload (``bench_workload``): 256 sequences, seed 0, prompt ids uniform in [0, 10000),
+prompt length and max_tokens uniform in [100, 1024], ignore_eos, temperature 0.6, drawn with
+the same calls to ``random`` as nano-vllm's bench.py. ``bench_throughput`` runs it in-process
+and on Ray (``resolve_placements``: every runtime at TP=1, only Ray beyond), for each
+combination of CUDA graphs on/off, ``FEATURES``, overlapped steps and token budgets asked for,
+one engine at a time (each waits for the previous one's GPU memory to be released). Each run
+gives output and total tok/s (prefill included), its steps and their wall time by kind, and, on
+a GPU whose bandwidth and matmul peak were measured, its share of the workload's floors
+(``nvray/bench/floor.py``; TP=n: n times them) and, at TP>1, its ``speedup_vs_tp1``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from nvray.bench.checkpoints import default_checkpoint
+from nvray.bench.floor import (floor_output_tok_per_s, measured_bandwidth, measured_matmul_peak,
+                               read_config, roofline_output_tok_per_s)
+from nvray.models.tiny import resolve_model
+from nvray.sampling_params import SamplingParams
+
+
+# what ``--features`` adds to every request of the throughput workload
+FEATURES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "logprobs": {"logprobs": 5},
+    "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+    "filters": {"top_p": 0.95, "top_k": 20},  # Qwen3's recommended sampling
+    "top_p": {"top_p": 0.95},  # what many OpenAI clients send: no top-k to bound the candidates
+}
+
+
+def bench_workload(num_seqs: int = 256, seed: int = 0, **extra: Any
+                   ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py workload, drawn with the same calls to ``random`` (``extra``:
+    more SamplingParams fields for every request)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024),
+                             **extra)
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def _gpu_memory_used() -> list[int]:
+    """Bytes in use on each visible GPU (TP ranks hold the others)."""
+    import torch  # noqa: PLC0415
+
+    return [total - free for free, total in
+            (torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))]
+
+
+def _wait_gpu_memory_released(baseline_used: list[int], timeout_s: float = 60.0) -> None:
+    """A Ray rank's memory goes back when its process exits, a moment after shutdown."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        used = _gpu_memory_used()
+        if all(now <= base + (512 << 20) for now, base in zip(used, baseline_used)):
+            return
+        time.sleep(0.5)
+    print(f"GPU memory in use after {timeout_s:.0f} s: {[round(u / 2**30, 1) for u in used]} GiB "
+          f"against {[round(b / 2**30, 1) for b in baseline_used]} GiB before the first run",
+          file=sys.stderr, flush=True)
+
+
+def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list[list[int]],
+                    params: list[SamplingParams], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    overlap = engine_kwargs.get("overlap_scheduling", True)
+    from nvray import LLM  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    llm = LLM(model, runtime=runtime, enforce_eager=enforce_eager, **engine_kwargs)
+    startup_s = time.perf_counter() - t0
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+        before = llm.stats()
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    assert output_tokens == sum(p.max_tokens for p in params), "ignore_eos: every request runs to max_tokens"
+    return {"runtime": runtime, "cuda_graphs": not enforce_eager, "overlap_scheduling": overlap,
+            "startup_s": round(startup_s, 1),
+            "elapsed_s": round(elapsed, 2), "output_tokens": output_tokens,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "output_tok_per_s": round(output_tokens / elapsed, 1),
+            "total_tok_per_s": round((output_tokens + sum(len(p) for p in prompts)) / elapsed, 1),
+            "num_kvcache_blocks": stats.get("num_kvcache_blocks"),
+            "num_preemptions": stats.get("num_preemptions"),
+            **_steps_by_kind(before, stats)}
+
+
+def _steps_by_kind(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The run's steps and their wall time by kind (prefill, decode), from the engine's stats."""
+    figures: dict[str, Any] = {}
+    for kind in ("prefill", "decode"):
+        figures[f"{kind}_steps"] = after["steps"][kind] - before["steps"][kind]
+        seconds = after["step_seconds"][kind] - before["step_seconds"][kind]
+        figures[f"{kind}_steps_s"] = round(seconds, 3)
+    return figures
+
+
+def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inprocess", "ray"),
+                     eager: bool = False, num_seqs: int = 256, max_model_len: int = 4096,
+                     floor_tok_per_s: float | None = None,
+                     overlaps: tuple[bool, ...] = (True,),
+                     features: tuple[str, ...] = ("plain",),
+                     token_budgets: tuple[int | None, ...] = (None,),
+                     tensor_parallel_sizes: tuple[int, ...] = (1,),
+                     shape: str = "0.6b") -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    placements = resolve_placements(runtimes, tensor_parallel_sizes)
+    model = model or default_checkpoint(shape)
+    if "ray" in runtimes:
+        from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
+
+        ensure_ray()
+    cuda = torch.cuda.is_available()
+    baseline = _gpu_memory_used() if cuda else []
+    runs = []
+    for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
+                                   for f in features):
+        prompts, params = bench_workload(num_seqs, **FEATURES[feature])
+        for (runtime, tp), overlap, budget in ((p, o, b) for b in token_budgets for o in overlaps
+                                               for p in placements):
+            options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
+                       "tensor_parallel_size": tp}
+            if budget is not None:
+                options["max_num_batched_tokens"] = budget
+            runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
+                         "tensor_parallel_size": tp,
+                         **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
+            print(json.dumps(runs[-1]), flush=True)
+            if cuda:
+                _wait_gpu_memory_released(baseline)
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    floors = _floors(model, device, num_seqs, floor_tok_per_s)
+    for run in runs:
+        for name, floor in floors.items():
+            floor *= run["tensor_parallel_size"]
+            run[name] = round(floor)
+            run["pct_of_" + name.removesuffix("_output_tok_per_s")] = round(
+                100 * run["output_tok_per_s"] / floor, 1)
+        _add_speedup_vs_tp1(run, runs)
+    return {"benchmark": "throughput", "workload": "nano-vllm bench: 256 seqs, seed 0",
+            "model": model, "device": device, "num_seqs": num_seqs,
+            "max_model_len": max_model_len, "bandwidth_tb_per_s": measured_bandwidth(device),
+            "matmul_tflop_per_s": measured_matmul_peak(device),
+            **{name: round(floor) for name, floor in floors.items()}, "runs": runs}
+
+
+def _floors(model: str, device: str, num_seqs: int, floor: float | None) -> dict[str, float]:
+    """The workload's TP=1 floors (nvray/bench/floor.py) on this device: ``floor`` when given
+    (else design.md's bandwidth floor), and the roofline floor, where the device is known."""
+    bandwidth, peak = measured_bandwidth(device), measured_matmul_peak(device)
+    floors = {} if floor is None else {"floor_output_tok_per_s": floor}
+    if bandwidth is None or peak is None:
+        return floors
+    cfg = read_config(resolve_model(model))
+    prompts, params = bench_workload(num_seqs)
+    lens = [len(p) for p in prompts], [p.max_tokens for p in params]
+    floors.setdefault("floor_output_tok_per_s", floor_output_tok_per_s(cfg, *lens, bandwidth))
+    floors["roofline_output_tok_per_s"] = roofline_output_tok_per_s(cfg, *lens, bandwidth, peak)
+    return floors
+
+
+def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """A TP>1 run's throughput over the Ray TP=1 run of the same settings, when there is one."""
+    if run["tensor_parallel_size"] == 1:
+        return
+    same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling")
+    for other in runs:
+        if (other["runtime"] == "ray" and other["tensor_parallel_size"] == 1
+                and all(other[k] == run[k] for k in same)):
+            run["speedup_vs_tp1"] = round(run["output_tok_per_s"] / other["output_tok_per_s"], 3)
+
+
+def resolve_placements(runtimes: tuple[str, ...], tensor_parallel_sizes: tuple[int, ...]
+                       ) -> list[tuple[str, int]]:
+    """(runtime, TP size) pairs to run: every runtime at TP=1, only Ray beyond (in-process
+    holds one rank); a TP size no runtime can run is an error."""
+    unknown = [r for r in runtimes if r not in ("inprocess", "ray")]
+    if unknown:
+        raise ValueError(f"runtimes {unknown}: choose from inprocess, ray")
+    if any(tp < 1 for tp in tensor_parallel_sizes):
+        raise ValueError(f"tensor-parallel sizes {list(tensor_parallel_sizes)}: each must be >= 1")
+    if any(tp > 1 for tp in tensor_parallel_sizes) and "ray" not in runtimes:
+        raise ValueError("a tensor-parallel size above 1 needs the ray runtime (--runtimes ray)")
+    return [(r, tp) for tp in tensor_parallel_sizes for r in runtimes if r == "ray" or tp == 1]

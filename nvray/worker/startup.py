@@ -1,0 +1,141 @@
+"""Start-up work of one rank, between building the model and serving the first step.
+
+``num_kvcache_blocks(runner)`` says how many KV blocks fit the rank's memory budget: on the GPU
+after a measured warm-up step and a trial capture of the largest and smallest CUDA graphs
+(``memory.py``); the control plane takes the minimum over ranks. ``prepare_kv_cache(runner, n)``
+creates the cache, then, on the GPU, compiles the kernels the first requests would need (and
+warms the GEMMs, ``gemm_warmup.py``) and captures the decode and prefill CUDA graphs
+(``cuda_graph.py``; off with ``enforce_eager`` or an attention backend that cannot be captured).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nvray.step_protocol import SampleSpec, SeqStep, StepInput
+from nvray.worker.gemm_warmup import warm_gemms
+from nvray.worker.memory import (GpuMemoryReport, free_cached_memory, graph_memory_estimate,
+                                 measure_used)
+from nvray.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+# the warm-up samples with every filter on: the sampler's most memory-hungry path
+_WARMUP_SAMPLE = SampleSpec(temperature=0.6, top_p=0.9, top_k=50, min_p=0.05, seed=None,
+                            step_index=0)
+
+
+def num_kvcache_blocks(runner: ModelRunner) -> int:
+    """How many KV blocks this rank can hold (before the minimum over ranks)."""
+    config = runner.config
+    if config.num_kvcache_blocks is not None:
+        return config.num_kvcache_blocks
+    if runner.device.type == "cpu":
+        budget = int(config.cpu_kvcache_space_gib * 2**30)
+        where = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
+    else:
+        runner.memory_report = profile_memory(runner)
+        budget, where = runner.memory_report.kv_budget, runner.memory_report.describe()
+        logger.info("GPU memory: %s", where)
+    block_bytes, block_size = runner.kv_block_bytes, runner.block_size
+    num_blocks = max(budget, 0) // block_bytes
+    needed = -(-runner.max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"KV cache too small: {max(budget, 0) / 2**30:.2f} GiB holds {num_blocks} blocks of "
+            f"{block_size} tokens ({block_bytes / 2**20:.2f} MiB each), but one "
+            f"max_model_len={runner.max_model_len} sequence needs {needed}. Memory: {where}. "
+            "Raise gpu_memory_utilization/cpu_kvcache_space_gib, or lower max_model_len, "
+            "max_num_batched_tokens or max_num_seqs")
+    return num_blocks
+
+
+def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
+    """Measure weights, the activation peak and the CUDA graphs' memory (GPU, before the cache)."""
+    dev = runner.device
+    free_cached_memory()
+    allocated = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    runner.allocate_kv_cache(1)  # scratch: every warm-up token writes into block 0
+    warmup(runner)
+    torch.cuda.synchronize(dev)
+    activations = torch.cuda.max_memory_allocated(dev) - allocated - runner.kv_block_bytes
+    graphs = 0
+    if runner.graph_sizes:
+        def capture_one(which: str) -> None:
+            sizes = runner.graph_sizes
+            runner.graphs = runner.graphs or runner.new_graphs()
+            runner.graphs.capture([sizes[-1] if which == "largest" else sizes[0]])
+
+        graphs = graph_memory_estimate(capture_one,
+                                       len(runner.graph_sizes) + len(runner.prefill_sizes), dev)
+    runner.allocate_kv_cache(0)  # drops the trial graphs too
+    free_cached_memory()
+    total = torch.cuda.mem_get_info(dev)[1]
+    return GpuMemoryReport(total, runner.config.gpu_memory_utilization, measure_used(dev),
+                           allocated, max(activations, 0), graphs)
+
+
+def warmup(runner: ModelRunner) -> None:
+    """One step of max_num_batched_tokens prompt tokens, sampling one row per sequence."""
+    config, block_size = runner.config, runner.block_size
+    tokens = config.max_num_batched_tokens
+    num_seqs = max(1, min(config.max_num_seqs, tokens))
+    tokens = min(tokens, num_seqs * runner.max_model_len)
+    lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+    seqs = [SeqStep(-1 - i, [0] * n, 0, [0] * -(-n // block_size), _WARMUP_SAMPLE)
+            for i, n in enumerate(lens)]
+    runner.execute(StepInput(seqs))
+    runner.inputs.tables.reset()
+
+
+def prepare_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
+    """Create the cache; on the GPU, warm the kernels and capture the CUDA graphs over it."""
+    runner.allocate_kv_cache(num_blocks)
+    if runner.device.type == "cuda":
+        warm_kernels(runner)
+    if runner.graph_sizes:
+        capture_graphs(runner)
+
+
+def capture_graphs(runner: ModelRunner) -> None:
+    before = measure_used(runner.device)
+    runner.graphs = runner.new_graphs()
+    seconds = runner.graphs.capture(prefill=True)
+    runner.graph_memory = measure_used(runner.device) - before
+    estimate = runner.memory_report.cuda_graphs if runner.memory_report else 0
+    decode, prefill = runner.graph_sizes, runner.prefill_sizes
+    logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) and %d prefill graphs "
+                "(up to %s tokens) in %.1f s, %.0f MiB (estimated %.0f MiB)",
+                len(decode), decode[0], decode[-1], len(prefill), prefill[-1] if prefill else 0,
+                seconds, runner.graph_memory / 2**20, estimate / 2**20)
+
+
+@torch.inference_mode()
+def warm_kernels(runner: ModelRunner) -> None:
+    """Compile now what the first requests would otherwise compile mid-run (measured: ~1.5 s
+    stalls in the first steps of the throughput bench). The Triton prefill kernel has a
+    variant per query-tile size (from the longest query chunk: 8, 16, 32, 64 rows) and per
+    block-table width class (Triton specializes ints equal to 1 or divisible by 16); the
+    sampler's kernel one for rows sharing a temperature, one for greedy rows only (the
+    steps of query 9) and one for rows of both (the step of 2 rows). Each warm-up step is
+    one query chunk at the end of a context that lives in block 0 of the unused cache.
+    First the GEMMs at the row counts steps will use (``gemm_warmup.py``: a cuBLAS kernel's
+    first launch waits for the device to drain)."""
+    config, block_size = runner.config, runner.block_size
+    warm_gemms(runner.model, runner.hf_config.hidden_size, config.max_num_batched_tokens,
+               config.max_num_seqs)
+    wide = 16 * block_size  # a block table 16 entries wide
+    for query_len in (2, 9, 17, 33):
+        spec = _WARMUP_SAMPLE._replace(top_p=1.0, top_k=-1, min_p=0.0,  # the fused sampler
+                                       temperature=0.0 if query_len == 9 else 0.6)
+        for context in sorted({query_len, max(wide, query_len), wide + 3 * block_size}):
+            if context > runner.max_model_len:
+                continue
+            table = [0] * -(-context // block_size)
+            seqs = [SeqStep(-1 - i, [0] * query_len, context - query_len, table,
+                            spec._replace(temperature=spec.temperature * (1 - i)))
+                    for i in range(1 + (query_len == 33))]  # and one step of 2 rows
+            runner.execute(StepInput(seqs))
+    runner.inputs.tables.reset()
