@@ -1,4 +1,8 @@
-"""Model registry: HF ``architectures`` name -> nvray model class."""
+"""Models built from ``nvray.layers``: Qwen3 and Qwen2 (``qwen3.py``) and the embedded tiny
+checkpoint (``tiny.py``: a small random-weight Qwen3 written in HF format on first use, loaded
+through the same code as a real model). ``model_class_for`` maps a checkpoint's HF
+``architectures`` name to its nvray class; an unknown one is a ValueError naming it.
+"""
 
 from __future__ import annotations
 
