@@ -17,12 +17,13 @@ from pathlib import Path
 
 DOC = Path("docs/mutation-testing.md")
 KILLED = {"killed", "timeout"}
-_ROW = re.compile(r"^\| `([^`]+)` \| (.+) \|$")
+_ROW = re.compile(r"^\| (`[^`]+`(?:, `[^`]+`)*) \| (.+) \|$")  # | `name`, `name` | reason |
 
 
 def equivalents() -> dict[str, str]:
     lines = DOC.read_text().splitlines() if DOC.exists() else []
-    return {m.group(1): m.group(2) for line in lines if (m := _ROW.match(line))}
+    return {name.strip("`"): m.group(2) for line in lines if (m := _ROW.match(line))
+            for name in m.group(1).split(", ")}
 
 
 def verdicts() -> dict[str, str]:

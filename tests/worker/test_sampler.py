@@ -135,3 +135,21 @@ def test_unknown_sampling_param_is_rejected():
 
     with pytest.raises(ValueError, match="presence_pentaly"):
         SamplingParams.from_dict({"presence_pentaly": 1.0})
+
+
+def test_rows_without_top_k_keep_their_whole_vocabulary_beside_a_top_k_row():
+    """A batch whose rows differ in top_k: a row with top_k off (0, or -1 beside a greedy row
+    whose top_k is set) still draws from every token, never from another row's k best."""
+    n, uniform = 300, torch.zeros(64)
+    out = sample(uniform.repeat(2 * n, 1), [spec(top_k=0), spec(top_k=2)] * n)
+    assert len(set(out[0::2].tolist())) > 2 and len(set(out[1::2].tolist())) <= 2
+    out = sample(uniform.repeat(2 * n, 1), [spec(top_p=0.999), spec(temperature=0.0, top_k=2)] * n)
+    assert len(set(out[0::2].tolist())) > 2
+
+
+def test_top_p_one_removes_no_token_where_the_float32_mass_reaches_one_early():
+    from nvray.worker.sampler import _filter_sorted
+
+    sorted_logits = torch.tensor([[30.0] + [0.0] * 15])  # the best token's probability rounds to 1
+    kept = _filter_sorted(sorted_logits, [spec(top_p=1.0)])
+    assert torch.isfinite(kept).all()
