@@ -104,6 +104,8 @@ def test_logits_adjustment_counts_each_repeat_of_an_output_token():
     prompt, output, pending = [1, 2], [3, 3, 5, 3], 3
     torch.manual_seed(0)
     logits = torch.randn(2, 8)
+    # the seen tokens 1, 2, 3, 5 with a logit in (0, 1], a negative one, one above 1 and one of 0
+    logits[1] = torch.tensor([0.3, 0.5, -0.75, 2.5, 1.2, 0.0, -0.2, 0.1])
     tokens = array("i", prompt + output).tobytes()
     penalized = SampleSpec(1.0, 1.0, -1, 0.0, None, len(output) + 1, penalties=Penalties(
         presence=0.25, frequency=0.5, repetition=2.0, tokens=tokens, num_prompt_tokens=2,

@@ -309,3 +309,15 @@ def test_a_preempted_fork_prefills_again_on_its_own():
     sched.finish(source, "stop")
     num_tokens = fork.num_tokens
     assert run_step(sched) == [("fork", num_tokens)] and fork.fork_of is None
+
+
+def test_a_fork_without_room_while_its_source_waits_for_its_token_schedules_nothing():
+    sched = make(num_blocks=4, block_size=4)
+    source = add(sched, 13, "source")  # 4 blocks: the cache is full
+    fork = add_fork(sched, source, "fork")
+    run_step(sched)
+    source.token_ids.pop()  # overlapped: the sampled token is still on the device, and the
+    source.num_pending = 1  # source's next step needs it on the host
+    source.waits_for_tokens = True
+    out = sched.schedule()
+    assert out.scheduled == [] and list(sched.waiting) == [fork] and fork.fork_of is source
