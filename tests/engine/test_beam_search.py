@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from oracle import hf_model, random_prompts
-from nvray import BeamSearchParams
+from nvray import BeamSearchParams, SamplingParams
+from nvray.engine.beam_search import Hypothesis, beam_score
 from tiny_engines import BLOCK, tiny_inprocess
 
 
@@ -106,6 +107,7 @@ def test_beams_share_blocks_and_give_every_block_back(llm):
     for _ in range(5):
         engine.step()
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
+    assert not engine.plans and not engine.beams.group_of_seq  # nothing of the search is kept
     stats = engine.stats()
     assert stats["num_accepted"] == sum(stats["num_finished"].values())
 
@@ -165,6 +167,50 @@ def test_a_search_under_kv_pressure_ends_with_the_same_beams(tiny_path):
         assert [o.token_ids for o in sorted(outs, key=lambda o: o.index)] == \
             [w.token_ids for w in want]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        roomy.shutdown()
+        tight.shutdown()
+
+
+def test_beam_score_is_the_log_probability_over_the_length_to_the_penalty():
+    """vLLM's score: cumulative log-probability / (prompt + generated tokens, EOS not counted)
+    ** length_penalty, down to a one-token prompt whose beam ended at once."""
+    assert beam_score(1, Hypothesis([7], -2.0, True), 2.0) == -2.0
+    assert beam_score(2, Hypothesis([7], -3.0, False), 1.0) == pytest.approx(-1.0)
+    assert beam_score(2, Hypothesis([7, 8], -3.0, True), 0.5) == pytest.approx(-3.0 / 3 ** 0.5)
+
+
+def test_a_search_that_cannot_fit_max_model_len_is_rejected(llm):
+    limit = llm.engine.limits.max_model_len
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.engine.add_request("too-long", [1, 2, 3], BeamSearchParams(beam_width=2,
+                                                                        max_tokens=limit - 2))
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("policy", ["sjf", "priority"])
+def test_a_search_beside_another_request_under_kv_pressure_runs_under_every_policy(tiny_path,
+                                                                                 policy):
+    """The beams of each round are ordered and preempted by their arrival and priority like any
+    request: a tight cache shared with a plain request still ends both, the beams as alone."""
+    prompt, other = random_prompts(2, 20, 20, seed=17)
+    params = BeamSearchParams(beam_width=3, max_tokens=12)
+    roomy = tiny_inprocess(max_model_len=64)
+    tight = tiny_inprocess(max_model_len=64, num_kvcache_blocks=10, scheduling_policy=policy)
+    try:
+        want = roomy.beam_search(prompt, params, use_tqdm=False)[0]
+        engine = tight.engine
+        engine.add_request("search", prompt, params, priority=1)
+        engine.add_request("other", other, SamplingParams(max_tokens=12, ignore_eos=True))
+        outs = []
+        for _ in range(2000):
+            outs += engine.step()
+            if not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests(), "the requests stalled"
+        beams = sorted((o for o in outs if o.request_id == "search"), key=lambda o: o.index)
+        assert [o.token_ids for o in beams] == [w.token_ids for w in want]
+        assert [len(o.token_ids) for o in outs if o.request_id == "other"] == [12]
     finally:
         roomy.shutdown()
         tight.shutdown()
