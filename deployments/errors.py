@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nvray.runtime.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
-_PARAM_IN_MESSAGE = re.compile(r"^(\w+)(?:=|: )")  # "top_p=2 is invalid", "logit_bias: ..."
+# "top_p=2 is invalid", "logit_bias: ...", "response_format.json_schema.schema: ..."
+_PARAM_IN_MESSAGE = re.compile(r"^([\w.]+)(?:=|: )")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 503: "service_unavailable", 504: "timeout",
           500: "internal_error"}
@@ -134,6 +135,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ValueError)
+    async def on_bad_request(_: Request, exc: ValueError) -> JSONResponse:
+        """An expected 400: one log line, answered here (a handler for ``Exception`` would
+        answer too, but Starlette then re-raises it: a traceback in the log, and an exception
+        Serve's proxy would have to unpickle)."""
+        error = to_openai_error(exc)
+        logger.info("%d %s: %s", error.status, error.param, error.message)
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

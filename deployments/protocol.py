@@ -5,7 +5,10 @@ only at their neutral value (e.g. ``best_of=1``, no ``suffix``, no ``tools``) an
 rejected with a 400 that names them. Besides OpenAI's, vLLM's extensions are accepted:
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``use_beam_search`` (``n`` is the beam
-width) with ``length_penalty``, ``priority`` and ``chat_template_kwargs``. Unknown fields are rejected too (``extra="forbid"``: a 400 whose ``param``
+width) with ``length_penalty``, ``priority`` and ``chat_template_kwargs``. Structured outputs
+come from OpenAI's ``response_format`` (``json_object``, ``json_schema`` with ``strict``) or
+vLLM's ``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` fields (one of them per request). Unknown fields are rejected too (``extra="forbid"``: a 400 whose ``param``
 names them), never silently dropped: a field nvray accepts is listed here, harmless ones that
 OpenAI clients send included (``user``, ``stream_options``, ``parallel_tool_calls``, a message's
 ``name``). Also the bodies of ``/tokenize`` and ``/detokenize`` (vLLM's shapes).
@@ -19,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nvray.chat_template import ChatPrompt
 from nvray.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from nvray.structured_outputs import StructuredOutputsParams
 
 TokenIds = list[int]
 
@@ -27,6 +31,9 @@ class UnsupportedParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self) -> tuple:
+        return UnsupportedParameter, (self.param, str(self))
 
 
 class StrictModel(BaseModel):
@@ -39,6 +46,37 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: running token counts in every chunk
     include_obfuscation: bool = False  # OpenAI's SDK may send it; nvray pads nothing
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": ...}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, origin="response_format")
+        if self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        schema = self.json_schema.json_schema
+        origin = "response_format.json_schema.schema"
+        if schema is None:  # OpenAI allows a format without a schema: any JSON object
+            return StructuredOutputsParams(json_object=True, origin=origin)
+        return StructuredOutputsParams(json=schema, strict=bool(self.json_schema.strict),
+                                       origin=origin)
 
 
 class SamplingFields(StrictModel):
@@ -67,10 +105,47 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     priority: StrictInt = 0  # lower runs first under the app's scheduling_policy="priority"
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.use_beam_search:
             self._check_beam_search()
+            if self.constraint() is not None:
+                raise UnsupportedParameter(self._constraint_fields()[0], "structured outputs "
+                                           "do not apply to use_beam_search")
+
+    def _constraint_fields(self) -> list[str]:
+        named = [name for name in ("structured_outputs", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            named.insert(0, "response_format")
+        return named
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the output must follow, from whichever field gave it (at most one)."""
+        named = self._constraint_fields()
+        if not named:
+            return None
+        if len(named) > 1:
+            raise UnsupportedParameter(named[1], f"give one of {' or '.join(named)}, not both")
+        field = named[0]
+        try:
+            if field == "response_format":
+                return self.response_format.constraint()  # type: ignore[union-attr]
+            if field == "structured_outputs":
+                return StructuredOutputsParams.coerce(self.structured_outputs, field)
+            kind = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                    "guided_grammar": "grammar"}[field]
+            return StructuredOutputsParams(**{kind: getattr(self, field)}, origin=field)
+        except ValueError as e:
+            raise UnsupportedParameter(field, str(e)) from None
 
     def _check_beam_search(self) -> None:
         """Beam search ranks beams by the raw log-probabilities: sampling fields don't apply."""
@@ -108,7 +183,8 @@ class SamplingFields(StrictModel):
                                   "allowed_token_ids": self.allowed_token_ids,
                                   "bad_words": self.bad_words,
                                   "logprobs": self.report_logprobs(),
-                                  "prompt_logprobs": prompt_logprobs}
+                                  "prompt_logprobs": prompt_logprobs,
+                                  "structured_outputs": self.constraint()}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -211,7 +287,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tools: list[Any] | None = None
     tool_choice: Literal["none", "auto"] | None = None  # without tools, both mean "no tool"
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -226,9 +301,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             raise UnsupportedParameter("logprobs", "use_beam_search reports no log-probabilities")
         if self.tools:
             raise UnsupportedParameter("tools", "tools are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise UnsupportedParameter("response_format", "only response_format type 'text' "
-                                                          "is supported")
 
     def report_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -8,11 +8,13 @@ exists, the objects of start-up are frozen out of the cyclic GC (``gc_freeze.py`
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from nvray.config import EngineConfig
 from nvray.engine.engine import LLMEngine, ModelLimits
 from nvray.gc_freeze import freeze_startup_objects
+from nvray.grammar import grammar_compiler
 from nvray.models.tiny import resolve_model
 from nvray.step_protocol import Executor
 from nvray.tokenizer import eos_token_ids, load_tokenizer
@@ -26,6 +28,8 @@ def create_engine(config: EngineConfig,
     limits = ModelLimits(max_model_len=executor.max_model_len, vocab_size=executor.vocab_size,
                          num_kvcache_blocks=executor.num_blocks, block_size=config.kvcache_block_size,
                          eos_token_ids=eos_token_ids(model_path, tokenizer))
-    engine = LLMEngine(config, tokenizer, executor, limits)
+    engine = LLMEngine(config, tokenizer, executor, limits,
+                       grammar_compiler=functools.partial(grammar_compiler, model_path,
+                                                          executor.vocab_size))
     freeze_startup_objects()  # start-up done: keep full GC passes off the steps
     return engine

@@ -16,6 +16,8 @@ so the HTTP layer can turn it into a 400 without guessing. Meanings follow vLLM:
   only those ids; ``bad_words`` are never generated (a word's last token is banned whenever the
   output ends with the word's other tokens).
 - ``n`` independent completions of the prompt (a seeded request's i-th uses ``seed + i``).
+- ``structured_outputs`` (``StructuredOutputsParams``, or a dict of its fields): the output
+  follows a JSON schema, a regex, a choice or a grammar (``nvray/structured_outputs.py``).
 - ``max_tokens=0`` generates nothing: the prompt is only prefilled (and scored, with
   ``prompt_logprobs``).
 """
@@ -26,6 +28,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from nvray.structured_outputs import StructuredOutputsParams
 
 _MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # most top log-probabilities per token (OpenAI's limit)
@@ -69,8 +73,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputsParams.coerce(self.structured_outputs))
         object.__setattr__(self, "stop", self._normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", self._normalize_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", self._normalize_bias(self.logit_bias))

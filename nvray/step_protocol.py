@@ -23,6 +23,12 @@ one when this one is built: its id is then a placeholder ``-1 - row``, where ``r
 sequence's row among that step's sampled ids; the ranks fill it in on the device (and count it
 among the output tokens that penalties look at: ``Penalties.pending_row``).
 
+Structured outputs: a constrained sequence's first ``SampleSpec`` carries its ``GrammarSpec``
+(``grammar``, ``nvray/structured_outputs.py``); rank 0 keeps a matcher for it from then on
+(``nvray/worker/grammar_masks.py``) and masks its row at every sample, until a step lists the
+sequence in ``grammars_done``. A step's ``grammars`` are the grammars of requests just accepted,
+for the ranks to start compiling; ``constrained`` says that some row has a matcher.
+
 Log-probabilities: a ``SampleSpec`` with ``logprobs >= 0`` asks for the sampled token's
 log-probability and the top ``logprobs``; a ``PromptScore`` asks for those of prompt tokens:
 the first ``len(targets)`` rows of the sequence's chunk from ``offset`` on, each scored against
@@ -40,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from nvray.outputs import TokenLogprobs
+from nvray.structured_outputs import GrammarSpec
 
 
 class Penalties(NamedTuple):
@@ -67,6 +74,7 @@ class SampleSpec(NamedTuple):
     penalties: Penalties | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    grammar: GrammarSpec | None = None  # the sequence's first sample only (see above)
 
 
 class PromptScore(NamedTuple):
@@ -97,6 +105,9 @@ class StepInput:
     # either must set them too)
     adjusts_logits: bool = False
     samples_logprobs: bool = False
+    constrained: bool = False  # some sampling row follows a grammar
+    grammars: list[GrammarSpec] = field(default_factory=list)  # of new requests: compile ahead
+    grammars_done: list[int] = field(default_factory=list)  # seq ids whose matchers go
 
     @property
     def num_samples(self) -> int:
@@ -111,7 +122,8 @@ class StepInput:
                  None if s.sample is None else tuple(s.sample),
                  None if s.score is None else tuple(s.score), s.table_start) for s in self.seqs]
         return _step_input_from_plain, (seqs, self.block_copies, self.released,
-                                        self.adjusts_logits, self.samples_logprobs)
+                                        self.adjusts_logits, self.samples_logprobs,
+                                        self.constrained, self.grammars, self.grammars_done)
 
 
 _namedtuple_of = tuple.__new__  # _namedtuple_of(Cls, plain_tuple): a Cls, built in C
@@ -119,7 +131,9 @@ _namedtuple_of = tuple.__new__  # _namedtuple_of(Cls, plain_tuple): a Cls, built
 
 def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]],
                            released: list[int], adjusts_logits: bool,
-                           samples_logprobs: bool) -> StepInput:
+                           samples_logprobs: bool, constrained: bool = False,
+                           grammars: list[GrammarSpec] | None = None,
+                           grammars_done: list[int] | None = None) -> StepInput:
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
     for seq_id, token_ids, start, table, sample, score, table_start in seqs:
@@ -129,7 +143,8 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
             score = _namedtuple_of(PromptScore, score)
         steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
                                               table_start)))
-    return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs)
+    return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs,
+                     constrained, grammars or [], grammars_done or [])
 
 
 class StepOutput(NamedTuple):

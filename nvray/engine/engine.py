@@ -43,6 +43,7 @@ from nvray.engine.step_builder import SeqPlan, build_step_input
 from nvray.outputs import RequestOutput
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.step_protocol import Executor, StepInput, StepOutput
+from nvray.structured_outputs import GrammarSpec
 
 __all__ = ["LLMEngine", "ModelLimits"]
 
@@ -66,9 +67,11 @@ class LaunchedStep(NamedTuple):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any, executor: Executor,
-                 limits: ModelLimits, clock: Callable[[], float] = time.monotonic) -> None:
+                 limits: ModelLimits, clock: Callable[[], float] = time.monotonic,
+                 grammar_compiler: Callable[[], Any] | None = None) -> None:
         """``limits`` are the facts start-up found (``config.max_model_len`` resolved, the KV
-        block count); ``clock`` times requests (tests pass a fake one)."""
+        block count); ``clock`` times requests (tests pass a fake one); ``grammar_compiler``
+        gives the ``GrammarCompiler`` of structured outputs (made on first use)."""
         self.tokenizer = tokenizer
         self.executor = executor
         self.overlap = config.overlap_scheduling
@@ -81,7 +84,10 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.scheduling_policy,
                                    config.enable_chunked_prefill, config.sjf_aging_s, clock)
         self.intake = RequestIntake(tokenizer, limits, self.block_manager,
-                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
+                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                    grammar_compiler)
+        self.new_grammars: list[GrammarSpec] = []  # for the ranks to compile ahead
+        self.grammars_done: list[int] = []  # constrained sequences that finished
         self.requests: dict[str, list[RequestState]] = {}  # request_id -> its choices
         self.plans: dict[int, SeqPlan] = {}  # seq_id -> its plan
         self.beams = BeamSearcher(self.scheduler, tokenizer, self.plans)
@@ -113,6 +119,9 @@ class LLMEngine:
         if isinstance(params, BeamSearchParams):
             return self._add_beam_search(request_id, token_ids, params, priority)
         params = self.intake.validate(token_ids, params)
+        grammar = self.intake.compile_grammar(params)
+        if grammar is not None:
+            self.new_grammars.append(grammar)
         states = self.intake.new_choices(request_id, prompt, token_ids, params, priority, stream,
                                          self.clock)
         self.requests[request_id] = states
@@ -122,6 +131,12 @@ class LLMEngine:
         self.num_prompt_tokens += len(token_ids)
         self.num_accepted += len(states)
         return token_ids
+
+    def prefetch_grammar(self, params: SamplingParams) -> None:
+        """A request with this grammar is on its way: the ranks start compiling it with the
+        next step (the caller compiles it for the engine meanwhile, ``intake.grammars``)."""
+        if params.structured_outputs is not None:
+            self.new_grammars.append(params.structured_outputs.spec())
 
     def _add_beam_search(self, request_id: str, token_ids: list[int], params: BeamSearchParams,
                          priority: int) -> list[int]:
@@ -146,7 +161,8 @@ class LLMEngine:
         the executor forgets the steps in flight, so the engine can run again if it still can."""
         outputs = []
         self.in_flight = None
-        self.executor.discard_in_flight()
+        self.executor.discard_in_flight()  # and rank 0's grammar matchers
+        self.grammars_done.clear()
         for states in list(self.requests.values()):
             for state in states:
                 if state.finish_reason is None:
@@ -202,7 +218,10 @@ class LLMEngine:
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
         bm = self.block_manager
-        step_input = build_step_input(out, self.plans, bm.take_copies(), bm.take_released())
+        step_input = build_step_input(out, self.plans, bm.take_copies(), bm.take_released(),
+                                      self.new_grammars, self.grammars_done)
+        if self.new_grammars or self.grammars_done:
+            self.new_grammars, self.grammars_done = [], []
         records: list[SeqRecord] = []
         row, logprob_row, score_row = 0, 0, 0
         for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
@@ -285,8 +304,10 @@ class LLMEngine:
         self._count_finished(state.finish_reason)
 
     def _forget(self, state: RequestState) -> None:
-        """A choice finished: drop its plan, and the request once all its choices finished."""
-        self.plans.pop(state.seq.seq_id, None)
+        """A choice finished: drop its plan (and rank 0's matcher), and the request once all
+        its choices finished."""
+        if self.plans.pop(state.seq.seq_id, state.plan).grammar is not None:
+            self.grammars_done.append(state.seq.seq_id)
         rid = state.seq.request_id
         if all(s.finish_reason is not None for s in self.requests.get(rid, ())):
             self.requests.pop(rid, None)

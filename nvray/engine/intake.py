@@ -20,6 +20,7 @@ from nvray.engine.output_processor import RequestState
 from nvray.engine.sequence import Sequence
 from nvray.engine.step_builder import SeqPlan
 from nvray.sampling_params import BeamSearchParams, SamplingParams
+from nvray.structured_outputs import GrammarSpec
 
 
 @dataclass
@@ -35,8 +36,11 @@ class ModelLimits:
 
 class RequestIntake:
     def __init__(self, tokenizer: Any, limits: ModelLimits, block_manager: BlockManager,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool,
+                 grammar_compiler: Callable[[], Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self._grammar_compiler = grammar_compiler
+        self._grammars: Any = None
         self.limits = limits
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,6 +76,25 @@ class RequestIntake:
                              f"{total} exceeds max_model_len={lim.max_model_len}")
         self._check_fits(total)
         return params
+
+    @property
+    def grammars(self) -> Any:
+        """The ``GrammarCompiler`` (``nvray/grammar.py``), made on first use."""
+        if self._grammars is None:
+            if self._grammar_compiler is None:
+                raise ValueError("structured_outputs: this engine has no grammar compiler")
+            self._grammars = self._grammar_compiler()
+        return self._grammars
+
+    def compile_grammar(self, params: SamplingParams) -> GrammarSpec | None:
+        """The request's grammar, compiled (cached: a caller may have compiled it ahead, off
+        the step loop); None without structured outputs. ValueError names what fails."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        spec = constraint.spec()
+        self.grammars.compile(spec, constraint.origin)
+        return spec
 
     def _check_fits(self, total: int) -> None:
         """A sequence of ``total`` tokens fits one step's budget (unchunked) and the KV cache."""
@@ -131,6 +154,8 @@ class RequestIntake:
         if index and params.seed is not None:  # choice i of a seeded request: seed + i
             params = dataclasses.replace(params, seed=(params.seed + index) % (2**63))
         plan = SeqPlan.of(params, stop_ids, bad_words)
+        if params.structured_outputs is not None:
+            plan.grammar = params.structured_outputs.spec()
         seq = Sequence(request_id, token_ids, params, now, priority)
         seq.index = index
         seq.waits_for_tokens = any(len(word) > 1 for word in plan.bad_words)

@@ -15,6 +15,7 @@ from nvray.engine.sequence import Sequence
 from nvray.sampling_params import SamplingParams
 from nvray.step_protocol import (Penalties, PromptScore, SampleSpec, SeqStep, StepInput,
                                  placeholder_id)
+from nvray.structured_outputs import GrammarSpec
 
 
 @dataclass
@@ -30,6 +31,8 @@ class SeqPlan:
     min_tokens: int = 0
     logprobs: int = -1
     adjusts_logits: bool = False
+    grammar: GrammarSpec | None = None  # structured outputs: the ranks keep a matcher
+    grammar_sent: bool = False  # the ranks got the grammar with an earlier sample
 
     @classmethod
     def of(cls, params: SamplingParams, stop_ids: tuple[int, ...],
@@ -52,6 +55,14 @@ def banned_by_words(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int
 
 
 def sample_spec_for(seq: Sequence, plan: SeqPlan) -> SampleSpec:
+    spec = _sample_spec(seq, plan)
+    if plan.grammar is None or plan.grammar_sent:
+        return spec
+    plan.grammar_sent = True  # the first sample brings the grammar; the rank keeps a matcher
+    return spec._replace(grammar=plan.grammar)
+
+
+def _sample_spec(seq: Sequence, plan: SeqPlan) -> SampleSpec:
     index = len(seq.token_ids) - seq.num_prompt_tokens + seq.num_pending  # planned outputs
     banned = plan.stop_ids if index < plan.min_tokens else ()
     if plan.bad_words:  # with multi-token words the output is complete here (scheduler)
@@ -83,10 +94,13 @@ def prompt_score_for(seq: Sequence, plan: SeqPlan, start: int, end: int) -> Prom
 
 def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
                      block_copies: list[tuple[int, int]] | None = None,
-                     released: list[int] | None = None) -> StepInput:
+                     released: list[int] | None = None,
+                     grammars: list[GrammarSpec] | None = None,
+                     grammars_done: list[int] | None = None) -> StepInput:
     """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan. The
-    step must be launched: the sequences count the entries sent as held by the ranks."""
-    steps, adjusts, logprobs = [], False, False
+    step must be launched: the sequences count the entries sent as held by the ranks (and the
+    grammars sent as held by rank 0)."""
+    steps, adjusts, logprobs, constrained = [], False, False, False
     for seq, num_new in out.scheduled:
         start = seq.num_computed_tokens
         end = start + num_new
@@ -101,6 +115,7 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
             sample = sample_spec_for(seq, plan)
             adjusts = adjusts or plan.adjusts_logits
             logprobs = logprobs or plan.logprobs >= 0
+            constrained = constrained or plan.grammar is not None
         score = None
         if params.prompt_logprobs is not None:
             score = prompt_score_for(seq, plan, start, end)
@@ -108,4 +123,5 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         seq.ranks_table_len = len(table)
         steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
                              score, held))
-    return StepInput(steps, block_copies or [], released or [], adjusts, logprobs)
+    return StepInput(steps, block_copies or [], released or [], adjusts, logprobs, constrained,
+                     grammars or [], grammars_done or [])

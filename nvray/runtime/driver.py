@@ -119,9 +119,37 @@ class EngineDriver:
                 where.append(i)
             except ValueError as e:  # bad sampling values or chat messages: this request only
                 results[i] = e
-        for i, result in zip(where, await asyncio.wrap_future(loop.add(accepted, sink))):
+        await self._compile_grammars(accepted, where, results)
+        ready = [(i, r) for i, r in zip(where, accepted) if not isinstance(results[i], ValueError)]
+        added = await asyncio.wrap_future(loop.add([r for _, r in ready], sink))
+        for (i, _), result in zip(ready, added):
             results[i] = result
         return results
+
+    async def _compile_grammars(self, requests: list[EngineRequest], where: list[int],
+                                results: list[int | ValueError]) -> None:
+        """Structured outputs: compile each request's grammar here, off the step loop, while
+        the ranks start compiling it with the next step; a request whose grammar fails gets
+        its ValueError. The engine then finds the grammar compiled (``intake.compile_grammar``)."""
+        constrained = [(i, r.params) for i, r in zip(where, requests)
+                       if isinstance(r.params, SamplingParams) and r.params.structured_outputs]
+        if not constrained:
+            return
+        engine = self.engine
+        for _, params in constrained:
+            self.loop.call(lambda params=params: engine.prefetch_grammar(params))  # type: ignore[union-attr]
+
+        def compile_one(params: SamplingParams) -> None:
+            constraint = params.structured_outputs
+            engine.intake.grammars.compile(constraint.spec(), constraint.origin)  # type: ignore[union-attr]
+
+        outcomes = await asyncio.gather(*(asyncio.to_thread(compile_one, params)
+                                          for _, params in constrained), return_exceptions=True)
+        for (i, _), outcome in zip(constrained, outcomes):
+            if isinstance(outcome, ValueError):
+                results[i] = outcome
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def add_requests(self, consumer_id: str, requests: list[EngineRequest]
                            ) -> list[int | ValueError]:

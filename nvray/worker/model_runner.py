@@ -30,7 +30,9 @@ from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank, tp_size
 from nvray.step_protocol import SampleSpec, StepInput, StepOutput
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
+from nvray.grammar import grammar_compiler
 from nvray.worker.device_lists import to_device
+from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.inputs import InputBuilder
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
@@ -78,6 +80,9 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.host_ids = HostIds(config.max_num_seqs, self.device)
+        vocab_size = self.hf_config.vocab_size
+        self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
+                                          config.max_num_seqs, self.device)
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -179,6 +184,7 @@ class ModelRunner:
         """Drop launched steps whose ids will never be read (their requests were failed)."""
         self.in_flight.clear()
         self.last_sampled = None
+        self.grammar_masks.clear()
 
     def _launch(self, step: StepInput, share_ids: bool) -> SampledIds:
         """Queue ``step``'s forward and sampling on the device; keep its ids there and start
@@ -186,11 +192,18 @@ class ModelRunner:
         the device): every rank gets rank 0's ids."""
         logits, score_hidden = self.forward(step)
         specs = [s.sample for s in step.seqs if s.sample is not None]
+        masks, constrained = self.grammar_masks, []
+        if (step.grammars or step.grammars_done) and tp_rank() == 0:
+            masks.update(step)
         if logits is not None:
             raw = logits if step.samples_logprobs else None
             if step.adjusts_logits:
                 logits = adjust_logits(logits.to(torch.float32, copy=True), specs,
                                        self.last_sampled)
+            if step.constrained:  # the host fills the masks while the device runs the forward
+                if logits is raw:
+                    logits = logits.clone()  # log-probabilities come from the raw logits
+                constrained = masks.mask(step, logits)
             ids = sample(logits, specs, fused=self.fused_sampler).to(torch.int32)  # type: ignore[arg-type]
         else:
             raw = None
@@ -201,7 +214,11 @@ class ModelRunner:
         self.last_sampled = ids
         if tp_rank() != 0:
             return SampledIds.none()
-        return self.host_ids.copy_from(ids, logprobs, ks)
+        sampled = self.host_ids.copy_from(ids, logprobs, ks)
+        if constrained or masks.pending is not None:
+            masks.accept_pending()  # before the next launch reuses that host buffer
+            masks.remember(sampled, constrained)
+        return sampled
 
     def _logprobs(self, step: StepInput, specs: list[SampleSpec], raw: torch.Tensor | None,
                   ids: torch.Tensor, score_hidden: torch.Tensor | None

@@ -74,6 +74,13 @@ def test_length_penalty_ranks_beams_that_ended_at_different_lengths(llm, tiny_pa
                                                                   abs=1e-4)
     assert [b.finish_reason for b in beams] == [  # EOS ends a beam early; the rest hit the limit
         "stop" if t[-1] in eos else "length" for t, _ in expected]
+    for b in beams:  # the final output is the whole answer, its own delta; EOS is not text
+        assert b.finished is True and b.prompt_token_ids == prompt
+        assert b.text == llm.tokenizer.decode(b.token_ids, skip_special_tokens=True)
+        assert (b.delta_text, b.delta_token_ids) == (b.text, b.token_ids)
+    ended = [b for b in beams if b.finish_reason == "stop"]  # EOS is the last of its tokens
+    assert all(llm.tokenizer.decode(b.token_ids) != b.text for b in ended)
+    assert ended or length_penalty > 1.0  # short beams win without a penalty on length
 
 
 def test_ignore_eos_keeps_every_beam_to_max_tokens(llm, tiny_path):
@@ -114,11 +121,14 @@ def test_beams_share_blocks_and_give_every_block_back(llm):
 
 def test_aborting_a_beam_search_ends_it_and_frees_its_blocks(llm):
     engine, bm = llm.engine, llm.engine.block_manager
-    engine.add_request("gone", "abort this search", BeamSearchParams(beam_width=2, max_tokens=30))
+    prompt_ids = engine.add_request("gone", "abort this search",
+                                    BeamSearchParams(beam_width=2, max_tokens=30))
     for _ in range(4):
         engine.step()
     outs = engine.abort_request("gone")
     assert [o.index for o in outs] == [0, 1] and {o.finish_reason for o in outs} == {"abort"}
+    assert all(o.finished is True and o.request_id == "gone" and o.prompt_token_ids == prompt_ids
+               for o in outs)
     for _ in range(5):
         engine.step()
     assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks
@@ -211,6 +221,52 @@ def test_a_search_beside_another_request_under_kv_pressure_runs_under_every_poli
         beams = sorted((o for o in outs if o.request_id == "search"), key=lambda o: o.index)
         assert [o.token_ids for o in beams] == [w.token_ids for w in want]
         assert [len(o.token_ids) for o in outs if o.request_id == "other"] == [12]
+    finally:
+        roomy.shutdown()
+        tight.shutdown()
+
+
+def test_every_round_of_a_search_keeps_its_priority_and_arrival_time(llm):
+    """The scheduler orders and preempts each round's beams as the request it came in as."""
+    engine = llm.engine
+    engine.add_request("ranked", "keep my place", BeamSearchParams(beam_width=2, max_tokens=6),
+                       priority=3)
+    arrival = next(iter(engine.beams.groups["ranked"].beams.values())).arrival_time
+    seen, rounds = set(), set()
+    for _ in range(100):
+        group = engine.beams.groups.get("ranked")
+        if group is None:
+            break
+        seen |= {(b.priority, b.arrival_time) for b in group.beams.values()}
+        rounds |= {b.seq_id for b in group.beams.values()}
+        engine.step()
+    assert seen == {(3, arrival)} and len(rounds) > 2  # several rounds of new beams
+
+
+def test_two_searches_at_once_under_kv_pressure_end_with_the_beams_each_has_alone(tiny_path):
+    """Searches whose rounds end in different steps in a cache too small for both: a round that
+    is complete moves on while the other search's beams wait for blocks."""
+    prompts = random_prompts(2, 20, 20, seed=23)
+    widths = (3, 2)
+    roomy = tiny_inprocess(max_model_len=64)
+    tight = tiny_inprocess(max_model_len=64, num_kvcache_blocks=10)
+    try:
+        want = [roomy.beam_search(p, BeamSearchParams(beam_width=w, max_tokens=12),
+                                  use_tqdm=False)[0] for p, w in zip(prompts, widths)]
+        engine = tight.engine
+        for i, (p, w) in enumerate(zip(prompts, widths)):
+            engine.add_request(f"s{i}", p, BeamSearchParams(beam_width=w, max_tokens=12))
+        outs = []
+        for _ in range(2000):
+            outs += engine.step()
+            if not engine.has_unfinished_requests():
+                break
+        assert not engine.has_unfinished_requests(), "the searches stalled"
+        assert engine.scheduler.num_preemptions > 0  # the cache was really too small
+        for i, beams in enumerate(want):
+            got = sorted((o for o in outs if o.request_id == f"s{i}"), key=lambda o: o.index)
+            assert [o.token_ids for o in got] == [b.token_ids for b in beams]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
         roomy.shutdown()
         tight.shutdown()

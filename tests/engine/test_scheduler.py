@@ -58,7 +58,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
 
 
 def test_fcfs_admits_in_arrival_order():
-    sched = make(max_num_seqs=1)
+    sched = make(max_num_seqs=1, clock=FakeClock())  # no request aged: SJF would take r1
     for i, n in enumerate([30, 5, 10]):
         add(sched, n, f"r{i}", arrival=i)
     assert run_step(sched)[0][0] == "r0"
@@ -321,3 +321,63 @@ def test_a_fork_without_room_while_its_source_waits_for_its_token_schedules_noth
     source.waits_for_tokens = True
     out = sched.schedule()
     assert out.scheduled == [] and list(sched.waiting) == [fork] and fork.fork_of is source
+
+
+def test_a_pending_token_holds_back_only_its_own_sequence():
+    """Overlapped decodes: the sequence whose next step needs its pending token on the host is
+    skipped; the one right behind it, with outputs still to make, decodes in this step."""
+    sched = make(num_blocks=16, block_size=4)
+    waits, free = (add(sched, 4, name, arrival=float(i)) for i, name in enumerate(["waits", "free"]))
+    free.params = SamplingParams(max_tokens=8)  # its pending token is the 1st of 8
+    run_step(sched)
+    for seq in (waits, free):  # overlapped: each one's sampled token is still on the device
+        seq.token_ids.pop()
+        seq.num_pending = 1
+    waits.waits_for_tokens = True
+    assert run_step(sched) == [("free", 1)]
+
+
+def test_a_prefilled_sequence_with_nothing_to_generate_is_skipped_behind_others():
+    sched = make(num_blocks=16, block_size=4)
+    first, second = add(sched, 2, "first"), add(sched, 2, "second", arrival=1.0)
+    done = Sequence("done", [1, 2, 3], SamplingParams(max_tokens=0), 2.0)
+    sched.add(done)
+    for seq, n in sched.schedule().scheduled:  # all three prefill; only two sample a token
+        seq.num_computed_tokens += n
+    first.append_token(7)
+    second.append_token(7)
+    assert [(s.request_id, n) for s, n in sched.schedule().scheduled] == [("first", 1),
+                                                                         ("second", 1)]
+
+
+def test_a_prompt_takes_what_the_budget_leaves_down_to_one_token_and_none_of_nothing():
+    sched = make(max_num_batched_tokens=9)
+    for name in ("a", "b", "c"):
+        add(sched, 8, name)
+    assert run_step(sched) == [("a", 8), ("b", 1)]  # chunked: b starts with the last token
+    assert run_step(sched) == [("a", 1), ("b", 7), ("c", 1)]
+    sched = make(max_num_batched_tokens=8)
+    first, second = add(sched, 8, "first"), add(sched, 8, "second")
+    assert run_step(sched) == [("first", 8)]  # nothing left: the second is not scheduled
+    assert list(sched.waiting) == [second] and second.block_table == []
+
+
+def test_a_fork_takes_its_tokens_from_the_budget_and_the_next_prompt_gets_the_rest():
+    sched = make(num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    source = add(sched, 9, "source")
+    add_fork(sched, source, "fork")
+    assert run_step(sched) == [("source", 8)]
+    add(sched, 10, "other", arrival=1.0)
+    assert run_step(sched) == [("source", 1), ("fork", 1), ("other", 6)]
+
+
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt_despite_a_cached_prefix():
+    """Prompt log-probabilities need every prompt position computed: no prefix-cache hit."""
+    sched = make(num_blocks=16, block_size=4)
+    first = add(sched, 9, "first")
+    run_step(sched)
+    sched.block_manager.cache_full_blocks(first)  # its 2 full prompt blocks
+    prompt = first.prompt_token_ids
+    sched.add(Sequence("plain", prompt, SamplingParams(), 1.0))
+    sched.add(Sequence("scored", prompt, SamplingParams(prompt_logprobs=0), 2.0))
+    assert run_step(sched) == [("first", 1), ("plain", 1), ("scored", 9)]

@@ -273,3 +273,29 @@ def test_beam_search_through_ray_at_tp2_equals_in_process(tp2, tiny_path):
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         assert [o.cumulative_logprob for o in a] == pytest.approx(
             [o.cumulative_logprob for o in b], abs=1e-4)
+
+
+def test_tp2_structured_outputs_follow_the_schema_beside_untouched_greedy_requests(tp2):
+    """Through the driver (grammars compiled off its step loop) and rank 0's matchers at TP=2:
+    schema outputs validate, greedy requests in the same batch keep their tokens."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "required": ["id", "ok"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "ok": {"type": "boolean"}}}
+    free = random_prompts(2, 5, 20, seed=41)
+    alone = [o.token_ids for o in tp2.generate(free, GREEDY, use_tqdm=False)]
+    constrained = [SamplingParams(max_tokens=60, seed=i, structured_outputs={"json": schema})
+                   for i in range(3)]
+    outs = tp2.generate(["a", free[0], "b", free[1], "c"],
+                        [constrained[0], GREEDY, constrained[1], GREEDY, constrained[2]],
+                        use_tqdm=False)
+    assert [outs[1].token_ids, outs[3].token_ids] == alone
+    for out in (outs[0], outs[2], outs[4]):
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
+    with pytest.raises(ValueError, match="keyword 'not'"):
+        tp2.generate(["x"], SamplingParams(structured_outputs={"json": {"not": {}}}),
+                     use_tqdm=False)
