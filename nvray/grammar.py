@@ -134,9 +134,19 @@ def backend_reason(error: Exception) -> str:
     return text.strip()
 
 
-@functools.lru_cache(maxsize=4)
+_compilers_lock = threading.Lock()
+
+
 def grammar_compiler(model_path: str, vocab_size: int) -> GrammarCompiler:
-    """The process's compiler for the model at ``model_path`` (tokenizer and EOS ids from it)."""
+    """The process's compiler for the model at ``model_path`` (tokenizer and EOS ids from it),
+    made once: a caller arriving while another thread makes it waits for that one (making it
+    reads the whole vocabulary: ~10 s for Qwen3's 151,669 tokens on an H100 host)."""
+    with _compilers_lock:
+        return _new_grammar_compiler(model_path, vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _new_grammar_compiler(model_path: str, vocab_size: int) -> GrammarCompiler:
     from nvray.tokenizer import eos_token_ids, load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(model_path)

@@ -29,6 +29,9 @@ Subcommands:
   (``nvray/bench/gpu_busy.py``).
 - ``soak``: minutes of streaming load with random disconnects against the app: unexpected
   errors, driver memory and KV usage over time (``nvray/bench/soak.py``).
+- ``structured``: structured outputs: output tok/s with every request (and one in ten) under
+  a JSON schema against the same tokens unconstrained, a 20-field schema's compile time cold
+  and cached, TTFT with a cached schema (``nvray/bench/structured.py``).
 - ``serve``: a load generator for the HTTP app (``nvray/bench/serve.py``): concurrency sweep,
   streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
 """
@@ -123,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the sampler's GPU and host time per step by filter mix")
     sm.add_argument("--rows", type=int, default=256)
     sm.add_argument("--iters", type=int, default=20)
+    so = sub.add_parser("structured", parents=[common],
+                        help="structured outputs: tok/s under a schema, compile time, TTFT")
+    so.add_argument("--model", default=None)
+    so.add_argument("--num-seqs", type=int, default=256)
+    so.add_argument("--max-model-len", type=int, default=4096)
     sv = sub.add_parser("serve", parents=[common],
                         help="load generator for a running app (or one it starts): latency and tok/s")
     serve.add_arguments(sv)
@@ -156,6 +164,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from nvray.bench.sampler import bench_sampler  # noqa: PLC0415
 
         return bench_sampler(args.rows, iters=args.iters)
+    if args.cmd == "structured":
+        from nvray.bench.structured import bench_structured  # noqa: PLC0415
+
+        return bench_structured(args.model, args.num_seqs, args.max_model_len)
     if args.cmd == "gpu-busy":
         from nvray.bench.gpu_busy import bench_gpu_busy  # noqa: PLC0415
 

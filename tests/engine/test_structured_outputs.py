@@ -126,7 +126,9 @@ def test_stop_strings_and_logprobs_work_under_a_grammar(llm):
 
 def test_a_seeded_request_gives_the_same_json_when_preempted_in_a_tight_cache(tiny_path):
     """Preemption recomputes a sequence's KV; its matcher keeps its state, so a seeded request
-    draws the same tokens as in a roomy cache."""
+    draws the same tokens as in a roomy cache (on the CPU, where recomputed logits are
+    bit-identical; a GPU's prefill kernels round differently from its decode kernels, so there
+    the outputs are only checked against the schema)."""
     schema = SCHEMAS["nested objects"]
     prompts = [f"request {i} wants an object" for i in range(6)]
     params = [constrained(20 + i, json=schema, max_tokens=60) for i in range(6)]
@@ -136,7 +138,10 @@ def test_a_seeded_request_gives_the_same_json_when_preempted_in_a_tight_cache(ti
         want = [o.text for o in run_all(roomy, prompts, params)]
         got = run_all(tight, prompts, params)
         assert tight.stats()["num_preemptions"] > 0  # the cache was really too small
-        assert [o.text for o in got] == want
+        for out in got:
+            assert_valid(out.text, schema)
+        if tight.engine.executor.runner.device.type == "cpu":
+            assert [o.text for o in got] == want
         run_all(tight, ["flush"], [SamplingParams(max_tokens=2)])  # the next step releases
         assert not tight.engine.executor.runner.grammar_masks.matchers  # none left behind
     finally:
@@ -196,3 +201,11 @@ def test_a_constrained_request_skipping_steps_keeps_its_matcher_in_step(llm):
     for out in (outs[0], outs[2]):
         assert out.finish_reason == "stop"
         assert_valid(out.text, schema)
+
+
+def test_a_batch_of_many_constrained_rows_fills_its_masks_in_threads(llm):
+    """From 32 rows on, masks are filled and tokens accepted by xgrammar's batch matcher."""
+    outs = run_all(llm, [f"code {i}" for i in range(40)],
+                   [constrained(100 + i, regex=r"[a-z]{3}-[0-9]{2}") for i in range(40)])
+    assert all(re.fullmatch(r"[a-z]{3}-[0-9]{2}", o.text) for o in outs)
+    assert len({o.text for o in outs}) > 20
