@@ -22,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -120,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="every output follows this JSON schema (a .json file)")
     p.add_argument("--max-model-len", type=_positive_int, default=_ENGINE.max_model_len)
     p.add_argument("--max-num-seqs", type=_positive_int, default=_ENGINE.max_num_seqs)
     p.add_argument("--num-cpus-per-rank", type=float, default=_ENGINE.num_cpus_per_rank,
@@ -134,8 +137,22 @@ def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
     params = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
               "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "seed": args.seed,
               "stop": list(args.stop or ()), "ignore_eos": args.ignore_eos}
-    SamplingParams(**params)
+    if args.json_schema is not None:
+        params["structured_outputs"] = {"json": _read_schema(args.json_schema)}
+    checked = SamplingParams(**params)
+    if checked.structured_outputs is not None:
+        checked.structured_outputs.spec()  # a keyword that can't be enforced: refused now
     return params
+
+
+def _read_schema(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"--json-schema {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

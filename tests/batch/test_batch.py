@@ -387,3 +387,41 @@ def test_output_appears_only_when_the_job_succeeds(tmp_path, name):
     with OutputWriter(str(path), fmt, schema) as out:
         out.write(pa.Table.from_pylist([row], schema=schema))
     assert read_output(path) == [row] and [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_a_job_with_a_json_schema_writes_rows_that_follow_it(ray_head, tmp_path):
+    """``--json-schema FILE``: every output row's text validates against the schema."""
+    import jsonschema
+
+    schema = {"type": "object", "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "ok": {"type": "boolean"}}}
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    rows = [{"id": f"s{i}", "prompt": f"object number {i}"} for i in range(4)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", "*.egg-info", "build", "dist"],
+                   "env_vars": {"NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"]}}
+    cmd = [RAY_CLI, "job", "submit", "--address", ray_head.dashboard_url,
+           "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
+           "python", "-m", "nvray.batch", "--input", str(src), "--output", str(out),
+           "--json-schema", str(schema_file), "--temperature", "1", "--seed", "3",
+           "--max-tokens", "60", "--max-model-len", str(MAX_MODEL_LEN)]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    written = read_output(out)
+    assert [r["id"] for r in written] == [r["id"] for r in rows]
+    for row in written:
+        assert row["error"] is None and row["finish_reason"] == "stop", row
+        jsonschema.validate(json.loads(row["text"]), schema)
+
+
+def test_a_json_schema_that_cannot_be_enforced_fails_before_ray(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"not": {"type": "string"}}))
+    proc = run_batch(["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+                      "--json-schema", str(bad)], timeout=120)
+    assert proc.returncode == 2 and "keyword 'not'" in proc.stderr, proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr
