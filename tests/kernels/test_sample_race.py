@@ -152,3 +152,30 @@ def test_the_sampler_runs_greedy_and_plain_batches_in_the_kernel():
     _assert_follows(mixed[0::2], NARROW, 0.5)
     _assert_follows(mixed[1::2], NARROW, 2.0)
 
+
+
+def test_the_fused_sampler_keeps_seeds_and_bans_and_takes_a_single_row():
+    """Seeded or banned rows are not plain: ``fused=True`` draws them eagerly, as without it;
+    a batch of one row runs in the kernel."""
+    from nvray.worker.sampler import sample
+
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50).to(DEVICE)
+    seeded = [_spec(1.0, seed=10 + i, step_index=i) for i in range(6)]
+    assert sample(logits, seeded, fused=True).tolist() == sample(logits, seeded).tolist()
+    half = [seeded[0], _spec(1.0)]  # one seeded row makes the batch not plain
+    assert sample(logits[:2], half, fused=True)[0] == sample(logits[:1], seeded[:1])[0]
+    banned = [_spec(1.0, banned_token_ids=tuple(range(49)))] * 6
+    assert sample(logits, banned, fused=True).tolist() == [49] * 6
+    one = sample(logits[:1], [_spec(0.7)], fused=True)
+    assert one.shape == (1,) and 0 <= int(one[0]) < 50
+
+
+def test_the_fused_sampler_draws_new_noise_at_every_call():
+    """150 draws from 1,000 equally likely tokens: ~139 distinct expected (a kernel seed drawn
+    from a few dozen values would repeat its draws)."""
+    from nvray.worker.sampler import sample
+
+    flat = torch.zeros(1, 1000).to(DEVICE)
+    draws = {int(sample(flat, [_spec(1.0)], fused=True)[0]) for _ in range(150)}
+    assert len(draws) > 110
