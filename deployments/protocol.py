@@ -16,6 +16,7 @@ OpenAI clients send included (``user``, ``stream_options``, ``parallel_tool_call
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from nvray.chat_template import ChatPrompt
 from nvray.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from nvray.structured_outputs import StructuredOutputsParams
+
+from deployments.tools import NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint
 
 TokenIds = list[int]
 
@@ -116,7 +119,7 @@ class SamplingFields(StrictModel):
     def check_supported(self) -> None:
         if self.use_beam_search:
             self._check_beam_search()
-            if self.constraint() is not None:
+            if self._constraint_fields():
                 raise UnsupportedParameter(self._constraint_fields()[0], "structured outputs "
                                            "do not apply to use_beam_search")
 
@@ -250,20 +253,40 @@ class ContentPart(StrictModel):
     text: str
 
 
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class MessageToolCall(StrictModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None  # None: an assistant turn of tool calls
     # passed to the chat template when given (Qwen3's reads reasoning_content of past turns)
     name: str | None = None
     reasoning_content: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
-    def as_template_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+    def as_template_message(self, index: int = 0) -> dict[str, Any]:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise UnsupportedParameter(f"messages.{index}.content",
+                                       f"messages.{index}.content: a {self.role} message needs "
+                                       "content (only an assistant's tool calls may come without)")
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": text}
         for name in ("name", "reasoning_content", "tool_call_id"):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return message
 
 
@@ -274,7 +297,7 @@ class ChatTemplateFields(StrictModel):
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True
                     ) -> ChatPrompt:
-        return ChatPrompt([m.as_template_message() for m in messages],
+        return ChatPrompt([m.as_template_message(i) for i, m in enumerate(messages)],
                           dict(self.chat_template_kwargs or {}), add_generation_prompt)
 
 
@@ -284,8 +307,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # without tools, both mean "no tool"
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
@@ -299,8 +322,39 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                                                        f"invalid: must be in [0, {MAX_LOGPROBS}]")
         if self.use_beam_search and self.logprobs:
             raise UnsupportedParameter("logprobs", "use_beam_search reports no log-probabilities")
-        if self.tools:
-            raise UnsupportedParameter("tools", "tools are not supported")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        choice = self.effective_tool_choice
+        if choice != "none" and not self.tools:
+            raise UnsupportedParameter("tool_choice", f"tool_choice {_choice_name(choice)!r} "
+                                                      "needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools or ()}:
+            raise UnsupportedParameter("tool_choice", f"tool_choice names the function "
+                                       f"{choice.function.name!r}, which is not in tools")
+        if choice != "none" and self.use_beam_search:
+            raise UnsupportedParameter("tools", "tools do not apply to use_beam_search")
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (parsed into ``tool_calls``)."""
+        return bool(self.tools) and self.effective_tool_choice != "none"
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if not self.calls_tools:
+            return super().constraint()
+        if self._constraint_fields():
+            raise UnsupportedParameter(self._constraint_fields()[0],
+                                       "give tools or a structured output, not both")
+        return tool_constraint(self.tools or [], self.effective_tool_choice,
+                               self.parallel_tool_calls is not False)
 
     def report_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -309,7 +363,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def prompt(self) -> ChatPrompt:
-        return self.chat_prompt(self.messages)
+        prompt = self.chat_prompt(self.messages)
+        if not self.calls_tools:
+            return prompt
+        return dataclasses.replace(prompt, tools=template_tools(self.tools or []))
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -334,3 +391,7 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[StrictInt]
+
+
+def _choice_name(choice: ToolChoice) -> str:
+    return choice if isinstance(choice, str) else f"function {choice.function.name}"

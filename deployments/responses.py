@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 from deployments.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
+from deployments.tools import ToolCallStream, parse_tool_calls
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.reasoning import Delta, ReasoningParser, ReasoningStream
 
@@ -140,11 +141,13 @@ class ChatFormat:
     reasoning-parser state)."""
 
     def __init__(self, model: str, reasoning: ReasoningParser | None = None,
-                 texts: TokenTexts | None = None) -> None:
+                 texts: TokenTexts | None = None, tools: bool = False) -> None:
         self.model, self.id, self.created = model, new_id("chatcmpl"), int(time.time())
         self.reasoning = reasoning
         self.texts = texts  # token texts, when the request asked for log-probabilities
+        self.tools = tools  # the answer may hold tool calls (deployments/tools.py)
         self.streams: dict[int, ReasoningStream] = {}  # choice index -> its parser state
+        self.calls: dict[int, ToolCallStream] = {}  # choice index -> its tool-call parser
         self.pending: dict[int, _Pending] = {}
 
     def _envelope(self, obj: str) -> dict[str, Any]:
@@ -152,16 +155,25 @@ class ChatFormat:
 
     def message(self, text: str) -> dict[str, Any]:
         if self.reasoning is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = self.reasoning.extract(text)
-        return {"role": "assistant", "reasoning_content": reasoning,
-                "content": content if content or reasoning is None else None}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+        else:
+            reasoning, content = self.reasoning.extract(text)
+            message = {"role": "assistant", "reasoning_content": reasoning,
+                       "content": content if content or reasoning is None else None}
+        if self.tools and message["content"]:
+            message["content"], calls = parse_tool_calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls
+        return message
 
     def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": i, "message": self.message(o.text),
-                    "logprobs": self._logprobs(o.token_ids, o.logprobs),
-                    "finish_reason": o.finish_reason}
-                   for i, o in enumerate(outputs)]
+        choices = []
+        for i, o in enumerate(outputs):
+            message = self.message(o.text)
+            choices.append({"index": i, "message": message,
+                            "logprobs": self._logprobs(o.token_ids, o.logprobs),
+                            "finish_reason": _with_calls(o.finish_reason,
+                                                         bool(message.get("tool_calls")))})
         return {**self._envelope("chat.completion"), "choices": choices, "usage": usage_of(outputs)}
 
     def _logprobs(self, ids: list[int], logprobs: list[TokenLogprobs] | None
@@ -170,16 +182,28 @@ class ChatFormat:
             return None
         return chat_logprobs(self.texts, ids, logprobs)
 
-    def _delta(self, index: int, out: RequestOutput) -> dict[str, str]:
+    def _delta(self, index: int, out: RequestOutput) -> dict[str, Any]:
         if self.reasoning is None:
-            return {"content": out.delta_text} if out.delta_text else {}
-        stream = self.streams.setdefault(index, self.reasoning.stream())
-        part = stream.feed(out.delta_text)
-        if out.finished:
-            tail = stream.finish()
-            part = Delta(part.reasoning + tail.reasoning, part.content + tail.content)
-        return {**({"reasoning_content": part.reasoning} if part.reasoning else {}),
-                **({"content": part.content} if part.content else {})}
+            part = Delta("", out.delta_text)
+        else:
+            stream = self.streams.setdefault(index, self.reasoning.stream())
+            part = stream.feed(out.delta_text)
+            if out.finished:
+                tail = stream.finish()
+                part = Delta(part.reasoning + tail.reasoning, part.content + tail.content)
+        delta: dict[str, Any] = {"reasoning_content": part.reasoning} if part.reasoning else {}
+        content = part.content
+        if self.tools:
+            calls = self.calls.setdefault(index, ToolCallStream())
+            first = calls.num_calls
+            content, new = calls.feed(content)
+            if out.finished:
+                content += calls.finish()
+            if new:
+                delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(new)]
+        if content:
+            delta["content"] = content
+        return delta
 
     def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         return [{**self._envelope("chat.completion.chunk"),
@@ -195,10 +219,17 @@ class ChatFormat:
         if not delta and not out.finished:
             return None
         ids, logprobs = pending.take()
+        called = self.tools and self.calls[index].num_calls > 0
         choice = {"index": index, "delta": delta,
                   "logprobs": self._logprobs(ids, logprobs) if logprobs else None,
-                  "finish_reason": out.finish_reason if out.finished else None}
+                  "finish_reason": _with_calls(out.finish_reason, called) if out.finished
+                  else None}
         return with_usage({**self._envelope("chat.completion.chunk"), "choices": [choice]}, usage)
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         return {**self._envelope("chat.completion.chunk"), "choices": [], "usage": usage_of(outputs)}
+
+
+def _with_calls(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason: an answer that ended on its own after tool calls ends with them."""
+    return "tool_calls" if called and reason == "stop" else reason

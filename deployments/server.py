@@ -230,7 +230,7 @@ class NvrayServer:
         params = body.sampling_params(body.output_limit())
         prompts = [body.prompt()]
         fmt = ChatFormat(self.model_name, self.reasoning,
-                         self.token_texts() if body.logprobs else None)
+                         self.token_texts() if body.logprobs else None, body.calls_tools)
         if body.stream:
             return await self._streaming_response(prompts, params, fmt, body)
         return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority)))

@@ -37,6 +37,7 @@ class ChatPrompt:
     messages: list[Message]
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function tools, for the template
 
 
 def is_chat(prompt: Any) -> bool:
@@ -84,8 +85,8 @@ def render_chat(tokenizer: Any, prompt: ChatPrompt | list[Message]) -> list[int]
     check_chat_prompt(prompt, tokenizer)
     try:
         text = tokenizer.apply_chat_template(
-            prompt.messages, tokenize=False, add_generation_prompt=prompt.add_generation_prompt,
-            **prompt.chat_template_kwargs)
+            prompt.messages, tools=prompt.tools, tokenize=False,
+            add_generation_prompt=prompt.add_generation_prompt, **prompt.chat_template_kwargs)
     except jinja2.TemplateError as e:  # e.g. the template's raise_exception(...)
         raise ChatTemplateError(f"the chat template rejected the messages: {e}",
                                 "messages") from None

@@ -91,6 +91,8 @@ class GrammarCompiler:
                 return backend.compile_regex(source)
             if kind == "ebnf":
                 return backend.compile_grammar(source)
+            if kind == "structural_tag":
+                return backend.compile_structural_tag(source)
         except (RuntimeError, ValueError) as e:  # the backend's message: the reason, after its source line
             with self._lock:
                 self._cache.pop(spec, None)  # not cached: the next try gets the same error
@@ -120,7 +122,8 @@ class GrammarCompiler:
 
 def kind_name(kind: str) -> str:
     return {"json": "JSON schema", "json_loose": "JSON schema", "json_object": "JSON grammar",
-            "regex": "regex", "ebnf": "grammar"}.get(kind, kind)
+            "regex": "regex", "ebnf": "grammar",
+            "structural_tag": "structural tag"}.get(kind, kind)
 
 
 def backend_reason(error: Exception) -> str:

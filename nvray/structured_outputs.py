@@ -8,7 +8,9 @@ into the one ``GrammarSpec`` the engine and the ranks compile.
 - ``json_object``: any JSON object;
 - ``regex``: a regular expression the whole output matches;
 - ``choice``: the output is one of these strings;
-- ``grammar``: an EBNF grammar (xgrammar's dialect of GBNF, the start rule ``root``).
+- ``grammar``: an EBNF grammar (xgrammar's dialect of GBNF, the start rule ``root``);
+- ``structural_tag``: an xgrammar structural tag (a dict or its JSON text): free text with
+  constrained parts, e.g. tool calls (``deployments/tools.py`` builds them).
 
 ``spec()`` gives the ``GrammarSpec`` — ``(kind, source)``, plain strings, canonical (a schema is
 re-serialized with sorted keys, a choice becomes a grammar), so equal constraints share one
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 GrammarSpec = tuple[str, str]  # (kind, source): kind in GRAMMAR_KINDS
-GRAMMAR_KINDS = ("json", "json_loose", "json_object", "regex", "ebnf")
+GRAMMAR_KINDS = ("json", "json_loose", "json_object", "regex", "ebnf", "structural_tag")
 
 # keywords the backend (xgrammar 0.2) accepts but does not enforce
 _UNENFORCED = {"not": "negation", "if": "conditionals", "then": "conditionals",
@@ -46,17 +48,18 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
     strict: bool = True
     origin: str = "structured_outputs"
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [name for name in ("json", "regex", "choice", "grammar")
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
         if len(given) != 1:
             raise ValueError(f"{self.origin}: give exactly one of json, json_object, regex, "
-                             f"choice, grammar (got {given or 'none'})")
+                             f"choice, grammar, structural_tag (got {given or 'none'})")
 
     @classmethod
     def coerce(cls, value: Any, origin: str = "structured_outputs") -> "StructuredOutputsParams":
@@ -65,7 +68,8 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"{origin} must be an object, got {type(value).__name__}")
-        allowed = {"json", "json_object", "regex", "choice", "grammar", "strict"}
+        allowed = {"json", "json_object", "regex", "choice", "grammar", "structural_tag",
+                   "strict"}
         unknown = sorted(set(value) - allowed)
         if unknown:
             raise ValueError(f"{origin}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
@@ -84,6 +88,10 @@ class StructuredOutputsParams:
             return ("regex", self.regex)
         if self.choice is not None:
             return ("ebnf", choice_grammar(self.choice, self.origin))
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            return ("structural_tag", tag if isinstance(tag, str)
+                    else json.dumps(tag, separators=(",", ":"), ensure_ascii=False))
         _require(isinstance(self.grammar, str) and self.grammar.strip() != "", self.origin,
                  "grammar must be a non-empty EBNF string")
         return ("ebnf", self.grammar)  # type: ignore[return-value]

@@ -26,11 +26,37 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # reasoning parser can find them; they take the last ids of the tokenizer's vocabulary.
 THINK_TOKENS = ["<think>", "</think>"]
 # ChatML; with enable_thinking=false the generation prompt closes an empty think block, which is
-# how Qwen3's template switches thinking off.
+# how Qwen3's template switches thinking off. Tools render as Qwen3's template renders them: their
+# signatures in the system turn inside <tools></tools>, the assistant's calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks, and each tool result as a user
+# turn inside <tool_response></tool_response>.
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\n' }}For each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    + _TOOLS_PREAMBLE + "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}"
+    "{% endif %}{{ '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}"
     "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"

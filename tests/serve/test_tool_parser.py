@@ -1,0 +1,65 @@
+"""The tool-call parser on crafted answers: calls, text around them, malformed blocks kept as
+content, and the streamed parse equal to the whole one at every split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments.tools import ToolCallStream, parse_tool_calls
+
+CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_B = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>'
+ANSWERS = [
+    "plain text, no call at all",
+    CALL_A,
+    CALL_A + "\n" + CALL_B,
+    "Let me check.\n" + CALL_A + "\n\nDone.",
+    'Bad: <tool_call>\n{"name": "x", "arguments": {oops}\n</tool_call> then ' + CALL_B,
+    "an unclosed <tool_call>\n{\"name\": \"x\"",
+    "a <tool_c that is not one, and <tool_call> words </tool_call>",
+    "  spaces around  ",
+]
+
+
+def names(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_calls_become_openai_tool_calls_and_the_text_around_stays_content():
+    content, calls = parse_tool_calls(CALL_A + "\n" + CALL_B)
+    assert content is None
+    assert names(calls) == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": [2, 3]})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    content, calls = parse_tool_calls("Let me check.\n" + CALL_A + "\n\nDone.")
+    assert content == "Let me check.Done." and names(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_malformed_and_unclosed_blocks_are_left_as_content_never_dropped():
+    text = 'Bad: <tool_call>\n{"name": "x", "arguments": {oops}\n</tool_call> then ' + CALL_B
+    content, calls = parse_tool_calls(text)
+    assert names(calls) == [("add", {"a": 1, "b": [2, 3]})]
+    assert content == 'Bad: <tool_call>\n{"name": "x", "arguments": {oops}\n</tool_call> then'
+    unclosed = "an unclosed <tool_call>\n{\"name\": \"x\""
+    assert parse_tool_calls(unclosed) == (unclosed, [])
+    not_a_call = "a <tool_c that is not one, and <tool_call> words </tool_call>"
+    assert parse_tool_calls(not_a_call) == (not_a_call, [])
+    assert parse_tool_calls("  spaces around  ") == ("  spaces around  ", [])
+
+
+@pytest.mark.parametrize("text", ANSWERS)
+def test_a_streamed_answer_split_anywhere_parses_as_the_whole_one(text):
+    whole_content, whole_calls = parse_tool_calls(text)
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut], text[cut:]], list(text) if cut == 0 else None):
+            if pieces is None:
+                continue
+            stream, content, calls = ToolCallStream(), "", []
+            for piece in pieces:
+                part, new = stream.feed(piece)
+                content, calls = content + part, calls + new
+            content += stream.finish()
+            assert names(calls) == names(whole_calls), (text, cut)
+            assert (content or None if calls else content) == whole_content, (text, cut)
