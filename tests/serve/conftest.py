@@ -21,6 +21,16 @@ def base_url(serve_http):
 
 
 @pytest.fixture(scope="package")
+def long_base_url(serve_http):
+    """A second app with room for long prompts: the tiny tokenizer spends ~800 tokens on the
+    chat template's tool preamble (tools, langchain)."""
+    serve.run(build_app({"max_model_len": 2048, "num_cpus_per_rank": 1}), name="long",
+              route_prefix="/long")
+    yield f"{serve_http}/long"
+    serve.delete("long")
+
+
+@pytest.fixture(scope="package")
 def client(base_url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 

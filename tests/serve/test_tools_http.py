@@ -11,9 +11,6 @@ import jsonschema
 import openai
 import pytest
 import requests
-from ray import serve
-
-from deployments import build_app
 
 WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
            "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
@@ -29,12 +26,8 @@ MESSAGES = [{"role": "user", "content": "What will the weather be in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def base_url(serve_http):
-    """An app of its own: the tool preamble alone is ~800 tokens of the tiny tokenizer."""
-    serve.run(build_app({"max_model_len": 2048, "num_cpus_per_rank": 1}), name="tools",
-              route_prefix="/tools")
-    yield f"{serve_http}/tools"
-    serve.delete("tools")
+def base_url(long_base_url):
+    return long_base_url
 
 
 @pytest.fixture(scope="module")
