@@ -89,3 +89,5 @@ def test_aborting_a_sink_ends_only_its_unfinished_requests(client):
     [other] = reused.results(timeout=SETTLE_S)
     assert other.finish_reason == "length" and len(other.token_ids) == 8
     assert ended_since(client, before) == {"abort": 3, "length": 3, "stop": 0}
+    # nobody reads an aborted sink: the engine's abort outputs were dropped, not queued
+    assert not [out for _, out in sink.next_batch(timeout=SETTLE_S) if out.finished]
