@@ -50,18 +50,29 @@ def run_all(llm, prompts, params):
 
 
 @pytest.fixture(scope="module")
-def llm(overlap_llm):
-    return overlap_llm
+def llm():
+    """The tiny model in-process with overlapped steps (the default); the schema test also
+    runs without them."""
+    engine = tiny_inprocess()
+    yield engine
+    engine.shutdown()
 
 
-@pytest.mark.parametrize("name", list(SCHEMAS))
-def test_every_output_follows_its_schema(llm, name):
-    schema = SCHEMAS[name]
-    outs = run_all(llm, ["describe it"] * 6, [constrained(seed, json=schema) for seed in range(6)])
-    for out in outs:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_every_output_follows_its_schema(llm, overlap):
+    engine = llm if overlap else tiny_inprocess(overlap_scheduling=False)
+    try:
+        names = [name for name in SCHEMAS for _ in range(4)]
+        outs = run_all(engine, ["describe it"] * len(names),
+                       [constrained(i, json=SCHEMAS[name]) for i, name in enumerate(names)])
+    finally:
+        if engine is not llm:
+            engine.shutdown()
+    for name, out in zip(names, outs):
         assert out.finish_reason == "stop", out.text  # the grammar ended it, by EOS
-        assert_valid(out.text, schema)
-    assert len({o.text for o in outs}) > 1  # sampled, not one forced answer
+        assert_valid(out.text, SCHEMAS[name])
+    for name in SCHEMAS:  # sampled, not one forced answer
+        assert len({o.text for n, o in zip(names, outs) if n == name}) > 1, name
 
 
 def test_requests_without_a_grammar_keep_their_tokens_beside_constrained_ones(llm):

@@ -29,7 +29,7 @@ PERSON_SCHEMA = {"type": "object", "required": ["name", "age"], "additionalPrope
 
 
 def test_parse_with_a_pydantic_model_returns_the_parsed_object(client):
-    for seed in range(3):
+    for seed in range(2):
         completion = client.chat.completions.parse(model="tiny", messages=MESSAGES,
                                                    response_format=Person, max_tokens=200,
                                                    seed=seed)

@@ -49,7 +49,7 @@ def assert_valid_calls(calls, names=("get_weather", "add")):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_required_tool_choice_gives_calls_whose_arguments_follow_the_schema(client, seed):
     reply = ask(client, tool_choice="required", seed=seed)
     choice = reply.choices[0]
