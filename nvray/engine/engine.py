@@ -126,17 +126,17 @@ class LLMEngine:
                                          self.clock)
         self.requests[request_id] = states
         for state in states:
+            state.plan.grammar = grammar  # each choice gets its own matcher on rank 0
             self.plans[state.seq.seq_id] = state.plan
             self.scheduler.add(state.seq)
         self.num_prompt_tokens += len(token_ids)
         self.num_accepted += len(states)
         return token_ids
 
-    def prefetch_grammar(self, params: SamplingParams) -> None:
+    def prefetch_grammar(self, spec: GrammarSpec) -> None:
         """A request with this grammar is on its way: the ranks start compiling it with the
         next step (the caller compiles it for the engine meanwhile, ``intake.grammars``)."""
-        if params.structured_outputs is not None:
-            self.new_grammars.append(params.structured_outputs.spec())
+        self.new_grammars.append(spec)
 
     def _add_beam_search(self, request_id: str, token_ids: list[int], params: BeamSearchParams,
                          priority: int) -> list[int]:

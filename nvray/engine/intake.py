@@ -154,8 +154,6 @@ class RequestIntake:
         if index and params.seed is not None:  # choice i of a seeded request: seed + i
             params = dataclasses.replace(params, seed=(params.seed + index) % (2**63))
         plan = SeqPlan.of(params, stop_ids, bad_words)
-        if params.structured_outputs is not None:
-            plan.grammar = params.structured_outputs.spec()
         seq = Sequence(request_id, token_ids, params, now, priority)
         seq.index = index
         seq.waits_for_tokens = any(len(word) > 1 for word in plan.bad_words)

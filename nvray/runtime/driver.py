@@ -136,12 +136,12 @@ class EngineDriver:
         if not constrained:
             return
         engine = self.engine
-        for _, params in constrained:
-            self.loop.call(lambda params=params: engine.prefetch_grammar(params))  # type: ignore[union-attr]
 
         def compile_one(params: SamplingParams) -> None:
             constraint = params.structured_outputs
-            engine.intake.grammars.compile(constraint.spec(), constraint.origin)  # type: ignore[union-attr]
+            spec = constraint.spec()  # type: ignore[union-attr]
+            self.loop.call(lambda: engine.prefetch_grammar(spec))  # type: ignore[union-attr]
+            engine.intake.grammars.compile(spec, constraint.origin)  # type: ignore[union-attr]
 
         outcomes = await asyncio.gather(*(asyncio.to_thread(compile_one, params)
                                           for _, params in constrained), return_exceptions=True)

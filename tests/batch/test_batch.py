@@ -120,19 +120,24 @@ def check_rows(rows: list[dict[str, Any]], expected: dict[str, str]) -> None:
 
 
 # ------------------------------------------------------------------------- on a real head
+def submit_batch_job(head: Cluster, *batch_args: str) -> subprocess.CompletedProcess:
+    """``ray job submit ... -- python -m nvray.batch <batch_args>`` against ``head``."""
+    runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", "*.egg-info", "build", "dist"],
+                   "env_vars": {"NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"]}}
+    cmd = [RAY_CLI, "job", "submit", "--address", head.dashboard_url,
+           "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
+           "python", "-m", "nvray.batch", *batch_args]
+    return subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def submitted(ray_head, tmp_path_factory, tiny_path) -> Path:
     """The JSON Lines input run as a job with ``ray job submit``, one engine."""
     work = tmp_path_factory.mktemp("submitted")
     src, out = write_jsonl(work / "prompts.jsonl", ROWS), work / "out.jsonl"
-    runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", "*.egg-info", "build", "dist"],
-                   "env_vars": {"NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"]}}
-    cmd = [RAY_CLI, "job", "submit", "--address", ray_head.dashboard_url,
-           "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
-           "python", "-m", "nvray.batch", "--input", str(src), "--output", str(out),
-           "--concurrency", "1", *COMMON_ARGS]
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT_S)
+    proc = submit_batch_job(ray_head, "--input", str(src), "--output", str(out),
+                            "--concurrency", "1", *COMMON_ARGS)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "succeeded" in proc.stdout
     assert "8 rows, 2 errors" in proc.stdout and "output tokens/s" in proc.stdout
@@ -400,15 +405,9 @@ def test_a_job_with_a_json_schema_writes_rows_that_follow_it(ray_head, tmp_path)
     schema_file.write_text(json.dumps(schema))
     rows = [{"id": f"s{i}", "prompt": f"object number {i}"} for i in range(4)]
     src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
-    runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", "*.egg-info", "build", "dist"],
-                   "env_vars": {"NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"]}}
-    cmd = [RAY_CLI, "job", "submit", "--address", ray_head.dashboard_url,
-           "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
-           "python", "-m", "nvray.batch", "--input", str(src), "--output", str(out),
-           "--json-schema", str(schema_file), "--temperature", "1", "--seed", "3",
-           "--max-tokens", "60", "--max-model-len", str(MAX_MODEL_LEN)]
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT_S)
+    proc = submit_batch_job(ray_head, "--input", str(src), "--output", str(out),
+                            "--json-schema", str(schema_file), "--temperature", "1", "--seed",
+                            "3", "--max-tokens", "60", "--max-model-len", str(MAX_MODEL_LEN))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     written = read_output(out)
     assert [r["id"] for r in written] == [r["id"] for r in rows]
