@@ -2,21 +2,26 @@
 
 A constrained sequence's first ``SampleSpec`` carries its ``GrammarSpec`` (``grammar``): rank 0
 makes its matcher then and keeps it until a step lists the sequence in ``grammars_done`` (it
-finished), across preemption and recompute. Each launch, once the step's forward is queued:
+finished), across preemption and recompute.
 
-1. the tokens sampled for constrained sequences at the launch before are accepted by their
-   matchers (this waits for that launch's ids on the host: the step before, done or nearly);
-2. each constrained row's allowed tokens are filled into a host bitmask (xgrammar; many rows
-   in parallel threads), copied to the device and applied to those rows only (-inf for every
-   other token, one batched op), before penalties and sampling see the logits;
-3. after sampling, the constrained rows are remembered for step 1 of the next launch.
+The matchers advance off the launching thread. Once a launch has queued its sampling,
+``advance`` hands its constrained rows to one filler thread, which waits for that launch's ids
+on the host, has each row's matcher accept its token and fills the next mask of every matcher
+still open into a pinned host buffer (xgrammar; many rows at once in its own threads, without
+the GIL). Meanwhile the launching thread goes on: the engine reads the step before, schedules
+the next one and queues its forward pass. ``mask`` then takes the filler's masks (waiting only
+for what is not done yet), fills the rows it has none for (a first sample, a sequence back from
+preemption), copies them to the device and sets -inf, in one batched op on the step's
+constrained rows only, for every token their grammar forbids, before penalties and sampling
+see the logits. A batch without constrained rows pays a flag check; at most one fill is in
+flight and every matcher is touched by one thread at a time (``mask`` and ``clear`` wait for
+the filler first).
 
-So the host works on the masks while the device runs the forward pass, with overlapped steps
-on; a batch without constrained rows pays a flag check. The grammar's stop tokens are the EOS
-ids: EOS is allowed only where the grammar may end, and a complete grammar allows only EOS.
-JSON rows also lose the tokens with raw control characters (``GrammarCompiler.json_safe_bitmask``).
-A token a matcher cannot accept (the engine dropped a finished sequence's last token) leaves
-that matcher out of later masks instead of failing the step.
+The grammar's stop tokens are the EOS ids: EOS is allowed only where the grammar may end, and
+a complete grammar allows only EOS. JSON rows also lose the tokens with raw control characters
+(``GrammarCompiler.json_safe_bitmask``). A token a matcher cannot accept (the engine dropped a
+finished sequence's last token) leaves that matcher out of later masks instead of failing the
+step.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import concurrent.futures
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -42,20 +47,35 @@ _PARALLEL_ROWS = 32
 _FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
+class FilledMasks(NamedTuple):
+    """What one fill left in the host buffer: the buffer row of each sequence's next mask
+    (open matchers only), how many rows it used, the sequences whose token was refused."""
+    rows: dict[int, int]
+    count: int
+    refused: list[int]
+
+
+_NOTHING_FILLED = FilledMasks({}, 0, [])
+
+
 class GrammarMasks:
     def __init__(self, compiler: Callable[[], Any], max_rows: int, device: torch.device) -> None:
         self._make_compiler = compiler
         self._compiler: Any = None
         self._background = concurrent.futures.ThreadPoolExecutor(1, "nvray-grammar-prefetch")
+        self._filler = concurrent.futures.ThreadPoolExecutor(1, "nvray-grammar-masks")
         self.device = device
         self.max_rows = max(max_rows, 1)
         self.matchers: dict[int, Any] = {}  # seq_id -> its matcher
         self.json_rows: set[int] = set()  # seq_ids of JSON grammars (see json_safe_bitmask)
-        self.pending: tuple[SampledIds, list[tuple[int, int]]] | None = None  # last launch's rows
-        self._bitmask: torch.Tensor | None = None  # host buffer [max_rows, words]
+        self.filling: concurrent.futures.Future[FilledMasks] | None = None  # the filler's job
+        self._host: torch.Tensor | None = None  # pinned [2 * max_rows, words]: filled masks
+        self._on_device: torch.Tensor | None = None  # their copy on the device
+        self._by_row: torch.Tensor | None = None  # [max_rows, words]: a mask per logits row
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills rows in threads
-        # host seconds spent accepting tokens and filling masks (the bench reports them)
-        self.host_seconds = {"accept": 0.0, "fill": 0.0}
+        # seconds the filler spent accepting tokens and filling masks, and the launching thread
+        # spent waiting for it and filling rows itself (the bench reports them)
+        self.host_seconds = {"accept": 0.0, "fill": 0.0, "wait": 0.0, "fill_at_launch": 0.0}
 
     @property
     def compiler(self) -> Any:
@@ -73,93 +93,154 @@ class GrammarMasks:
             self.matchers.pop(seq_id, None)
             self.json_rows.discard(seq_id)
 
+    # ------------------------------------------------------------------ launch
     def mask(self, step: StepInput, logits: torch.Tensor) -> list[tuple[int, int]]:
         """-inf, in place, for every token the grammar forbids in each constrained row of
         ``logits`` (the step's sampling rows); returns those rows as (seq_id, row)."""
-        self.accept_pending()
-        rows, row = [], 0
+        filled = self._collect()
+        rows, sources, unfilled, row = [], [], [], 0
         for seq in step.seqs:
             spec = seq.sample
             if spec is None:
                 continue
             if spec.grammar is not None:
-                compiled = self.compiler.compile(spec.grammar)
-                self.matchers[seq.seq_id] = self.compiler.matcher(compiled)
-                if spec.grammar[0].startswith("json"):
-                    self.json_rows.add(seq.seq_id)
+                self._start_matcher(seq.seq_id, spec.grammar)
             matcher = self.matchers.get(seq.seq_id)
-            if matcher is not None and not matcher.is_terminated():
+            if seq.seq_id in filled.rows:
                 rows.append((seq.seq_id, row))
+                sources.append(filled.rows[seq.seq_id])
+            elif matcher is not None and not matcher.is_terminated():
+                unfilled.append((seq.seq_id, row))
             row += 1
+        if unfilled:
+            sources += self._fill_at_launch([s for s, _ in unfilled], filled.count,
+                                            logits.shape[1])
+            rows += unfilled
         if rows:
-            self._apply(logits, rows)
+            used = max(sources) + 1
+            self._apply(logits, [r for _, r in rows], sources, used)
         return rows
 
-    def remember(self, sampled: SampledIds, rows: list[tuple[int, int]]) -> None:
-        """The launch's sampled ids: its constrained rows' tokens are accepted next launch."""
-        self.pending = (sampled, rows) if rows else None
+    def _start_matcher(self, seq_id: int, grammar: Any) -> None:
+        self.matchers[seq_id] = self.compiler.matcher(self.compiler.compile(grammar))
+        if grammar[0].startswith("json"):
+            self.json_rows.add(seq_id)
 
-    def accept_pending(self) -> None:
-        if self.pending is None:
+    def _fill_at_launch(self, seq_ids: list[int], first: int, vocab_size: int) -> list[int]:
+        """Fill the masks of ``seq_ids`` into the host rows from ``first`` on, on this thread."""
+        start = time.perf_counter()
+        host = self._host_rows(first + len(seq_ids), vocab_size)
+        self._fill([self.matchers[s] for s in seq_ids], host[first:],
+                   [i for i, s in enumerate(seq_ids) if s in self.json_rows])
+        self.host_seconds["fill_at_launch"] += time.perf_counter() - start
+        return list(range(first, first + len(seq_ids)))
+
+    def _apply(self, logits: torch.Tensor, rows: list[int], sources: list[int], used: int
+               ) -> None:
+        """Copy host rows [:used] to the device and mask logits row ``rows[i]`` with host row
+        ``sources[i]``; the masks are gathered into a buffer indexed like the logits, as
+        xgrammar's kernel reads them."""
+        words = self._host.shape[1]  # type: ignore[union-attr]
+        if self._on_device is None or self._on_device.shape[0] < self._host.shape[0]:  # type: ignore[union-attr]
+            self._on_device = torch.empty_like(self._host, device=self.device)  # type: ignore[arg-type]
+        if self._by_row is None or self._by_row.shape[0] < logits.shape[0]:
+            self._by_row = torch.empty(max(logits.shape[0], self.max_rows), words,
+                                       dtype=torch.int32, device=self.device)
+        on_device = self._on_device[:used]
+        on_device.copy_(self._host[:used], non_blocking=True)  # type: ignore[index]
+        where = to_device(rows, self.device)
+        self._by_row.index_copy_(0, where, on_device.index_select(0, to_device(sources, self.device)))
+        on_gpu = logits.device.type == "cuda"
+        self.compiler.xgr.apply_token_bitmask_inplace(
+            logits, self._by_row[:logits.shape[0]], vocab_size=logits.shape[1], indices=where,
+            backend="triton" if on_gpu else "cpu")
+
+    # ---------------------------------------------------------------- the filler
+    def advance(self, sampled: SampledIds, rows: list[tuple[int, int]]) -> None:
+        """The launch's sampled ids: the filler has its constrained rows' matchers accept them
+        and fills their next masks, while the caller goes on."""
+        if not rows:
             return
-        sampled, rows = self.pending
-        self.pending = None
+        self._collect()  # one fill at a time (normally ``mask`` took it already)
+        jobs = [(seq_id, row, self.matchers[seq_id], seq_id in self.json_rows)
+                for seq_id, row in rows if seq_id in self.matchers]
+        self._host_rows(len(jobs))
+        self.filling = self._filler.submit(self._accept_and_fill, sampled, jobs)
+
+    def _accept_and_fill(self, sampled: SampledIds, jobs: list[tuple[int, int, Any, bool]]
+                         ) -> FilledMasks:
+        """On the filler thread: wait for the ids, accept each job's token, fill the masks of
+        the matchers still open into host rows 0, 1, ..."""
         if sampled.event is not None:
-            sampled.event.synchronize()
+            sampled.event.synchronize()  # also: the last launch's copy of the host rows is done
         start = time.perf_counter()
         ids = sampled.host.tolist()  # type: ignore[union-attr]
-        live = [(seq_id, ids[row]) for seq_id, row in rows if seq_id in self.matchers]
-        matchers = [self.matchers[seq_id] for seq_id, _ in live]
-        tokens = [token for _, token in live]
-        if len(live) >= _PARALLEL_ROWS:
+        matchers = [m for _, _, m, _ in jobs]
+        tokens = [ids[row] for _, row, _, _ in jobs]
+        if len(jobs) >= _PARALLEL_ROWS:
             accepted = self.compiler.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         else:
             accepted = [m.accept_token(t) for m, t in zip(matchers, tokens)]
-        for (seq_id, token), ok in zip(live, accepted):
+        refused, open_jobs = [], []
+        for job, token, ok in zip(jobs, tokens, accepted):
             if not ok:
-                logger.debug("sequence %d: token %d is outside its grammar", seq_id, token)
-                self.matchers.pop(seq_id)
-        self.host_seconds["accept"] += time.perf_counter() - start
+                logger.debug("sequence %d: token %d is outside its grammar", job[0], token)
+                refused.append(job[0])
+            elif not job[2].is_terminated():
+                open_jobs.append(job)
+        mid = time.perf_counter()
+        self.host_seconds["accept"] += mid - start
+        host = self._host[:len(open_jobs)]  # type: ignore[index]
+        self._fill([m for _, _, m, _ in open_jobs], host,
+                   [i for i, job in enumerate(open_jobs) if job[3]])
+        self.host_seconds["fill"] += time.perf_counter() - mid
+        return FilledMasks({job[0]: i for i, job in enumerate(open_jobs)}, len(open_jobs),
+                           refused)
 
-    def clear(self) -> None:
-        """Forget every matcher and pending token (the engine failed its requests)."""
-        self.matchers.clear()
-        self.json_rows.clear()
-        self.pending = None
-
-    def _apply(self, logits: torch.Tensor, rows: list[tuple[int, int]]) -> None:
-        start = time.perf_counter()
-        xgr = self.compiler.xgr
-        bitmask = self._host_bitmask(len(rows), logits.shape[1])
-        matchers = [self.matchers[s] for s, _ in rows]
-        if len(rows) >= _PARALLEL_ROWS:
+    def _fill(self, matchers: list[Any], host: torch.Tensor, json_rows: list[int]) -> None:
+        if not matchers:
+            return
+        if len(matchers) >= _PARALLEL_ROWS:
             if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(_FILL_THREADS)
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+                self._batch = self.compiler.xgr.BatchGrammarMatcher(_FILL_THREADS)
+            self._batch.batch_fill_next_token_bitmask(matchers, host[:len(matchers)])
         else:
             for i, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(bitmask, i)
-        json_rows = [i for i, (seq_id, _) in enumerate(rows) if seq_id in self.json_rows]
-        if len(json_rows) == len(rows):
-            bitmask &= self.compiler.json_safe_bitmask
+                matcher.fill_next_token_bitmask(host, i)
+        if len(json_rows) == len(matchers):
+            host[:len(matchers)] &= self.compiler.json_safe_bitmask
         elif json_rows:
-            bitmask[json_rows] &= self.compiler.json_safe_bitmask
-        self.host_seconds["fill"] += time.perf_counter() - start
-        index = to_device([r for _, r in rows], logits.device)
-        sub = logits.index_select(0, index)
-        on_gpu = logits.device.type == "cuda"
-        xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=logits.shape[1],
-                                        backend="triton" if on_gpu else "cpu")
-        logits.index_copy_(0, index, sub)
+            host[json_rows] &= self.compiler.json_safe_bitmask
 
-    def _host_bitmask(self, n: int, vocab_size: int) -> torch.Tensor:
-        """Rows [n] of one reused host buffer: the launch before read it (its ids are in)."""
-        words = (vocab_size + 31) // 32
-        buf = self._bitmask
+    def _collect(self) -> FilledMasks:
+        """Wait for the filler's job, if one is out, and take its result."""
+        job, self.filling = self.filling, None
+        if job is None:
+            return _NOTHING_FILLED
+        start = time.perf_counter()
+        filled = job.result()
+        self.host_seconds["wait"] += time.perf_counter() - start
+        for seq_id in filled.refused:
+            self.matchers.pop(seq_id, None)
+        return filled
+
+    def clear(self) -> None:
+        """Forget every matcher and the fill in flight (the engine failed its requests)."""
+        job, self.filling = self.filling, None
+        if job is not None:
+            concurrent.futures.wait([job])
+        self.matchers.clear()
+        self.json_rows.clear()
+
+    def _host_rows(self, n: int, vocab_size: int | None = None) -> torch.Tensor:
+        """The pinned host buffer, grown to at least ``n`` rows (of masks for ``vocab_size``
+        tokens; None: as wide as it is); the filler's rows come first, then those filled at
+        launch."""
+        buf = self._host
+        words = (vocab_size + 31) // 32 if vocab_size is not None else buf.shape[1]  # type: ignore[union-attr]
         if buf is None or buf.shape[0] < n or buf.shape[1] != words:
             with torch.inference_mode(False):
-                buf = torch.empty(max(n, self.max_rows), words, dtype=torch.int32,
+                buf = torch.empty(max(n, 2 * self.max_rows), words, dtype=torch.int32,
                                   pin_memory=self.device.type == "cuda")
-            self._bitmask = buf
-        return buf[:n]
+            self._host = buf
+        return buf

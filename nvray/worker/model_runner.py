@@ -200,7 +200,7 @@ class ModelRunner:
             if step.adjusts_logits:
                 logits = adjust_logits(logits.to(torch.float32, copy=True), specs,
                                        self.last_sampled)
-            if step.constrained:  # the host fills the masks while the device runs the forward
+            if step.constrained:  # masks filled while the device ran the step before
                 if logits is raw:
                     logits = logits.clone()  # log-probabilities come from the raw logits
                 constrained = masks.mask(step, logits)
@@ -215,9 +215,7 @@ class ModelRunner:
         if tp_rank() != 0:
             return SampledIds.none()
         sampled = self.host_ids.copy_from(ids, logprobs, ks)
-        if constrained or masks.pending is not None:
-            masks.accept_pending()  # before the next launch reuses that host buffer
-            masks.remember(sampled, constrained)
+        masks.advance(sampled, constrained)  # the next masks, filled while the caller goes on
         return sampled
 
     def _logprobs(self, step: StepInput, specs: list[SampleSpec], raw: torch.Tensor | None,
