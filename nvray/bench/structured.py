@@ -48,15 +48,21 @@ def _prompts(num_seqs: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 def _timed(llm: Any, prompts: list[list[int]], params: list[SamplingParams]
-           ) -> tuple[list[Any], float, float]:
-    """The outputs, the seconds they took and the mean decode step (ms) of the run."""
+           ) -> tuple[list[Any], float, dict[str, float]]:
+    """The outputs, the seconds they took, and where those went: seconds in prefill and in
+    decode steps, the rest (adding the requests, the loop), and the mean decode step (ms)."""
     engine = llm.engine
-    seconds, steps = engine.step_seconds["decode"], engine.num_steps["decode"]
+    before = dict(engine.step_seconds), dict(engine.num_steps)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    decode_steps = max(1, engine.num_steps["decode"] - steps)
-    return outs, elapsed, round(1e3 * (engine.step_seconds["decode"] - seconds) / decode_steps, 2)
+    spent = {k: engine.step_seconds[k] - before[0][k] for k in ("prefill", "decode")}
+    steps = {k: engine.num_steps[k] - before[1][k] for k in ("prefill", "decode")}
+    split = {"prefill_s": round(spent["prefill"], 3), "decode_s": round(spent["decode"], 3),
+             "other_s": round(elapsed - spent["prefill"] - spent["decode"], 3),
+             "decode_steps": steps["decode"],
+             "decode_step_ms": round(1e3 * spent["decode"] / max(1, steps["decode"]), 2)}
+    return outs, elapsed, split
 
 
 def _rate(outs: list[Any], seconds: float) -> float:
@@ -76,13 +82,13 @@ def bench_throughput_under_schema(llm: Any, num_seqs: int) -> dict[str, Any]:
     limits = llm.engine.limits
     prompts = _prompts(num_seqs, limits.vocab_size)
     cap = min(1024, limits.max_model_len - 400)
-    all_constrained, t_all, all_ms = _timed(llm, prompts, [_constrained(cap)] * num_seqs)
+    all_constrained, t_all, all_split = _timed(llm, prompts, [_constrained(cap)] * num_seqs)
     valid = sum(_is_valid(o.text) for o in all_constrained)
     lengths = [len(o.token_ids) for o in all_constrained]
-    free, t_free, free_ms = _timed(llm, prompts, _same_lengths(lengths))
+    free, t_free, free_split = _timed(llm, prompts, _same_lengths(lengths))
     tenth = [_constrained(cap) if i % 10 == 0 else p
              for i, p in enumerate(_same_lengths(lengths))]
-    mixed, t_mixed, tenth_ms = _timed(llm, prompts, tenth)
+    mixed, t_mixed, tenth_split = _timed(llm, prompts, tenth)
     masks = getattr(llm.engine.executor.runner, "grammar_masks", None)
     host = {f"mask_host_{k}_s": round(v, 2) for k, v in getattr(masks, "host_seconds", {}).items()}
     return {**host, "num_seqs": num_seqs, "output_tokens": sum(lengths),
@@ -93,8 +99,8 @@ def bench_throughput_under_schema(llm: Any, num_seqs: int) -> dict[str, Any]:
             "tenth_constrained_tok_per_s": _rate(mixed, t_mixed),
             "all_vs_unconstrained": round(_rate(all_constrained, t_all) / _rate(free, t_free), 3),
             "tenth_vs_unconstrained": round(_rate(mixed, t_mixed) / _rate(free, t_free), 3),
-            "decode_step_ms": {"all_constrained": all_ms, "unconstrained": free_ms,
-                               "tenth_constrained": tenth_ms}}
+            "time_split": {"all_constrained": all_split, "unconstrained": free_split,
+                           "tenth_constrained": tenth_split}}
 
 
 def _is_valid(text: str) -> bool:

@@ -4,18 +4,19 @@ A constrained sequence's first ``SampleSpec`` carries its ``GrammarSpec`` (``gra
 makes its matcher then and keeps it until a step lists the sequence in ``grammars_done`` (it
 finished), across preemption and recompute.
 
-The matchers advance off the launching thread. Once a launch has queued its sampling,
-``advance`` hands its constrained rows to one filler thread, which waits for that launch's ids
+The matchers advance off the launching thread. Once a step's sampling is queued,
+``advance`` hands its constrained rows to one filler thread, which waits for that step's ids
 on the host, has each row's matcher accept its token and fills the next mask of every matcher
 still open into a pinned host buffer (xgrammar; many rows at once in its own threads, without
-the GIL). Meanwhile the launching thread goes on: the engine reads the step before, schedules
-the next one and queues its forward pass. ``mask`` then takes the filler's masks (waiting only
-for what is not done yet), fills the rows it has none for (a first sample, a sequence back from
-preemption), copies them to the device and sets -inf, in one batched op on the step's
-constrained rows only, for every token their grammar forbids, before penalties and sampling
-see the logits. A batch without constrained rows pays a flag check; at most one fill is in
-flight and every matcher is touched by one thread at a time (``mask`` and ``clear`` wait for
-the filler first).
+the GIL). Meanwhile the launching thread goes on: with overlapped steps the runner queues a
+constrained step's sampling only at the next launch (``ModelRunner.execute_overlapped``), so
+the engine reads the step before and schedules the next one while the filler works. ``mask``
+then takes the filler's masks (waiting only for what is not done yet), fills the rows it has
+none for (a first sample, a sequence back from preemption), copies them to the device and
+sets -inf, in one batched op on the step's constrained rows only, for every token their
+grammar forbids, before penalties and sampling see the logits. A batch without constrained
+rows pays a flag check; at most one fill is in flight and every matcher is touched by one
+thread at a time (``mask`` and ``clear`` wait for the filler first).
 
 The grammar's stop tokens are the EOS ids: EOS is allowed only where the grammar may end, and
 a complete grammar allows only EOS. JSON rows also lose the tokens with raw control characters

@@ -7,7 +7,8 @@ first request; then ``execute(step)`` runs one scheduled batch and, on rank 0, r
 sampled token ids (other ranks return []); ``execute_overlapped(step)`` launches a step and
 returns the ids of the one launched before it, so the caller works while the device computes
 (placeholders in a step's ids are filled from the previous step's sampled ids on the device;
-TP ranks all get rank 0's). On the GPU the norms, the attention prologue, the activation and
+TP ranks all get rank 0's; a step with constrained rows has its sampling queued at the next
+call, so that its grammar masks are filled meanwhile). On the GPU the norms, the attention prologue, the activation and
 the plain sampler (greedy, or no filters, bans or seeds) run as hand-written Triton kernels
 (``kernels/``; the layers ``torch.compile``d and the sampler eager where Triton is missing),
 also with ``enforce_eager``, which turns off graphs only. Inputs are built by ``InputBuilder``
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,14 @@ from nvray.worker.setup import (build_model, enable_torch_compile, load_hf_confi
                                 use_triton_kernels)
 
 logger = logging.getLogger(__name__)
+
+
+class Forwarded(NamedTuple):
+    """A step whose forward pass is queued: its logits of the rows to sample (rank 0) and
+    hidden states of the prompt rows to score."""
+    step: StepInput
+    logits: torch.Tensor | None
+    score_hidden: torch.Tensor | None
 
 
 class ModelRunner:
@@ -79,6 +89,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
         self.in_flight: collections.deque[SampledIds] = collections.deque()
+        self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
         self.host_ids = HostIds(config.max_num_seqs, self.device)
         vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
@@ -167,40 +178,58 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` and return its sampled ids and log-probabilities (rank 0; empty
         elsewhere)."""
-        return self._launch(step, share_ids=False).result()
+        return self._sample(self._forward_step(step), share_ids=False).result()
 
     @torch.inference_mode()
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         """Launch ``step`` (None: nothing new), then return the sampled ids of the step launched
         before it (None if there is none). The device runs ``step`` while the caller works on
-        the returned ids; ``step`` may hold placeholders for the ids still being sampled."""
+        the returned ids; ``step`` may hold placeholders for the ids still being sampled.
+
+        A step with constrained rows queues its forward pass only: its sampling is queued at
+        the next call, before the next forward, so that the caller reads the step before and
+        schedules the next one while the grammar masks are filled (``grammar_masks.py``)."""
+        if self.deferred is not None:
+            self.in_flight.append(self._sample(self.deferred, share_ids=True))
+            self.deferred = None
         if step is not None:
-            self.in_flight.append(self._launch(step, share_ids=True))
-        if len(self.in_flight) < (2 if step is not None else 1):
+            forwarded = self._forward_step(step)
+            if step.constrained:
+                self.deferred = forwarded
+            else:
+                self.in_flight.append(self._sample(forwarded, share_ids=True))
+        launched = len(self.in_flight) + (self.deferred is not None)
+        if launched < (2 if step is not None else 1):
             return None
         return self.in_flight.popleft().result()
 
     def discard_in_flight(self) -> None:
         """Drop launched steps whose ids will never be read (their requests were failed)."""
         self.in_flight.clear()
+        self.deferred = None
         self.last_sampled = None
         self.grammar_masks.clear()
 
-    def _launch(self, step: StepInput, share_ids: bool) -> SampledIds:
-        """Queue ``step``'s forward and sampling on the device; keep its ids there and start
+    def _forward_step(self, step: StepInput) -> Forwarded:
+        """Queue ``step``'s forward pass (and the LM head of its rows to sample)."""
+        logits, score_hidden = self.forward(step)
+        if (step.grammars or step.grammars_done) and tp_rank() == 0:
+            self.grammar_masks.update(step)
+        return Forwarded(step, logits, score_hidden)
+
+    def _sample(self, forwarded: Forwarded, share_ids: bool) -> SampledIds:
+        """Queue the sampling of a forwarded step on the device; keep its ids there and start
         their copy to the host. ``share_ids`` (overlapped steps, whose next step reads them on
         the device): every rank gets rank 0's ids."""
-        logits, score_hidden = self.forward(step)
+        step, logits, score_hidden = forwarded
         specs = [s.sample for s in step.seqs if s.sample is not None]
         masks, constrained = self.grammar_masks, []
-        if (step.grammars or step.grammars_done) and tp_rank() == 0:
-            masks.update(step)
         if logits is not None:
             raw = logits if step.samples_logprobs else None
             if step.adjusts_logits:
                 logits = adjust_logits(logits.to(torch.float32, copy=True), specs,
                                        self.last_sampled)
-            if step.constrained:  # masks filled while the device ran the step before
+            if step.constrained:
                 if logits is raw:
                     logits = logits.clone()  # log-probabilities come from the raw logits
                 constrained = masks.mask(step, logits)
