@@ -7,7 +7,9 @@ of Qwen3's size, 151,669 tokens, so masks cost what they cost with the real voca
   0.6) under ``RECORDS_SCHEMA`` (a list of records: a few hundred tokens of JSON). The same
   prompts then run unconstrained, each with ``max_tokens`` set to the length its constrained
   run produced and ``ignore_eos``, so both runs make the same tokens; then with one request in
-  ten constrained against the same lengths unconstrained. Output tok/s of each, and the ratios.
+  ten constrained against the same lengths unconstrained. Output tok/s of each, the ratios, and
+  each run's seconds in prefill and decode steps (the prefix cache is off, so every run
+  prefills). The mask threads' host seconds (``GrammarMasks.host_seconds``) come with them.
 - **compile**: a 20-field schema compiled cold (``cold_runs`` distinct schemas) and cached:
   p50 of each.
 - **ttft**: time to the first token of a lone request whose schema is cached, against an
@@ -163,7 +165,9 @@ def bench_structured(model: str | None = None, num_seqs: int = 256, max_model_le
                      cold_runs: int = 5, ttft_runs: int = 9) -> dict[str, Any]:
     from nvray import LLM  # noqa: PLC0415
 
-    llm = LLM(model or default_checkpoint(), runtime="inprocess", max_model_len=max_model_len)
+    # no prefix cache: each run prefills its prompts, not only the first
+    llm = LLM(model or default_checkpoint(), runtime="inprocess", max_model_len=max_model_len,
+              enable_prefix_caching=False)
     try:
         llm.generate([[1, 2, 3]], _constrained(16), use_tqdm=False)  # warm-up, grammar included
         figures = {"model": model or "random Qwen3-0.6B shape (bf16)"}

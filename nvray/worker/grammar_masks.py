@@ -49,14 +49,43 @@ _FILL_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class FilledMasks(NamedTuple):
-    """What one fill left in the host buffer: the buffer row of each sequence's next mask
-    (open matchers only), how many rows it used, the sequences whose token was refused."""
+    """What one fill left in the mask buffers: the buffer row of each sequence's next mask
+    (open matchers only), how many rows it used, the sequences whose token was refused, and
+    the event of the rows' copy to the device (None on the CPU)."""
     rows: dict[int, int]
     count: int
     refused: list[int]
+    copied: Any = None
 
 
 _NOTHING_FILLED = FilledMasks({}, 0, [])
+
+
+class MaskBuffers:
+    """Token bitmasks [rows, words] (int32) in pinned host memory and their copy on the
+    device; on the CPU the two are one tensor. ``copy`` sends rows on a side stream, so the
+    filler's copy never waits behind the step running on the device."""
+
+    def __init__(self, rows: int, words: int, device: torch.device) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        with torch.inference_mode(False):
+            self.host = torch.empty(rows, words, dtype=torch.int32, pin_memory=self.cuda)
+        self.on_device = torch.empty_like(self.host, device=device) if self.cuda else self.host
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def copy(self, first: int, end: int, side_stream: bool) -> Any:
+        """Copy host rows [first, end) to the device: on the side stream (returns the event
+        to wait for), or queued on the current stream (returns None)."""
+        if not self.cuda or end <= first:
+            return None
+        if not side_stream:
+            self.on_device[first:end].copy_(self.host[first:end], non_blocking=True)
+            return None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.on_device[first:end].copy_(self.host[first:end], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return copied
 
 
 class GrammarMasks:
@@ -70,8 +99,7 @@ class GrammarMasks:
         self.matchers: dict[int, Any] = {}  # seq_id -> its matcher
         self.json_rows: set[int] = set()  # seq_ids of JSON grammars (see json_safe_bitmask)
         self.filling: concurrent.futures.Future[FilledMasks] | None = None  # the filler's job
-        self._host: torch.Tensor | None = None  # pinned [2 * max_rows, words]: filled masks
-        self._on_device: torch.Tensor | None = None  # their copy on the device
+        self.buffers: MaskBuffers | None = None  # the filler's rows first, then launch's
         self._by_row: torch.Tensor | None = None  # [max_rows, words]: a mask per logits row
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills rows in threads
         # seconds the filler spent accepting tokens and filling masks, and the launching thread
@@ -117,9 +145,10 @@ class GrammarMasks:
             sources += self._fill_at_launch([s for s, _ in unfilled], filled.count,
                                             logits.shape[1])
             rows += unfilled
+        if filled.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(filled.copied)
         if rows:
-            used = max(sources) + 1
-            self._apply(logits, [r for _, r in rows], sources, used)
+            self._apply(logits, [r for _, r in rows], sources)
         return rows
 
     def _start_matcher(self, seq_id: int, grammar: Any) -> None:
@@ -129,32 +158,26 @@ class GrammarMasks:
 
     def _fill_at_launch(self, seq_ids: list[int], first: int, vocab_size: int) -> list[int]:
         """Fill the masks of ``seq_ids`` into the host rows from ``first`` on, on this thread."""
-        start = time.perf_counter()
-        host = self._host_rows(first + len(seq_ids), vocab_size)
-        self._fill([self.matchers[s] for s in seq_ids], host[first:],
+        start, end = time.perf_counter(), first + len(seq_ids)
+        buffers = self._buffers(end, vocab_size)
+        self._fill([self.matchers[s] for s in seq_ids], buffers.host[first:end],
                    [i for i, s in enumerate(seq_ids) if s in self.json_rows])
+        buffers.copy(first, end, side_stream=False)
         self.host_seconds["fill_at_launch"] += time.perf_counter() - start
-        return list(range(first, first + len(seq_ids)))
+        return list(range(first, end))
 
-    def _apply(self, logits: torch.Tensor, rows: list[int], sources: list[int], used: int
-               ) -> None:
-        """Copy host rows [:used] to the device and mask logits row ``rows[i]`` with host row
-        ``sources[i]``; the masks are gathered into a buffer indexed like the logits, as
-        xgrammar's kernel reads them."""
-        words = self._host.shape[1]  # type: ignore[union-attr]
-        if self._on_device is None or self._on_device.shape[0] < self._host.shape[0]:  # type: ignore[union-attr]
-            self._on_device = torch.empty_like(self._host, device=self.device)  # type: ignore[arg-type]
+    def _apply(self, logits: torch.Tensor, rows: list[int], sources: list[int]) -> None:
+        """Mask logits row ``rows[i]`` with buffer row ``sources[i]`` (on the device): the masks
+        are gathered into a buffer indexed like the logits, as xgrammar's kernel reads them."""
+        on_device = self.buffers.on_device  # type: ignore[union-attr]
         if self._by_row is None or self._by_row.shape[0] < logits.shape[0]:
-            self._by_row = torch.empty(max(logits.shape[0], self.max_rows), words,
+            self._by_row = torch.empty(max(logits.shape[0], self.max_rows), on_device.shape[1],
                                        dtype=torch.int32, device=self.device)
-        on_device = self._on_device[:used]
-        on_device.copy_(self._host[:used], non_blocking=True)  # type: ignore[index]
         where = to_device(rows, self.device)
         self._by_row.index_copy_(0, where, on_device.index_select(0, to_device(sources, self.device)))
-        on_gpu = logits.device.type == "cuda"
         self.compiler.xgr.apply_token_bitmask_inplace(
             logits, self._by_row[:logits.shape[0]], vocab_size=logits.shape[1], indices=where,
-            backend="triton" if on_gpu else "cpu")
+            backend="triton" if self.device.type == "cuda" else "cpu")
 
     # ---------------------------------------------------------------- the filler
     def advance(self, sampled: SampledIds, rows: list[tuple[int, int]]) -> None:
@@ -165,7 +188,7 @@ class GrammarMasks:
         self._collect()  # one fill at a time (normally ``mask`` took it already)
         jobs = [(seq_id, row, self.matchers[seq_id], seq_id in self.json_rows)
                 for seq_id, row in rows if seq_id in self.matchers]
-        self._host_rows(len(jobs))
+        self._buffers(len(jobs))
         self.filling = self._filler.submit(self._accept_and_fill, sampled, jobs)
 
     def _accept_and_fill(self, sampled: SampledIds, jobs: list[tuple[int, int, Any, bool]]
@@ -173,7 +196,7 @@ class GrammarMasks:
         """On the filler thread: wait for the ids, accept each job's token, fill the masks of
         the matchers still open into host rows 0, 1, ..."""
         if sampled.event is not None:
-            sampled.event.synchronize()  # also: the last launch's copy of the host rows is done
+            sampled.event.synchronize()  # also: the device has read the rows of the last fill
         start = time.perf_counter()
         ids = sampled.host.tolist()  # type: ignore[union-attr]
         matchers = [m for _, _, m, _ in jobs]
@@ -191,12 +214,12 @@ class GrammarMasks:
                 open_jobs.append(job)
         mid = time.perf_counter()
         self.host_seconds["accept"] += mid - start
-        host = self._host[:len(open_jobs)]  # type: ignore[index]
-        self._fill([m for _, _, m, _ in open_jobs], host,
+        buffers, count = self.buffers, len(open_jobs)
+        self._fill([m for _, _, m, _ in open_jobs], buffers.host[:count],  # type: ignore[union-attr]
                    [i for i, job in enumerate(open_jobs) if job[3]])
+        copied = buffers.copy(0, count, side_stream=True)  # type: ignore[union-attr]
         self.host_seconds["fill"] += time.perf_counter() - mid
-        return FilledMasks({job[0]: i for i, job in enumerate(open_jobs)}, len(open_jobs),
-                           refused)
+        return FilledMasks({job[0]: i for i, job in enumerate(open_jobs)}, count, refused, copied)
 
     def _fill(self, matchers: list[Any], host: torch.Tensor, json_rows: list[int]) -> None:
         if not matchers:
@@ -233,15 +256,13 @@ class GrammarMasks:
         self.matchers.clear()
         self.json_rows.clear()
 
-    def _host_rows(self, n: int, vocab_size: int | None = None) -> torch.Tensor:
-        """The pinned host buffer, grown to at least ``n`` rows (of masks for ``vocab_size``
-        tokens; None: as wide as it is); the filler's rows come first, then those filled at
-        launch."""
-        buf = self._host
-        words = (vocab_size + 31) // 32 if vocab_size is not None else buf.shape[1]  # type: ignore[union-attr]
-        if buf is None or buf.shape[0] < n or buf.shape[1] != words:
-            with torch.inference_mode(False):
-                buf = torch.empty(max(n, 2 * self.max_rows), words, dtype=torch.int32,
-                                  pin_memory=self.device.type == "cuda")
-            self._host = buf
-        return buf
+    def _buffers(self, n: int, vocab_size: int | None = None) -> MaskBuffers:
+        """The mask buffers, grown to at least ``n`` rows (of masks for ``vocab_size`` tokens;
+        None: as wide as they are). Called with no fill in flight."""
+        buffers = self.buffers
+        words = (vocab_size + 31) // 32 if vocab_size is not None else buffers.host.shape[1]  # type: ignore[union-attr]
+        if buffers is None or buffers.host.shape[0] < n or buffers.host.shape[1] != words:
+            if buffers is not None and buffers.cuda:
+                torch.cuda.synchronize(self.device)  # rare: nothing may still read the old ones
+            self.buffers = buffers = MaskBuffers(max(n, 2 * self.max_rows), words, self.device)
+        return buffers
