@@ -81,7 +81,8 @@ class MaskBuffers:
         if not side_stream:
             self.on_device[first:end].copy_(self.host[first:end], non_blocking=True)
             return None
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream), \
+                torch.inference_mode():  # the filler's thread: the tensors are inference ones
             self.on_device[first:end].copy_(self.host[first:end], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
