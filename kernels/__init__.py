@@ -1,7 +1,8 @@
 """Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention, the
 attention prologue (per-head q/k RMSNorm + rotary, optionally fused with the KV store), the
 hidden-state RMSNorm (with the residual add), the MLP's gated activation, the sampler's
-greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds.
+greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds, and grammar token
+masks applied to chosen logits rows.
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -50,6 +51,7 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 _patch_interpreter_for_numpy_2_4()
 
 from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
+from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_store  # noqa: E402
@@ -72,6 +74,8 @@ __all__ = [
     "rms_norm_ref",
     "filter_thresholds",
     "filter_thresholds_ref",
+    "mask_logits",
+    "mask_logits_ref",
     "race_sample",
     "race_sample_ref",
     "silu_and_mul",

@@ -13,10 +13,11 @@ constrained step's sampling only at the next launch (``ModelRunner.execute_overl
 the engine reads the step before and schedules the next one while the filler works. ``mask``
 then takes the filler's masks (waiting only for what is not done yet), fills the rows it has
 none for (a first sample, a sequence back from preemption), copies them to the device and
-sets -inf, in one batched op on the step's constrained rows only, for every token their
-grammar forbids, before penalties and sampling see the logits. A batch without constrained
-rows pays a flag check; at most one fill is in flight and every matcher is touched by one
-thread at a time (``mask`` and ``clear`` wait for the filler first).
+sets -inf, in one kernel on the step's constrained rows only (``kernels/grammar_mask.py``,
+compiled at start-up; xgrammar's op on the CPU), for every token their grammar forbids, after
+penalties and before sampling. A batch without constrained rows pays a flag check; at most
+one fill is in flight and every matcher is touched by one thread at a time (``mask`` and
+``clear`` wait for the filler first).
 
 The grammar's stop tokens are the EOS ids: EOS is allowed only where the grammar may end, and
 a complete grammar allows only EOS. JSON rows also lose the tokens with raw control characters
@@ -28,6 +29,7 @@ step.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import logging
 import os
 import time
@@ -89,6 +91,14 @@ class MaskBuffers:
         return copied
 
 
+def _mask_kernel(device: torch.device) -> Callable[..., None] | None:
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from kernels import mask_logits  # noqa: PLC0415 - GPU-only import
+
+    return mask_logits
+
+
 class GrammarMasks:
     def __init__(self, compiler: Callable[[], Any], max_rows: int, device: torch.device) -> None:
         self._make_compiler = compiler
@@ -101,7 +111,8 @@ class GrammarMasks:
         self.json_rows: set[int] = set()  # seq_ids of JSON grammars (see json_safe_bitmask)
         self.filling: concurrent.futures.Future[FilledMasks] | None = None  # the filler's job
         self.buffers: MaskBuffers | None = None  # the filler's rows first, then launch's
-        self._by_row: torch.Tensor | None = None  # [max_rows, words]: a mask per logits row
+        self._kernel = _mask_kernel(device)  # kernels/grammar_mask.py on CUDA with Triton
+        self._by_row: torch.Tensor | None = None  # without: [max_rows, words], a mask per row
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills rows in threads
         # seconds the filler spent accepting tokens and filling masks, and the launching thread
         # spent waiting for it and filling rows itself (the bench reports them)
@@ -168,17 +179,31 @@ class GrammarMasks:
         return list(range(first, end))
 
     def _apply(self, logits: torch.Tensor, rows: list[int], sources: list[int]) -> None:
-        """Mask logits row ``rows[i]`` with buffer row ``sources[i]`` (on the device): the masks
-        are gathered into a buffer indexed like the logits, as xgrammar's kernel reads them."""
+        """Mask logits row ``rows[i]`` with buffer row ``sources[i]`` (on the device)."""
         on_device = self.buffers.on_device  # type: ignore[union-attr]
+        index = to_device([rows, sources], self.device)
+        if self._kernel is not None:
+            self._kernel(logits, on_device, index[0], index[1])
+            return
+        # xgrammar's own op reads the masks indexed like the logits: gather them so first
         if self._by_row is None or self._by_row.shape[0] < logits.shape[0]:
             self._by_row = torch.empty(max(logits.shape[0], self.max_rows), on_device.shape[1],
                                        dtype=torch.int32, device=self.device)
-        where = to_device(rows, self.device)
-        self._by_row.index_copy_(0, where, on_device.index_select(0, to_device(sources, self.device)))
+        self._by_row.index_copy_(0, index[0], on_device.index_select(0, index[1]))
         self.compiler.xgr.apply_token_bitmask_inplace(
-            logits, self._by_row[:logits.shape[0]], vocab_size=logits.shape[1], indices=where,
-            backend="triton" if self.device.type == "cuda" else "cpu")
+            logits, self._by_row[:logits.shape[0]], vocab_size=logits.shape[1], indices=index[0],
+            backend="cpu" if self.device.type == "cpu" else "torch_native")
+
+    def warm(self, vocab_size: int, dtypes: tuple[torch.dtype, ...]) -> None:
+        """Compile the mask kernel for logits of ``dtypes`` now, not at the first constrained
+        step (a stall of ~0.1 s per variant)."""
+        if self._kernel is None:
+            return
+        masks = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32, device=self.device)
+        index = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for dtype in dtypes:
+            logits = torch.zeros(1, vocab_size, dtype=dtype, device=self.device)
+            self._kernel(logits, masks, index, index)
 
     # ---------------------------------------------------------------- the filler
     def advance(self, sampled: SampledIds, rows: list[tuple[int, int]]) -> None:

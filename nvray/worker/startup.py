@@ -119,7 +119,8 @@ def warm_kernels(runner: ModelRunner) -> None:
     variant per query-tile size (from the longest query chunk: 8, 16, 32, 64 rows) and per
     block-table width class (Triton specializes ints equal to 1 or divisible by 16); the
     sampler's kernel one for rows sharing a temperature, one for greedy rows only (the
-    steps of query 9) and one for rows of both (the step of 2 rows). Each warm-up step is
+    steps of query 9) and one for rows of both (the step of 2 rows); the grammar-mask kernel
+    one per logits dtype. Each warm-up step is
     one query chunk at the end of a context that lives in block 0 of the unused cache.
     First the GEMMs at the row counts steps will use (``gemm_warmup.py``: a cuBLAS kernel's
     first launch waits for the device to drain)."""
@@ -139,3 +140,4 @@ def warm_kernels(runner: ModelRunner) -> None:
                     for i in range(1 + (query_len == 33))]  # and one step of 2 rows
             runner.execute(StepInput(seqs))
     runner.inputs.tables.reset()
+    runner.grammar_masks.warm(runner.hf_config.vocab_size, (runner.dtype, torch.float32))
