@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nvray.chat_template import ChatPrompt
 from nvray.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
-from nvray.structured_outputs import StructuredOutputsParams
+from nvray.structured_outputs import ResponseFormat, StructuredOutputsParams
 
 from deployments.tools import NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint
 
@@ -49,37 +49,6 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: running token counts in every chunk
     include_obfuscation: bool = False  # OpenAI's SDK may send it; nvray pads nothing
-
-
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's ``response_format.json_schema``."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(StrictModel):
-    """``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": ...}``."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    def constraint(self) -> StructuredOutputsParams | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True, origin="response_format")
-        if self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a json_schema object")
-        schema = self.json_schema.json_schema
-        origin = "response_format.json_schema.schema"
-        if schema is None:  # OpenAI allows a format without a schema: any JSON object
-            return StructuredOutputsParams(json_object=True, origin=origin)
-        return StructuredOutputsParams(json=schema, strict=bool(self.json_schema.strict),
-                                       origin=origin)
 
 
 class SamplingFields(StrictModel):

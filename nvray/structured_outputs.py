@@ -22,13 +22,18 @@ JSON schema keywords that the grammar backend would silently ignore are refused 
 ``contains``, ``allOf`` with more than one schema, a ``$ref`` outside the document), so an
 accepted schema is one the output really follows. ``origin`` names the request field the
 constraint came from (``response_format.json_schema``, ``guided_regex``...) in every error.
+
+``ResponseFormat`` is OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``),
+as the HTTP API and the batch job's rows take it; ``constraint()`` makes it one of the above.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 GrammarSpec = tuple[str, str]  # (kind, source): kind in GRAMMAR_KINDS
 GRAMMAR_KINDS = ("json", "json_loose", "json_object", "regex", "ebnf", "structural_tag")
@@ -151,3 +156,50 @@ def choice_grammar(choices: tuple[str, ...], origin: str) -> str:
              and all(isinstance(c, str) and c for c in choices), origin,
              "choice must be a non-empty list of non-empty strings")
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema": ...}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @classmethod
+    def parse(cls, value: Any, origin: str = "response_format") -> "ResponseFormat":
+        """From a dict or its JSON text; ValueError naming ``origin`` and the bad field."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{origin}: not valid JSON ({e.msg})") from None
+        try:
+            return cls.model_validate(value)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in (origin, *first["loc"]))
+            raise ValueError(f"{where}: {first['msg']}") from None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, origin="response_format")
+        if self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        schema = self.json_schema.json_schema
+        origin = "response_format.json_schema.schema"
+        if schema is None:  # OpenAI allows a format without a schema: any JSON object
+            return StructuredOutputsParams(json_object=True, origin=origin)
+        return StructuredOutputsParams(json=schema, strict=bool(self.json_schema.strict),
+                                       origin=origin)

@@ -6,13 +6,16 @@ Contract:
   skipped), a Parquet file (``.parquet``), or a directory of files of one of those formats.
 - Every row has an ``id`` (a string, or an integer; one kind for the whole input, unique) and
   exactly one of ``prompt`` (a string) or ``messages`` (a non-empty list of ``{role, content}``
-  string pairs). Other columns are ignored.
+  string pairs); it may have a ``response_format`` (OpenAI's: ``text``, ``json_object`` or
+  ``json_schema``; an object, or its JSON text) for its own output, in place of the job's
+  ``--json-schema``. Other columns are ignored.
 - ``validate_input`` makes one plain pass over the input, before anything runs on Ray, and
   raises ``ValueError`` naming the file and the row (``line N`` for JSON Lines, 1-based;
   ``row N`` for Parquet, 1-based) of the first problem: bad JSON, a row that is not an object,
-  a missing or ill-typed ``id``, ``prompt`` or ``messages``, a duplicate id.
+  a missing or ill-typed ``id``, ``prompt`` or ``messages``, a duplicate id, a
+  ``response_format`` that is malformed or asks for what cannot be enforced (the field named).
 - ``input_schema`` is the schema rows are read with (see ``nvray.batch.read``): ``id``,
-  ``prompt``, ``messages``; absent ones are null.
+  ``prompt``, ``messages``, ``response_format`` (JSON text); absent ones are null.
 - An output is one JSON Lines (``.jsonl``/``.json``) or Parquet (``.parquet``) file with the
   columns of ``output_schema``; ``OutputWriter`` writes it to a temporary file next to the
   target and renames it into place only when the whole job succeeded.
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import pyarrow as pa
+
+from nvray.structured_outputs import ResponseFormat, StructuredOutputsParams
 
 JSONL, PARQUET = "jsonl", "parquet"
 _EXTENSIONS = {".jsonl": JSONL, ".json": JSONL, ".parquet": PARQUET}
@@ -122,7 +127,23 @@ def check_row(row: Any, where: str) -> Any:
         raise ValueError(f"{where}: 'prompt' must be a string, got {type(prompt).__name__}")
     if messages is not None:
         _check_messages(messages, where)
+    if row.get("response_format") is not None:
+        row_constraint(row["response_format"], where)
     return row["id"]
+
+
+def row_constraint(response_format: Any, where: str = "") -> StructuredOutputsParams | None:
+    """A row's ``response_format`` (an object or its JSON text) as the constraint it asks for
+    (None: ``text``), checked as far as it can be without the model: ValueError naming
+    ``where`` and the field."""
+    try:
+        constraint = ResponseFormat.parse(response_format).constraint()
+        if constraint is not None:
+            constraint.spec()
+    except ValueError as e:
+        message = str(e) if str(e).startswith("response_format") else f"response_format: {e}"
+        raise ValueError(f"{where}: {message}" if where else message) from None
+    return constraint
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, Any]]:
@@ -155,7 +176,7 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
         raise ValueError(f"{path}: has no 'id' column (columns: {sorted(names)})")
     if not names & {"prompt", "messages"}:
         raise ValueError(f"{path}: has neither a 'prompt' nor a 'messages' column")
-    columns = [c for c in ("id", "prompt", "messages") if c in names]
+    columns = [c for c in INPUT_COLUMNS if c in names]
     n = 0
     for batch in pf.iter_batches(columns=columns, batch_size=4096):
         for row in batch.to_pylist():
@@ -191,9 +212,13 @@ def validate_input(path: str) -> InputSpec:
 
 
 # ------------------------------------------------------------------------------ reading
+INPUT_COLUMNS = ("id", "prompt", "messages", "response_format")
+
+
 def input_schema(id_type: pa.DataType) -> pa.Schema:
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    return pa.schema([("id", id_type), ("prompt", pa.string()), ("messages", pa.list_(message))])
+    return pa.schema([("id", id_type), ("prompt", pa.string()), ("messages", pa.list_(message)),
+                      ("response_format", pa.string())])
 
 
 # ------------------------------------------------------------------------------ writing

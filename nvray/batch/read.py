@@ -1,23 +1,27 @@
 """The Ray Data side of ``python -m nvray.batch``'s input: a validated input as a dataset.
 
 Contract: ``read_dataset(spec, rows_per_block)`` gives a dataset whose rows have exactly
-``nvray.batch.io.input_schema`` (``id``, ``prompt``, ``messages``; absent ones null), in input
-order, in blocks of about ``rows_per_block`` rows so that every engine of a pool gets work.
+``nvray.batch.io.input_schema`` (``id``, ``prompt``, ``messages``, ``response_format`` as JSON
+text; absent ones null), in input order, in blocks of about ``rows_per_block`` rows so that
+every engine of a pool gets work. JSON Lines are parsed by ``json`` row by row (a
+``response_format`` holds a free-form schema, which no Arrow type fits).
 Every task it runs asks for a fraction of a CPU: on a small host the engines' placement groups
 may hold all but a fraction of the CPUs, and a 1-CPU task would then wait forever. (That is
 why Parquet is read by ``ParquetRowsDatasource`` and not by ``ray.data.read_parquet``, whose
-file listing and sampling tasks take a whole CPU.)
+file listing and sampling tasks take a whole CPU; JSON Lines go the same way.)
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 from typing import Any, Iterator
 
 import pyarrow as pa
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
-from nvray.batch.io import PARQUET, InputSpec, input_schema
+from nvray.batch.io import INPUT_COLUMNS, PARQUET, InputSpec, input_schema
 
 _READ_CPUS = 0.25
 _MAX_BLOCKS = 10_000
@@ -25,7 +29,8 @@ _MAX_BLOCKS = 10_000
 
 def normalize_rows(table: pa.Table, id_type: pa.DataType) -> pa.Table:
     """``table`` with exactly the input schema: ids cast, absent columns null, messages
-    reduced to role and content (so every block of a dataset has one schema)."""
+    reduced to role and content, ``response_format`` as JSON text (so every block of a dataset
+    has one schema)."""
     schema = input_schema(id_type)
     n = table.num_rows
     prompt = table["prompt"].cast(pa.string()) if "prompt" in table.column_names \
@@ -37,7 +42,36 @@ def normalize_rows(table: pa.Table, id_type: pa.DataType) -> pa.Table:
                             type=schema.field("messages").type)
     else:
         messages = pa.nulls(n, schema.field("messages").type)
-    return pa.Table.from_arrays([table["id"].cast(id_type), prompt, messages], schema=schema)
+    formats = _json_text(table["response_format"]) if "response_format" in table.column_names \
+        else pa.nulls(n, pa.string())
+    return pa.Table.from_arrays([table["id"].cast(id_type), prompt, messages, formats],
+                                schema=schema)
+
+
+def _json_text(column: Any) -> pa.Array:
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        return column.cast(pa.string())
+    return pa.array([None if v is None else json.dumps(v) for v in column.to_pylist()],
+                    type=pa.string())
+
+
+class JsonlRowsDatasource(FileBasedDatasource):
+    """JSON Lines files as rows of the input schema, parsed by ``json`` (validated before)."""
+
+    def __init__(self, paths: list[str], id_type: pa.DataType) -> None:
+        super().__init__(paths, partitioning=None)
+        self._id_type = id_type
+
+    def _read_stream(self, f: Any, path: str) -> Iterator[pa.Table]:
+        lines = (line for line in f.read_buffer().to_pybytes().splitlines() if line.strip())
+        while chunk := list(itertools.islice(lines, 8192)):
+            rows = [json.loads(line) for line in chunk]
+            columns = {c: [row.get(c) for row in rows] for c in ("id", "prompt", "messages")}
+            formats = [row.get("response_format") for row in rows]
+            columns["response_format"] = pa.array(
+                [v if v is None or isinstance(v, str) else json.dumps(v) for v in formats],
+                type=pa.string())
+            yield normalize_rows(pa.table(columns), self._id_type)
 
 
 class ParquetRowsDatasource(FileBasedDatasource):
@@ -51,7 +85,7 @@ class ParquetRowsDatasource(FileBasedDatasource):
         import pyarrow.parquet as pq  # noqa: PLC0415
 
         pf = pq.ParquetFile(pa.BufferReader(f.read_buffer()))
-        columns = [c for c in ("id", "prompt", "messages") if c in pf.schema_arrow.names]
+        columns = [c for c in INPUT_COLUMNS if c in pf.schema_arrow.names]
         for batch in pf.iter_batches(columns=columns, batch_size=8192):
             yield normalize_rows(pa.Table.from_batches([batch]), self._id_type)
 
@@ -59,12 +93,6 @@ class ParquetRowsDatasource(FileBasedDatasource):
 def read_dataset(spec: InputSpec, rows_per_block: int) -> Any:
     """The input's rows as a Ray Data dataset, in blocks of about ``rows_per_block`` rows."""
     num_blocks = min(_MAX_BLOCKS, max(1, -(-spec.num_rows // rows_per_block)))
-    if spec.format == PARQUET:
-        return ray.data.read_datasource(ParquetRowsDatasource(spec.files, spec.id_type),
-                                        num_cpus=_READ_CPUS, override_num_blocks=num_blocks)
-    import pyarrow.json as pajson  # noqa: PLC0415
-
-    parse = pajson.ParseOptions(explicit_schema=input_schema(spec.id_type),
-                                unexpected_field_behavior="ignore")
-    return ray.data.read_json(spec.files, num_cpus=_READ_CPUS, partitioning=None,
-                              override_num_blocks=num_blocks, parse_options=parse)
+    source = ParquetRowsDatasource if spec.format == PARQUET else JsonlRowsDatasource
+    return ray.data.read_datasource(source(spec.files, spec.id_type), num_cpus=_READ_CPUS,
+                                    override_num_blocks=num_blocks)

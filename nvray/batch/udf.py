@@ -5,7 +5,8 @@ Contract:
 - Each pool actor starts one whole nvray engine with ``start_engine(config)`` — an
   EngineDriver and its rank actors in their own placement group — and owns its EngineClient.
   The actor itself asks Ray Data for no CPU, so it never competes with its engine's bundles.
-- ``__call__`` takes a pyarrow batch of input rows (``id``, ``prompt``, ``messages``), sends all
+- ``__call__`` takes a pyarrow batch of input rows (``id``, ``prompt``, ``messages``,
+  ``response_format``: the row's own structured output in place of the job's), sends all
   its requests to the driver at once (so the engine batches them; their final outputs come back
   over the client's output channel, one message per engine step), and returns one output row
   per input row, in order: ``id``, ``text``, ``finish_reason``, ``prompt_tokens``,
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import pyarrow as pa
 import ray
 
-from nvray.batch.io import output_schema
+from nvray.batch.io import output_schema, row_constraint
 from nvray.config import EngineConfig
 from nvray.runtime import EngineDeadError, start_engine
 from nvray.sampling_params import SamplingParams
@@ -82,28 +83,47 @@ class GenerateBatch:
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         prompts = [row_prompt(r) for r in rows]
-        results = self.generate(prompts)
+        results = self.generate(prompts, [self.row_params(r) for r in rows])
         out = [result_row(r["id"], res) for r, res in zip(rows, results, strict=True)]
         return pa.Table.from_pylist(out, schema=output_schema(batch.schema.field("id").type))
 
-    def generate(self, prompts: list[Any]) -> list[Any]:
-        """One RequestOutput or exception per prompt; engine failures retried on a new engine."""
+    def row_params(self, row: dict[str, Any]) -> Any:
+        """The job's sampling parameters, with the row's ``response_format`` (if it has one) in
+        place of the job's structured output; a malformed one is the row's error."""
+        if row.get("response_format") is None:
+            return self.sampling_params
+        try:
+            constraint = row_constraint(row["response_format"])
+        except ValueError as e:
+            return e
+        params = {k: v for k, v in self.sampling_params.items() if k != "structured_outputs"}
+        return SamplingParams.from_dict({**params, "structured_outputs": constraint})
+
+    def generate(self, prompts: list[Any], params: list[Any] | None = None) -> list[Any]:
+        """One RequestOutput or exception per prompt (``params``: one per prompt, the job's if
+        None; an exception there is that row's result); engine failures retried on a new
+        engine."""
+        params = params or [self.sampling_params] * len(prompts)
+        results: list[Any] = [p if isinstance(p, BaseException) else None for p in params]
         client = self.client
-        results = self._run(client, prompts)
+        self._run(client, prompts, params, results, [i for i, r in enumerate(results) if r is None])
         failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)
                   and is_engine_failure(r)]
         if failed and self._replace_engine(client):
-            retried = self._run(self.client, [prompts[i] for i in failed])
-            for i, r in zip(failed, retried, strict=True):
-                results[i] = r
+            self._run(self.client, prompts, params, results, failed)
         return results
 
-    def _run(self, client: Any, prompts: list[Any]) -> list[Any]:
-        """All prompts go to the engine at once; finals come back over its output channel."""
+    @staticmethod
+    def _run(client: Any, prompts: list[Any], params: list[Any], results: list[Any],
+             which: list[int]) -> None:
+        """Rows ``which`` go to the engine at once; their finals (over its output channel)
+        land in ``results``."""
         try:
-            return client.generate_many(prompts, self.sampling_params)
+            outs = client.generate_many([prompts[i] for i in which], [params[i] for i in which])
         except Exception as e:  # noqa: BLE001 - the engine failed as a whole: every row's error
-            return [e] * len(prompts)
+            outs = [e] * len(which)
+        for i, out in zip(which, outs, strict=True):
+            results[i] = out
 
     def _replace_engine(self, failed: Any) -> bool:
         """Start a new engine in place of ``failed`` (once, whichever thread gets here first)."""

@@ -100,8 +100,14 @@ class EngineClient:
     def generate_many(self, prompts: Sequence[Any], sampling_params: Any = None
                       ) -> list[RequestOutput | BaseException]:
         """Final outputs of many prompts, in order (``n`` consecutive ones per prompt with
-        ``n > 1``); a rejected or failed one gives its error."""
-        sink = self.submit([EngineRequest(p, sampling_params) for p in prompts], all_or_nothing=False)
+        ``n > 1``); a rejected or failed one gives its error. ``sampling_params``: one for all,
+        or a list of one per prompt."""
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        sink = self.submit([EngineRequest(p, sp) for p, sp in zip(prompts, sampling_params)],
+                           all_or_nothing=False)
         return sink.results()
 
     def stream(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,

@@ -238,6 +238,11 @@ def test_engines_that_do_not_fit_the_cluster_fail_fast(ray_head, tmp_path):
     ([{"id": "a", "messages": [{"role": "user"}]}], "line 1: messages[0] must be an object"),
     (["[1, 2]"], "line 1: expected a JSON object"),
     ([{"id": True, "prompt": "x"}], "line 1: 'id' must be a string or an integer"),
+    ([{"id": "a", "prompt": "x", "response_format": {"type": "xml"}}],
+     "line 1: response_format.type: Input should be"),
+    ([{"id": "a", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"not": {"type": "string"}}}}}],
+     "line 1: response_format.json_schema.schema: the JSON schema keyword 'not'"),
 ])
 def test_malformed_jsonl_is_rejected_with_the_row_number(tmp_path, lines, message):
     from nvray.batch.io import validate_input
@@ -310,9 +315,11 @@ class FakeEngine:
     def __init__(self, dead: bool) -> None:
         self.dead, self.shut_down = dead, False
 
-    def generate_many(self, prompts: list[Any], params: dict) -> list[Any]:
+    def generate_many(self, prompts: list[Any], params: list[Any]) -> list[Any]:
         from nvray.outputs import RequestOutput
         from nvray.runtime import EngineDeadError
+
+        self.params = params
 
         def result(prompt: Any) -> Any:
             if self.dead:
@@ -358,6 +365,30 @@ def test_pool_actor_replaces_a_dead_engine_and_keeps_request_errors(restarts):
         assert all(r["error"] == "EngineDeadError: rank 0 died" for r in out)
 
 
+def test_a_rows_response_format_replaces_the_jobs_structured_output():
+    from nvray.batch.udf import GenerateBatch
+    from nvray.sampling_params import SamplingParams
+
+    engine = FakeEngine(dead=False)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    udf = GenerateBatch({"model": "tiny"}, {"max_tokens": 2, "structured_outputs": {"json": {}}},
+                        engine_factory=lambda config: engine)
+    rows = [{"id": "job", "prompt": "x"},
+            {"id": "text", "prompt": "y", "response_format": '{"type": "text"}'},
+            {"id": "own", "prompt": "z", "response_format": json.dumps(
+                {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})},
+            {"id": "bad", "prompt": "w", "response_format": '{"type": "json_schema"}'}]
+    out = udf(pa.Table.from_pylist(rows, schema=input_schema(pa.string()))).to_pylist()
+    params = [SamplingParams.coerce(p) for p in engine.params]  # the three rows sent
+    assert [p.max_tokens for p in params] == [2, 2, 2]
+    assert params[0].structured_outputs.json == {}
+    assert params[1].structured_outputs is None
+    assert params[2].structured_outputs.json == schema
+    assert [r["error"] for r in out][:3] == [None, None, None]
+    assert out[3]["error"] == ("ValueError: response_format: type 'json_schema' needs a "
+                               "json_schema object")
+
+
 # ---------------------------------------------------------------- reading and writing rows
 def test_parquet_rows_are_normalized_to_the_input_schema():
     from nvray.batch.read import normalize_rows
@@ -368,12 +399,18 @@ def test_parquet_rows_are_normalized_to_the_input_schema():
     out = normalize_rows(only_messages, pa.int64())
     assert out.schema == input_schema(pa.int64())
     assert out.to_pylist() == [
-        {"id": 3, "prompt": None, "messages": [{"role": "user", "content": "hi"}]},
-        {"id": 4, "prompt": None, "messages": None}]
+        {"id": 3, "prompt": None, "messages": [{"role": "user", "content": "hi"}],
+         "response_format": None},
+        {"id": 4, "prompt": None, "messages": None, "response_format": None}]
     only_prompts = pa.table({"id": pa.array([1], pa.int32()),
-                             "prompt": pa.array(["p"], pa.large_string())})
+                             "prompt": pa.array(["p"], pa.large_string()),
+                             "response_format": pa.array(['{"type": "text"}'], pa.large_string())})
     assert normalize_rows(only_prompts, pa.int64()).to_pylist() == [
-        {"id": 1, "prompt": "p", "messages": None}]
+        {"id": 1, "prompt": "p", "messages": None, "response_format": '{"type": "text"}'}]
+    as_struct = pa.Table.from_pylist([{"id": 1, "prompt": "p",
+                                       "response_format": {"type": "json_object"}}])
+    assert json.loads(normalize_rows(as_struct, pa.int64())["response_format"][0].as_py()) == {
+        "type": "json_object"}
 
 
 @pytest.mark.parametrize("name", ["out.jsonl", "out.parquet"])
@@ -395,7 +432,8 @@ def test_output_appears_only_when_the_job_succeeds(tmp_path, name):
 
 
 def test_a_job_with_a_json_schema_writes_rows_that_follow_it(ray_head, tmp_path):
-    """``--json-schema FILE``: every output row's text validates against the schema."""
+    """``--json-schema FILE``: every output row's text validates against the schema, but a
+    row's own ``response_format`` replaces it (another schema; ``text``: none)."""
     import jsonschema
 
     schema = {"type": "object", "required": ["n", "ok"],
@@ -403,17 +441,28 @@ def test_a_job_with_a_json_schema_writes_rows_that_follow_it(ray_head, tmp_path)
                              "ok": {"type": "boolean"}}}
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(schema))
-    rows = [{"id": f"s{i}", "prompt": f"object number {i}"} for i in range(4)]
+    own = {"type": "object", "required": ["pick"],
+           "properties": {"pick": {"enum": ["red", "green"]}}}
+    rows = [{"id": f"s{i}", "prompt": f"object number {i}"} for i in range(3)] + [
+        {"id": "own", "prompt": "pick one", "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "pick", "schema": own, "strict": True}}},
+        {"id": "text", "prompt": "free text", "response_format": {"type": "text"}}]
     src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     proc = submit_batch_job(ray_head, "--input", str(src), "--output", str(out),
                             "--json-schema", str(schema_file), "--temperature", "1", "--seed",
                             "3", "--max-tokens", "60", "--max-model-len", str(MAX_MODEL_LEN))
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    written = read_output(out)
-    assert [r["id"] for r in written] == [r["id"] for r in rows]
-    for row in written:
+    written = {r["id"]: r for r in read_output(out)}
+    assert list(written) == [r["id"] for r in rows]
+    for rid, want in [("s0", schema), ("s1", schema), ("s2", schema), ("own", own)]:
+        row = written[rid]
         assert row["error"] is None and row["finish_reason"] == "stop", row
-        jsonschema.validate(json.loads(row["text"]), schema)
+        jsonschema.validate(json.loads(row["text"]), want)
+    free = written["text"]  # the job's schema lifted: random weights write no JSON object
+    assert free["error"] is None and free["completion_tokens"] > 0
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(free["text"]), schema)
 
 
 def test_a_json_schema_that_cannot_be_enforced_fails_before_ray(tmp_path):
