@@ -100,8 +100,9 @@ class SamplingFields(StrictModel):
             named.insert(0, "response_format")
         return named
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """What the output must follow, from whichever field gave it (at most one)."""
+    def constraint(self, reasoning: bool = False) -> StructuredOutputsParams | None:
+        """What the output must follow, from whichever field gave it (at most one); a
+        structured output applies from the first token, think block or not."""
         named = self._constraint_fields()
         if not named:
             return None
@@ -144,8 +145,10 @@ class SamplingFields(StrictModel):
         """Top log-probabilities per output token to report (None: none)."""
         return None
 
-    def sampling_params(self, max_tokens: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams | BeamSearchParams:
+    def sampling_params(self, max_tokens: int | None, prompt_logprobs: int | None = None,
+                        reasoning: bool = False) -> SamplingParams | BeamSearchParams:
+        """``reasoning``: the answer may open with a think block that the app's reasoning
+        parser takes apart (tool calls are constrained after it)."""
         if self.use_beam_search:
             return self.beam_search_params(max_tokens)
         values: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
@@ -156,7 +159,7 @@ class SamplingFields(StrictModel):
                                   "bad_words": self.bad_words,
                                   "logprobs": self.report_logprobs(),
                                   "prompt_logprobs": prompt_logprobs,
-                                  "structured_outputs": self.constraint()}
+                                  "structured_outputs": self.constraint(reasoning)}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -316,14 +319,19 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         """Whether the answer may hold tool calls (parsed into ``tool_calls``)."""
         return bool(self.tools) and self.effective_tool_choice != "none"
 
-    def constraint(self) -> StructuredOutputsParams | None:
+    @property
+    def thinks(self) -> bool:
+        """Whether the prompt leaves the model free to think (Qwen3's ``enable_thinking``)."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking") is not False
+
+    def constraint(self, reasoning: bool = False) -> StructuredOutputsParams | None:
         if not self.calls_tools:
             return super().constraint()
         if self._constraint_fields():
             raise UnsupportedParameter(self._constraint_fields()[0],
                                        "give tools or a structured output, not both")
         return tool_constraint(self.tools or [], self.effective_tool_choice,
-                               self.parallel_tool_calls is not False)
+                               self.parallel_tool_calls is not False, reasoning and self.thinks)
 
     def report_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -227,7 +227,7 @@ class NvrayServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_request(request, body)
-        params = body.sampling_params(body.output_limit())
+        params = body.sampling_params(body.output_limit(), reasoning=self.reasoning is not None)
         prompts = [body.prompt()]
         fmt = ChatFormat(self.model_name, self.reasoning,
                          self.token_texts() if body.logprobs else None, body.calls_tools)

@@ -62,9 +62,11 @@ def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool
-                    ) -> StructuredOutputsParams | None:
-    """The structural tag that keeps calls well-formed (None for ``tool_choice="none"``)."""
+def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool,
+                    reasoning: bool = False) -> StructuredOutputsParams | None:
+    """The structural tag that keeps calls well-formed (None for ``tool_choice="none"``).
+    ``reasoning``: a Qwen3 think block (``<think>...</think>`` then a blank line) may come first,
+    unconstrained inside, and the calls (or text) after it."""
     if choice == "none":
         return None
     import xgrammar as xgr  # noqa: PLC0415 - the first request with tools loads it
@@ -76,13 +78,14 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool
     tag = xgr.get_model_structural_tag(
         "qwen_3", tools=template_tools(tools),
         tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
-        reasoning=False, parallel_tool_calls=parallel)
+        reasoning="auto" if reasoning else "disabled", parallel_tool_calls=parallel)
     spec = tag.model_dump(mode="json")
     _compact_arguments(spec)
     if choice == "required":  # calls only: no free text before, between or after them
-        calls = spec["format"]["tags"]
-        spec["format"] = {"type": "tags_with_separator", "tags": calls, "separator": "\n",
-                          "at_least_one": True, "stop_after_first": not parallel}
+        parent, key = (spec["format"]["elements"], -1) if reasoning else (spec, "format")
+        calls = parent[key]["tags"]
+        parent[key] = {"type": "tags_with_separator", "tags": calls, "separator": "\n",
+                       "at_least_one": True, "stop_after_first": not parallel}
     return StructuredOutputsParams(structural_tag=spec, origin="tools")
 
 

@@ -358,3 +358,29 @@ def test_priority_decides_which_waiting_request_runs_first(extras_url):
         # the long stream is closed: it is aborted and frees the only slot
         later.result(timeout=120), sooner.result(timeout=120)
     assert finished_at["sooner"] < finished_at["later"]
+
+
+DIGIT_TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "required": ["n"], "additionalProperties": False,
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+
+
+def test_a_think_block_comes_before_required_tool_calls(thinker):
+    """With the reasoning parser, a required call may follow the model's think block: the
+    reasoning is the thinking, the call is parsed after it (streamed the same), no content."""
+    asked = dict(model=EXTRAS_MODEL, messages=MESSAGES, temperature=0, max_tokens=160,
+                 tools=[DIGIT_TOOL], tool_choice="required", parallel_tool_calls=False)
+    resp = thinker.chat.completions.create(**asked)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", repr(choice.message.content)
+    assert choice.message.reasoning_content == REASONING and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert call.function.name == "pick" and 0 <= json.loads(call.function.arguments)["n"] <= 9
+    reasoning, arguments = "", ""
+    for chunk in thinker.chat.completions.create(**asked, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert not delta.content
+        for part in delta.tool_calls or ():
+            arguments += part.function.arguments or ""
+    assert (reasoning, arguments) == (REASONING, call.function.arguments)
