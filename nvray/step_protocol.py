@@ -183,5 +183,9 @@ class Executor(Protocol):
     def check_health(self) -> None:
         """Raise if the ranks can no longer run steps."""
 
+    def idle(self) -> None:
+        """Nothing is in flight and nothing waits: the ranks may stop polling for steps (the
+        next step wakes them)."""
+
     def shutdown(self) -> None:
         """Stop the ranks and free their memory; the executor is unusable after."""

@@ -32,6 +32,9 @@ Subcommands:
 - ``structured``: structured outputs: output tok/s with every request (and one in ten) under
   a JSON schema against the same tokens unconstrained, a 20-field schema's compile time cold
   and cached, TTFT with a cached schema (``nvray/bench/structured.py``).
+- ``idle``: cores each driver and rank process of an idle engine on Ray uses, and the time to
+  the first token of a request that wakes it against one right after another
+  (``nvray/bench/idle.py``).
 - ``serve``: a load generator for the HTTP app (``nvray/bench/serve.py``): concurrency sweep,
   streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
 """
@@ -131,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--model", default=None)
     so.add_argument("--num-seqs", type=int, default=256)
     so.add_argument("--max-model-len", type=int, default=4096)
+    il = sub.add_parser("idle", parents=[common],
+                        help="an idle engine's CPU use per process, and the first token that wakes it")
+    il.add_argument("--model", default=None)
+    il.add_argument("--idle-s", type=float, default=5.0)
+    il.add_argument("--window-s", type=float, default=3.0)
+    il.add_argument("--runs", type=int, default=5)
+    il.add_argument("--max-model-len", type=int, default=4096)
     sv = sub.add_parser("serve", parents=[common],
                         help="load generator for a running app (or one it starts): latency and tok/s")
     serve.add_arguments(sv)
@@ -168,6 +178,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from nvray.bench.structured import bench_structured  # noqa: PLC0415
 
         return bench_structured(args.model, args.num_seqs, args.max_model_len)
+    if args.cmd == "idle":
+        from nvray.bench.idle import bench_idle  # noqa: PLC0415
+
+        return bench_idle(args.model, args.idle_s, args.window_s, args.runs,
+                          max_model_len=args.max_model_len)
     if args.cmd == "gpu-busy":
         from nvray.bench.gpu_busy import bench_gpu_busy  # noqa: PLC0415
 

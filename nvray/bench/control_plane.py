@@ -42,6 +42,9 @@ class InstantExecutor:
     def check_health(self) -> None:
         pass
 
+    def idle(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 

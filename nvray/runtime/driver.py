@@ -230,6 +230,7 @@ class EngineDriver:
         stats["num_output_channels"] = len(self.channels)
         stats["output_messages"] = sum(c.num_messages for c in self.channels.values())
         stats["driver_resident_memory_bytes"] = resident_memory_bytes()
+        stats["step_dispatch"] = getattr(self.engine.executor, "dispatch", "in_process")
         return {"healthy": True, **stats}
 
     async def check_health(self) -> None:

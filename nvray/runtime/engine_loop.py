@@ -4,7 +4,8 @@ Callers live on an asyncio event loop (the driver actor). They never touch the e
 post commands (add, abort, stats) that the loop thread runs between steps. Each request names
 the sink its outputs go to (``consumer_channel``); after every step the loop hands each sink
 its outputs of that step in one call, so the cost of delivery per step grows with the number
-of consumers, not of requests. If a step fails (a rank died), every request gets an error
+of consumers, not of requests. After a second without requests or commands the loop tells the
+executor it is idle (the ranks stop polling for steps). If a step fails (a rank died), every request gets an error
 output, the loop records why and refuses new requests; nothing accepted is left hanging.
 """
 
@@ -39,6 +40,7 @@ class EngineLoop:
         self.stopping = False
         self.step_times: list[float] = []  # recent step durations (s), for stats
         self.num_steps = 0
+        self.idle = False  # the executor was told so, and no step ran since
         self.thread = threading.Thread(target=self._run, name="nvray-engine-loop", daemon=True)
         self.thread.start()
 
@@ -88,8 +90,11 @@ class EngineLoop:
             self.wakeup.clear()  # before draining: a command posted after this wakes the wait
             self._run_commands()
             if self.dead or not self.engine.has_unfinished_requests():
-                self.wakeup.wait(_IDLE_WAIT_S)
+                if not self.wakeup.wait(_IDLE_WAIT_S) and not self.dead and not self.idle:
+                    self.idle = True  # a whole wait without a command: let the ranks rest
+                    self.engine.executor.idle()
                 continue
+            self.idle = False
             start = time.perf_counter()
             try:
                 outputs = self.engine.step()

@@ -7,6 +7,11 @@ sampled tokens come back. By default the step travels through a Ray compiled gra
 memory channels, no per-call task submission), which keeps Ray's per-call overhead off the
 critical path; ``ray_dispatch="actor_calls"`` uses plain actor calls instead.
 
+While a compiled graph exists, each rank's loop polls its input channel for the next step and
+keeps a core busy. So an idle engine (``idle()``: nothing in flight, nothing waiting) tears the
+graph down; the steps after it go through plain actor calls while a new graph compiles in the
+background, and the graph takes over once it is ready (between two steps).
+
 With ``overlap_scheduling`` the ranks run ``execute_overlapped``: a call hands them step N+1
 and answers with step N's ids, which the ranks read only after queueing N+1 on the device, so
 the round trip through Ray and the driver's work happen while the device computes.
@@ -17,7 +22,9 @@ the remaining ranks so nothing is left blocked in a collective.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -41,7 +48,9 @@ class RayExecutor:
         self.dead: str | None = None
         self.workers = self._start_workers(config, pg)
         self._setup(model_path)
-        self.dag = self._compile() if config.ray_dispatch == "compiled" else None
+        self.compiled = config.ray_dispatch == "compiled"
+        self.dag = self._compile() if self.compiled else None
+        self.next_dag: concurrent.futures.Future | None = None  # compiling after an idle spell
 
     def _start_workers(self, config: EngineConfig, pg: PlacementGroup) -> list:
         res = rank_resources(config, config.device == "cuda")
@@ -91,9 +100,53 @@ class RayExecutor:
             except EngineDeadError:
                 pass  # the ranks are gone: nothing is in flight any more
 
+    @property
+    def dispatch(self) -> str:
+        """How steps reach the ranks now: ``compiled_graph`` or ``actor_calls`` (configured so,
+        or after an idle spell until the new graph is ready)."""
+        return "compiled_graph" if self.dag is not None else "actor_calls"
+
+    def idle(self) -> None:
+        """Stop the ranks' graph loops (and their polling) until the next step."""
+        if self.dag is None or self.dead:
+            return
+        dag, self.dag = self.dag, None
+        ray_dag_log = logging.getLogger("ray.dag.compiled_dag_node")
+        level = ray_dag_log.level
+        ray_dag_log.setLevel(logging.WARNING)  # its five INFO lines per teardown, every idle spell
+        try:
+            dag.teardown()
+        except Exception as e:  # noqa: BLE001 - a rank lost while idle fails the next step
+            logger.warning("tearing the idle compiled graph down failed: %s", _first_line(e))
+        finally:
+            ray_dag_log.setLevel(level)
+
+    def _take_compiled_graph(self) -> None:
+        """After an idle spell: start compiling a graph, or take it once it is ready."""
+        if self.next_dag is None:
+            self.next_dag = concurrent.futures.Future()
+            threading.Thread(target=self._compile_into, args=(self.next_dag,),
+                             name="nvray-compile-graph", daemon=True).start()
+        elif self.next_dag.done():
+            future, self.next_dag = self.next_dag, None
+            try:
+                self.dag = future.result()
+            except Exception as e:  # noqa: BLE001 - steps keep going through actor calls
+                logger.warning("compiling the graph failed, steps stay actor calls: %s",
+                               _first_line(e))
+                self.compiled = False
+
+    def _compile_into(self, future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(self._compile())
+        except BaseException as e:  # noqa: BLE001 - handed to the step loop
+            future.set_exception(e)
+
     def _call(self, step: StepInput | None) -> StepOutput | None:
         if self.dead:
             raise EngineDeadError(self.dead)
+        if self.compiled and self.dag is None:
+            self._take_compiled_graph()
         try:
             if self.dag is not None:
                 results = ray.get(self.dag.execute(step), timeout=self.timeout)
@@ -121,6 +174,12 @@ class RayExecutor:
         self._kill_workers()
 
     def _kill_workers(self) -> None:
+        if self.next_dag is not None:  # a graph compiling after an idle spell: wait, drop it
+            future, self.next_dag = self.next_dag, None
+            try:
+                self.dag = self.dag or future.result(timeout=_PING_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - best effort: the actors are killed below anyway
+                pass
         if self.dag is not None:
             try:
                 self.dag.teardown(kill_actors=True)

@@ -36,6 +36,9 @@ class InProcessExecutor:
     def check_health(self) -> None:
         """The runner lives in this process: it cannot die on its own."""
 
+    def idle(self) -> None:
+        """Nothing polls for steps here: nothing to do."""
+
     def shutdown(self) -> None:
         if self.runner is not None:
             release_frozen_objects()  # first: start-up froze the model's reference cycles

@@ -10,6 +10,7 @@ from typing import Any, Callable
 import pytest
 
 from nvray import LLM, EngineConfig, SamplingParams
+from nvray.bench.idle import cores_in_use
 from nvray.runtime import EngineDeadError, start_engine
 from oracle import hf_greedy, random_prompts
 from ray_state import live_actors, live_placement_groups
@@ -299,3 +300,24 @@ def test_tp2_structured_outputs_follow_the_schema_beside_untouched_greedy_reques
     with pytest.raises(ValueError, match="keyword 'not'"):
         tp2.generate(["x"], SamplingParams(structured_outputs={"json": {"not": {}}}),
                      use_tqdm=False)
+
+
+def test_an_idle_engine_rests_and_wakes_to_the_same_tokens(tp2, tiny_path):
+    """After a second without requests the ranks stop polling for steps (their compiled graph
+    is torn down): no rank or driver process keeps a core busy. The requests that wake it run
+    at once (actor calls while a new graph compiles) and give the oracle's tokens, and the
+    steps go back to a compiled graph."""
+    prompt = random_prompts(1, 30, 30, seed=33)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = hf_greedy(tiny_path, prompt, 24)
+    assert tp2.generate([prompt], params, use_tqdm=False)[0].token_ids == want
+    time.sleep(2.5)  # the engine loop's idle second, then the teardown
+    busy = cores_in_use(2.0)  # per driver and rank process (/proc CPU times)
+    assert len(busy) >= 3, busy  # this engine's driver and two ranks at least
+    assert max(busy.values()) < 0.2, f"cores in use per process while idle: {busy}"
+    assert tp2.stats()["step_dispatch"] == "actor_calls"  # the graph is gone
+    for _ in range(40):  # woken: actor calls at first, the new graph once it is compiled
+        assert tp2.generate([prompt], params, use_tqdm=False)[0].token_ids == want
+        if tp2.stats()["step_dispatch"] == "compiled_graph":
+            break
+    assert tp2.stats()["step_dispatch"] == "compiled_graph"
