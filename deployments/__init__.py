@@ -25,7 +25,7 @@ from deployments.args import AppArgs, parse_args
 from deployments.engine_replica import NvrayEngine
 from deployments.server import NvrayServer
 from nvray.config import EngineConfig
-from nvray.runtime.cluster import resolve_device
+from nvray.runtime.cluster import resolve_device, skip_a_dead_recorded_head
 from nvray.runtime.placement import engine_bundles
 
 __all__ = ["AppArgs", "NvrayEngine", "NvrayServer", "app", "build_app"]
@@ -61,6 +61,7 @@ def _engine_options(parsed: AppArgs, config: EngineConfig) -> dict[str, Any]:
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    skip_a_dead_recorded_head()  # `serve run` calls ray.init() after building the app
     parsed = parse_args(args)
     config = resolve_device(parsed.engine_config())
     parsed = parsed.model_copy(update={"device": config.device})

@@ -4,7 +4,8 @@ An address that was asked for (``RAY_ADDRESS``) must answer: if nothing listens 
 fails within seconds with a ConnectionError that says what was tried, instead of Ray's minutes
 of retries. Without one, the cluster that ``ray start`` recorded on this machine is joined if
 its head still answers; a record left by a head that was killed is reported in a warning and a
-new local single-node cluster is started instead. ``resolve_device`` pins an engine's
+new local single-node cluster is started instead; ``skip_a_dead_recorded_head`` makes a
+``ray.init()`` to come (``serve run``'s) do the same. ``resolve_device`` pins an engine's
 device 'auto' to what the cluster has.
 """
 
@@ -57,9 +58,27 @@ def ensure_ray() -> None:
         ray.init(address=recorded)
         return
     if recorded:
-        logger.warning("a Ray cluster was recorded at %s but its head does not answer (stopped "
-                       "without `ray stop`?); starting a local cluster instead", recorded)
+        _warn_dead_record(recorded)
     ray.init(address="local", include_dashboard=False)
+
+
+def _warn_dead_record(recorded: str) -> None:
+    logger.warning("a Ray cluster was recorded at %s but its head does not answer (stopped "
+                   "without `ray stop`? `ray stop --force` clears the record); starting a local "
+                   "cluster instead", recorded)
+
+
+def skip_a_dead_recorded_head() -> None:
+    """For a ``ray.init()`` that someone else makes next (``serve run``, ``serve.run``): when no
+    address is asked for and the cluster recorded on this machine no longer answers, make that
+    call start a local cluster (``RAY_ADDRESS=local``, with ``ensure_ray``'s warning) instead of
+    retrying the dead head forever."""
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        return
+    recorded = recorded_cluster_address()
+    if recorded and not head_answers(recorded):
+        _warn_dead_record(recorded)
+        os.environ["RAY_ADDRESS"] = "local"
 
 
 def cluster_has_gpus() -> bool:

@@ -1,10 +1,14 @@
 """`serve run deployments:app` exactly as the README gives it: a fresh Ray, the tiny model,
-the OpenAI API on 127.0.0.1:8000, answered by the real openai client."""
+the OpenAI API on 127.0.0.1:8000, answered by the real openai client. It starts where a head
+was killed (`ray start --head`, then SIGKILL): the machine's record of that cluster is left
+behind, and `serve run` must start a local cluster with a warning instead of retrying the dead
+head forever."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,12 +29,56 @@ def _port_in_use() -> bool:
         return False
 
 
+RECORD = "/tmp/ray/ray_current_cluster"  # where `ray start` records the machine's cluster
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_a_head_leaving_its_record(env: dict[str, str]) -> str:
+    """``ray start --head`` on a free port, then SIGKILL every process of that head; returns the
+    address its record still names."""
+    port = _free_port()
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                    "--num-cpus=0", "--include-dashboard=false", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    address = f"127.0.0.1:{port}"
+    with open(RECORD) as f:
+        assert f.read().strip() == address
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if address in cmdline or f"gcs_server_port={port}" in cmdline:
+            os.kill(int(pid), signal.SIGKILL)
+    return address
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     if _port_in_use():
         pytest.fail("127.0.0.1:8000 is taken; `serve run` needs it")
     log = open(tmp_path_factory.mktemp("serve-run") / "serve.log", "w+")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    saved = open(RECORD).read() if os.path.exists(RECORD) else None
+    try:
+        dead = _kill_a_head_leaving_its_record(env)
+        yield from _serve_run(log, env, dead)
+    finally:
+        if saved is None:
+            os.remove(RECORD)
+        else:
+            with open(RECORD, "w") as f:
+                f.write(saved)
+
+
+def _serve_run(log, env: dict[str, str], dead: str):  # noqa: ANN001, ANN202 - the fixture's body
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
     proc = subprocess.Popen([serve_bin, "run", "deployments:app"], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -46,6 +94,8 @@ def served(tmp_path_factory):
             time.sleep(1)
         else:
             raise TimeoutError("serve run did not become healthy within 240 s")
+        log.seek(0)
+        assert f"a Ray cluster was recorded at {dead} but its head does not answer" in log.read()
         yield URL
     except BaseException:
         log.seek(0)
