@@ -55,6 +55,9 @@ from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
 class EngineDriver:
     def __init__(self, config: EngineConfig, pg: PlacementGroup) -> None:
+        # Ray warns at the first ray.get in any thread of an async actor; this one calls it
+        # only from its own threads (start-up, the step loop), never on the event loop
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")  # Ray's own switch
         self.config = config
         self.pg = pg
         self.loop: EngineLoop | None = None
