@@ -17,6 +17,7 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from nvray.config import EngineConfig
+from nvray.startup_phases import StartupPhases
 from nvray.outputs import RequestOutput
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
@@ -33,10 +34,12 @@ class LLM:
         self._tokenizer = None
         self._ids = itertools.count()
         if self.config.runtime == "inprocess":
-            from nvray.bootstrap import create_engine  # noqa: PLC0415
-            from nvray.worker.executor import InProcessExecutor  # noqa: PLC0415
+            start, phases = time.perf_counter(), StartupPhases()
+            with phases.phase("imports"):
+                from nvray.bootstrap import create_engine  # noqa: PLC0415
+                from nvray.worker.executor import InProcessExecutor  # noqa: PLC0415
 
-            self.engine = create_engine(self.config, InProcessExecutor)
+            self.engine = create_engine(self.config, InProcessExecutor, phases, start)
             self._tokenizer = self.engine.tokenizer
         else:
             from nvray.runtime import start_engine  # noqa: PLC0415

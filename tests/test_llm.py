@@ -202,3 +202,22 @@ def test_shutdown_frees_the_weights_without_the_caller_collecting():
     finally:
         engine.shutdown()
     assert weights and [w for w in weights if w() is not None] == []
+
+
+def test_start_up_is_reported_by_phase_and_the_phases_make_up_the_start(tiny_path):
+    import time
+
+    start = time.perf_counter()
+    llm = LLM("tiny", runtime="inprocess", max_model_len=256)
+    wall = time.perf_counter() - start
+    try:
+        startup = llm.engine.stats()["startup"]
+    finally:
+        llm.shutdown()
+    phases = startup["phases_s"]
+    assert {"tokenizer", "model_and_weights", "kv_cache", "engine"} <= set(phases)
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert startup["total_s"] <= wall + 1e-3  # timed inside LLM()
+    assert startup["total_s"] >= 0.8 * wall - 0.05  # ... and nearly all of it
+    assert abs(sum(phases.values()) + startup["other_s"] - startup["total_s"]) < 0.01
+    assert startup["other_s"] <= 0.1 * startup["total_s"] + 0.02  # the phases cover the start

@@ -28,6 +28,7 @@ collects the last step in flight counts as that step's kind.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -42,8 +43,11 @@ from nvray.engine.sequence import Sequence
 from nvray.engine.step_builder import SeqPlan, build_step_input
 from nvray.outputs import RequestOutput
 from nvray.sampling_params import BeamSearchParams, SamplingParams
+from nvray.startup_phases import describe
 from nvray.step_protocol import Executor, StepInput, StepOutput
 from nvray.structured_outputs import GrammarSpec
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "ModelLimits"]
 
@@ -76,6 +80,7 @@ class LLMEngine:
         self.executor = executor
         self.overlap = config.overlap_scheduling
         self.in_flight: LaunchedStep | None = None  # overlap: launched, ids not yet read
+        self.startup: dict[str, object] = {}  # record_startup: seconds by phase
         self.limits = limits
         self.clock = clock
         self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
@@ -312,6 +317,13 @@ class LLMEngine:
         if all(s.finish_reason is not None for s in self.requests.get(rid, ())):
             self.requests.pop(rid, None)
 
+    def record_startup(self, phases: dict[str, float], total: float) -> None:
+        """The start-up's seconds by phase and in all (``bootstrap.create_engine``)."""
+        phases = {name: round(seconds, 3) for name, seconds in phases.items()}
+        self.startup = {"total_s": round(total, 3), "phases_s": phases,
+                        "other_s": round(max(0.0, total - sum(phases.values())), 3)}
+        logger.info("engine started in %s", describe(phases, total))
+
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
         return {"num_running": len(self.scheduler.running),
@@ -328,4 +340,5 @@ class LLMEngine:
                 "num_finished": dict(self.num_finished),
                 "step_seconds": dict(self.step_seconds),
                 "steps": dict(self.num_steps),
+                "startup": self.startup,
                 **self.metrics.snapshot()}

@@ -63,6 +63,11 @@ class RankWorker:
         return {"max_model_len": self.runner.max_model_len,
                 "vocab_size": self.runner.hf_config.vocab_size}
 
+    def startup_phases(self) -> dict[str, float]:
+        """This rank's start-up seconds by phase (startup_phases.py)."""
+        assert self.runner is not None, "load() first"
+        return dict(self.runner.startup.seconds)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         assert self.runner is not None, "load() first"
         prepare_kv_cache(self.runner, num_blocks)

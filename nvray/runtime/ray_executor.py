@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -35,6 +36,7 @@ from nvray.gc_freeze import release_frozen_objects
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.placement import in_bundle, rank_resources
 from nvray.runtime.rank_worker import RankWorker
+from nvray.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
 _PING_TIMEOUT_S = 10.0
@@ -46,10 +48,20 @@ class RayExecutor:
         self.timeout = config.step_timeout_s
         self.overlap = config.overlap_scheduling
         self.dead: str | None = None
-        self.workers = self._start_workers(config, pg)
+        phases = StartupPhases()
+        with phases.phase("rank_actors"):
+            self.workers = self._start_workers(config, pg)
+            host, port = ray.get(self.workers[0].rendezvous_address.remote())
+            ray.get([w.init_distributed.remote(host, port) for w in self.workers])
+        start = time.perf_counter()
         self._setup(model_path)
+        rank0 = ray.get(self.workers[0].startup_phases.remote())  # the ranks' own phases
+        phases.add(rank0)  # ... and what the calls to them cost beyond those
+        phases.seconds["rank_calls"] = max(0.0, time.perf_counter() - start - sum(rank0.values()))
         self.compiled = config.ray_dispatch == "compiled"
-        self.dag = self._compile() if self.compiled else None
+        with phases.phase("compiled_graph"):
+            self.dag = self._compile() if self.compiled else None
+        self.startup_phases = phases.seconds
         self.next_dag: concurrent.futures.Future | None = None  # compiling after an idle spell
 
     def _start_workers(self, config: EngineConfig, pg: PlacementGroup) -> list:
@@ -61,8 +73,6 @@ class RayExecutor:
                 for rank in range(config.tensor_parallel_size)]
 
     def _setup(self, model_path: str) -> None:
-        host, port = ray.get(self.workers[0].rendezvous_address.remote())
-        ray.get([w.init_distributed.remote(host, port) for w in self.workers])
         blocks = ray.get([w.load.remote(model_path) for w in self.workers])
         self.num_blocks = min(blocks)  # every rank must hold the same block count
         ray.get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])

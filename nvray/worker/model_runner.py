@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank, tp_size
+from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import SampleSpec, StepInput, StepOutput
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
 from nvray.grammar import grammar_compiler
@@ -66,7 +67,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.block_size = config.kvcache_block_size
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
-        self.model = build_model(self.hf_config, model_path, self.dtype, self.device, config.seed)
+        self.startup = StartupPhases()  # this rank's start-up, by phase (startup_phases.py)
+        with self.startup.phase("model_and_weights"):
+            self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
+                                     config.seed)
         self.attention_layers = self.model.attention_layers()
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         for layer in self.attention_layers:

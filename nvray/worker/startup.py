@@ -35,7 +35,8 @@ def num_kvcache_blocks(runner: ModelRunner) -> int:
         budget = int(config.cpu_kvcache_space_gib * 2**30)
         where = f"cpu_kvcache_space_gib={config.cpu_kvcache_space_gib}"
     else:
-        runner.memory_report = profile_memory(runner)
+        with runner.startup.phase("memory_profile"):
+            runner.memory_report = profile_memory(runner)
         budget, where = runner.memory_report.kv_budget, runner.memory_report.describe()
         logger.info("GPU memory: %s", where)
     block_bytes, block_size = runner.kv_block_bytes, runner.block_size
@@ -92,11 +93,14 @@ def warmup(runner: ModelRunner) -> None:
 
 def prepare_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     """Create the cache; on the GPU, warm the kernels and capture the CUDA graphs over it."""
-    runner.allocate_kv_cache(num_blocks)
+    with runner.startup.phase("kv_cache"):
+        runner.allocate_kv_cache(num_blocks)
     if runner.device.type == "cuda":
-        warm_kernels(runner)
+        with runner.startup.phase("kernel_warmup"):
+            warm_kernels(runner)
     if runner.graph_sizes:
-        capture_graphs(runner)
+        with runner.startup.phase("cuda_graphs"):
+            capture_graphs(runner)
 
 
 def capture_graphs(runner: ModelRunner) -> None:
