@@ -9,9 +9,10 @@ engine is given its start-up seconds by phase (``startup_phases.py``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from nvray.config import EngineConfig
 from nvray.engine.engine import LLMEngine, ModelLimits
@@ -22,23 +23,30 @@ from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import Executor
 from nvray.tokenizer import eos_token_ids, load_tokenizer
 
+T = TypeVar("T")
+
 
 def create_engine(config: EngineConfig,
                   make_executor: Callable[[EngineConfig, str], Executor],
-                  phases: StartupPhases | None = None, start: float | None = None) -> LLMEngine:
-    """``phases`` and ``start``: a start-up the caller began timing earlier (its imports)."""
+                  phases: StartupPhases | None = None, start: float | None = None,
+                  tokenizer_beside_ranks: bool = False) -> LLMEngine:
+    """``phases`` and ``start``: a start-up the caller began timing earlier (its imports).
+    ``tokenizer_beside_ranks``: the executor's ranks start in other processes (Ray), so the
+    tokenizer loads in a thread meanwhile."""
     start = time.perf_counter() if start is None else start
     phases = phases or StartupPhases()
     with phases.phase("model_files"):
         model_path = resolve_model(config.model)
-    with phases.phase("tokenizer"):
-        tokenizer = load_tokenizer(model_path)
-    executor_start = time.perf_counter()
-    executor = make_executor(config, model_path)
-    ranks = getattr(executor, "startup_phases", {})
-    phases.add(ranks)
-    phases.seconds["executor_other"] = max(0.0, time.perf_counter() - executor_start
-                                           - sum(ranks.values()))
+    if not tokenizer_beside_ranks:
+        with phases.phase("tokenizer"):
+            tokenizer = load_tokenizer(model_path)
+        executor = _timed_executor(make_executor, config, model_path, phases)
+    else:  # the ranks run in their own processes: load the tokenizer meanwhile
+        with concurrent.futures.ThreadPoolExecutor(1, "nvray-tokenizer") as pool:
+            loading = pool.submit(_timed, load_tokenizer, model_path)
+            executor = _timed_executor(make_executor, config, model_path, phases)
+            with phases.phase("tokenizer_wait"):  # what the ranks' start did not hide
+                tokenizer, phases.beside["tokenizer"] = loading.result()
     with phases.phase("engine"):
         limits = ModelLimits(max_model_len=executor.max_model_len,
                              vocab_size=executor.vocab_size, num_kvcache_blocks=executor.num_blocks,
@@ -49,5 +57,20 @@ def create_engine(config: EngineConfig,
                                                               executor.vocab_size))
     with phases.phase("gc_freeze"):
         freeze_startup_objects()  # start-up done: keep full GC passes off the steps
-    engine.record_startup(phases.seconds, time.perf_counter() - start)
+    engine.record_startup(phases.seconds, time.perf_counter() - start, phases.beside)
     return engine
+
+
+def _timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start
+
+
+def _timed_executor(make_executor: Callable[[EngineConfig, str], Executor], config: EngineConfig,
+                    model_path: str, phases: StartupPhases) -> Executor:
+    """The executor, its ranks' phases added to ``phases`` and the rest as executor_other."""
+    executor, seconds = _timed(make_executor, config, model_path)
+    ranks = getattr(executor, "startup_phases", {})
+    phases.add(ranks)
+    phases.seconds["executor_other"] = max(0.0, seconds - sum(ranks.values()))
+    return executor

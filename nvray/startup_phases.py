@@ -6,7 +6,8 @@ the memory profile, the KV cache, kernel warm-up, CUDA graph capture); the engin
 (``bootstrap.create_engine``) times the tokenizer and the executor, and on Ray the executor
 times starting its rank actors and compiling its graph, with rank 0's phases inside. The
 engine reports them (``LLMEngine.startup``: ``phases_s``, ``total_s`` and ``other_s``, the
-seconds no phase covers) in ``stats()`` and one INFO line.
+seconds no phase covers; ``beside_s``, phases that ran in a thread beside the others, such as
+the tokenizer while the Ray ranks start) in ``stats()`` and one INFO line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Iterator
 
 class StartupPhases:
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}  # phases one after the other
+        self.beside: dict[str, float] = {}  # phases that ran beside those (in a thread)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -34,7 +36,7 @@ class StartupPhases:
             self.seconds[name] = self.seconds.get(name, 0.0) + value
 
 
-def describe(phases: dict[str, float], total: float) -> str:
+def describe(phases: dict[str, float], total: float | None = None) -> str:
     """``12.3 s: weights 4.1, memory_profile 2.0, ...`` (the INFO line's text)."""
     parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
-    return f"{total:.1f} s: {parts}"
+    return parts if total is None else f"{total:.1f} s: {parts}"

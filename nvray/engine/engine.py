@@ -317,12 +317,16 @@ class LLMEngine:
         if all(s.finish_reason is not None for s in self.requests.get(rid, ())):
             self.requests.pop(rid, None)
 
-    def record_startup(self, phases: dict[str, float], total: float) -> None:
+    def record_startup(self, phases: dict[str, float], total: float,
+                       beside: dict[str, float] | None = None) -> None:
         """The start-up's seconds by phase and in all (``bootstrap.create_engine``)."""
         phases = {name: round(seconds, 3) for name, seconds in phases.items()}
+        beside = {name: round(seconds, 3) for name, seconds in (beside or {}).items()}
         self.startup = {"total_s": round(total, 3), "phases_s": phases,
-                        "other_s": round(max(0.0, total - sum(phases.values())), 3)}
-        logger.info("engine started in %s", describe(phases, total))
+                        "other_s": round(max(0.0, total - sum(phases.values())), 3),
+                        "beside_s": beside}
+        logger.info("engine started in %s%s", describe(phases, total),
+                    f" (beside them: {describe(beside)})" if beside else "")
 
     def stats(self) -> dict[str, float]:
         bm = self.block_manager

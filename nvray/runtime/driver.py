@@ -68,7 +68,8 @@ class EngineDriver:
         """Start the ranks and the step loop; returns model facts. Errors surface here."""
         # starting the ranks blocks on ray.get: keep it off the actor's event loop
         engine = await asyncio.to_thread(
-            create_engine, self.config, lambda cfg, path: RayExecutor(cfg, path, self.pg))
+            create_engine, self.config, lambda cfg, path: RayExecutor(cfg, path, self.pg),
+            tokenizer_beside_ranks=True)
         self.engine = engine
         self.loop = EngineLoop(engine)
         lim = engine.limits

@@ -103,7 +103,7 @@ def test_models_health_and_metrics(base_url, client):
         assert name in text
     assert metric(base_url, "nvray_time_to_first_token_seconds_count") >= 1
     assert metric(base_url, "nvray_driver_resident_memory_bytes") > 50 << 20  # a live Python + torch
-    assert metric(base_url, "nvray_startup_seconds", phase="tokenizer") > 0  # start-up phases
+    assert metric(base_url, "nvray_startup_seconds", phase="model_and_weights") > 0  # start-up
     assert metric(base_url, "nvray_startup_seconds", phase="rank_actors") > 0
 
 
