@@ -70,7 +70,5 @@ def _timed_executor(make_executor: Callable[[EngineConfig, str], Executor], conf
                     model_path: str, phases: StartupPhases) -> Executor:
     """The executor, its ranks' phases added to ``phases`` and the rest as executor_other."""
     executor, seconds = _timed(make_executor, config, model_path)
-    ranks = getattr(executor, "startup_phases", {})
-    phases.add(ranks)
-    phases.seconds["executor_other"] = max(0.0, seconds - sum(ranks.values()))
+    phases.add_within(getattr(executor, "startup_phases", {}), seconds, "executor_other")
     return executor

@@ -35,6 +35,12 @@ class StartupPhases:
         for name, value in seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + value
 
+    def add_within(self, inner: dict[str, float], wall: float, rest: str) -> None:
+        """``inner`` phases timed elsewhere inside a span of ``wall`` seconds; what they leave
+        of it is the phase ``rest``."""
+        self.add(inner)
+        self.seconds[rest] = max(0.0, wall - sum(inner.values()))
+
 
 def describe(phases: dict[str, float], total: float | None = None) -> str:
     """``12.3 s: weights 4.1, memory_profile 2.0, ...`` (the INFO line's text)."""

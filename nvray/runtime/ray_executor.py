@@ -56,8 +56,7 @@ class RayExecutor:
         start = time.perf_counter()
         self._setup(model_path)
         rank0 = ray.get(self.workers[0].startup_phases.remote())  # the ranks' own phases
-        phases.add(rank0)  # ... and what the calls to them cost beyond those
-        phases.seconds["rank_calls"] = max(0.0, time.perf_counter() - start - sum(rank0.values()))
+        phases.add_within(rank0, time.perf_counter() - start, "rank_calls")  # and the calls' cost
         self.compiled = config.ray_dispatch == "compiled"
         with phases.phase("compiled_graph"):
             self.dag = self._compile() if self.compiled else None
