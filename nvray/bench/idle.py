@@ -9,41 +9,12 @@ new graph compiles), against the same request sent right after another: median o
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Any
 
+from nvray.bench.proc_cpu import cores_in_use
 from nvray.sampling_params import SamplingParams
-
-ENGINE_PROCESSES = ("EngineDriver", "RankWorker")
-
-
-def process_cpu_seconds(names: tuple[str, ...] = ENGINE_PROCESSES) -> dict[int, float]:
-    """CPU seconds (user + system) of each live Ray actor process whose title starts with
-    ``ray::<name>`` for one of ``names``, by pid (Linux ``/proc``)."""
-    ticks, seconds = os.sysconf("SC_CLK_TCK"), {}
-    titles = tuple(f"ray::{name}" for name in names)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0].decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the process is gone
-            continue
-        if title.startswith(titles):
-            seconds[int(pid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return seconds
-
-
-def cores_in_use(window_s: float) -> dict[int, float]:
-    """Cores each engine process used over the next ``window_s`` seconds."""
-    before = process_cpu_seconds()
-    time.sleep(window_s)
-    after = process_cpu_seconds()
-    return {pid: round((after[pid] - before[pid]) / window_s, 3)
-            for pid in before if pid in after}
 
 
 def _first_token_s(llm: Any, prompt: list[int]) -> float:

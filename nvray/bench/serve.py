@@ -13,6 +13,10 @@ counts k times its gap / k), time per output token after the first (TPOT), end-t
 errors, and the engine's median step time while the batch was full (from ``/metrics``). Tokens
 per chunk come from ``stream_options.continuous_usage_stats``; a server that ignores it is
 counted as one token per chunk. The floor of the path is a bare ``GET /v1/models`` round trip.
+Each level also gives the cores that Serve's proxy, the replicas, the engine drivers and ranks on
+this machine, and the load generator itself, used while it ran (``cores``, from ``/proc``);
+``--clients N`` sends the load from N processes, so that one Python process parsing every
+stream's chunks is not what limits streamed throughput.
 
 ``--workload multiturn`` runs multi-turn chats instead (``nvray/bench/multiturn.py``): prefix-
 cache hit rate and TTFT with and without prefix-aware routing.
@@ -33,6 +37,7 @@ from typing import Any
 from nvray.bench import multiturn
 from nvray.bench.http_load import (LoadSpec, RequestRecord, auth_headers, percentiles,
                                    request_body, send, start_app)
+from nvray.bench.proc_cpu import SERVING_PROCESSES, cores_by_role, process_cpu_seconds
 
 
 async def engine_step_sampler(session: Any, spec: LoadSpec, full_batch: int,
@@ -53,28 +58,73 @@ async def engine_step_sampler(session: Any, spec: LoadSpec, full_batch: int,
             samples.append(float(values["nvray_step_time_ms_median"]))
 
 
-async def run_level(session: Any, spec: LoadSpec, concurrency: int, num_requests: int,
-                    stream: bool, rate: float | None, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
-    bodies = [request_body(spec, rng, stream) for _ in range(num_requests)]
+async def run_share(session: Any, spec: LoadSpec, bodies: list[tuple[str, dict[str, Any]]],
+                    delays: list[float], concurrency: int) -> list[RequestRecord]:
+    """Send ``bodies`` (each after its delay), at most ``concurrency`` in flight."""
     gate = asyncio.Semaphore(concurrency)
-    step_samples: list[float] = []
-    sampler = asyncio.ensure_future(engine_step_sampler(session, spec, concurrency, step_samples))
 
-    async def one(i: int, delay: float) -> RequestRecord:
-        await asyncio.sleep(delay)
+    async def one(i: int) -> RequestRecord:
+        await asyncio.sleep(delays[i])
         async with gate:
             return await send(session, spec, *bodies[i])
 
+    return await asyncio.gather(*(one(i) for i in range(len(bodies))))
+
+
+def client_process_share(spec: LoadSpec, bodies: list[tuple[str, dict[str, Any]]],
+                         delays: list[float], concurrency: int) -> tuple[list[RequestRecord], float]:
+    """One client process's share of a level (``--clients``): its records and CPU seconds."""
+    import aiohttp  # noqa: PLC0415
+
+    async def main() -> list[RequestRecord]:
+        timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=timeout) as session:
+            return await run_share(session, spec, bodies, delays, concurrency)
+
+    cpu = time.process_time()
+    records = asyncio.run(main())
+    return records, time.process_time() - cpu
+
+
+def split_level(num_items: int, concurrency: int, clients: int) -> list[tuple[list[int], int]]:
+    """Request indices and concurrency of each client process: round-robin requests, the
+    concurrency spread as evenly as it goes (no process without a slot)."""
+    shares = min(clients, concurrency, num_items)
+    return [(list(range(k, num_items, shares)), concurrency // shares + (k < concurrency % shares))
+            for k in range(shares)]
+
+
+async def run_level(session: Any, spec: LoadSpec, concurrency: int, num_requests: int,
+                    stream: bool, rate: float | None, seed: int,
+                    pool: Any = None, clients: int = 1) -> dict[str, Any]:
+    """One level; with a process ``pool``, its requests are sent from ``clients`` processes."""
+    rng = random.Random(seed)
+    bodies = [request_body(spec, rng, stream) for _ in range(num_requests)]
+    step_samples: list[float] = []
+    sampler = asyncio.ensure_future(engine_step_sampler(session, spec, concurrency, step_samples))
     delays, t = [], 0.0
     for _ in range(num_requests):
         delays.append(t)
         t += rng.expovariate(rate) if rate else 0.0
-    start = time.perf_counter()
-    records = await asyncio.gather(*(one(i, d) for i, d in enumerate(delays)))
+    procs_before, start = process_cpu_seconds(SERVING_PROCESSES), time.perf_counter()
+    client_cpu = time.process_time()
+    if pool is None:
+        records = await run_share(session, spec, bodies, delays, concurrency)
+    else:
+        loop, futures = asyncio.get_running_loop(), []
+        for indices, share in split_level(num_requests, concurrency, clients):
+            futures.append(loop.run_in_executor(
+                pool, client_process_share, spec, [bodies[i] for i in indices],
+                [delays[i] for i in indices], share))
+        shares = await asyncio.gather(*futures)
+        records = [r for recs, _ in shares for r in recs]
+        client_cpu -= sum(cpu for _, cpu in shares)
     wall = time.perf_counter() - start
+    cores = cores_by_role(procs_before, process_cpu_seconds(SERVING_PROCESSES), wall)
+    cores["bench_clients"] = round((time.process_time() - client_cpu) / wall, 3)
     sampler.cancel()
-    return summarize(records, wall, concurrency, stream, rate, step_samples)
+    return {**summarize(records, wall, concurrency, stream, rate, step_samples), "cores": cores}
 
 
 def summarize(records: list[RequestRecord], wall: float, concurrency: int, stream: bool,
@@ -110,8 +160,21 @@ async def bare_route_floor(session: Any, spec: LoadSpec, n: int = 50) -> dict[st
     return {"route": "GET /v1/models", "round_trip_ms": percentiles(times)}
 
 
+def client_pool(clients: int) -> Any:
+    """Processes that send the load (``--clients`` > 1), started before the first level."""
+    if clients <= 1:
+        return None
+    import multiprocessing  # noqa: PLC0415
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+
+    pool = ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(split_level, [1] * clients, [1] * clients, [1] * clients))  # start them all
+    return pool
+
+
 async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requests: int | None,
-                rate: float | None, seed: int = 0, rounds: float = 2.0) -> dict[str, Any]:
+                rate: float | None, seed: int = 0, rounds: float = 2.0,
+                clients: int = 1) -> dict[str, Any]:
     import aiohttp  # noqa: PLC0415 - Ray Serve's own dependency
 
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
@@ -122,15 +185,20 @@ async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requ
         spec.max_token_id = min(spec.max_token_id, card.get("vocab_size") or spec.max_token_id)
         await send(session, spec, *request_body(spec, random.Random(-1), True))  # warm-up
         floor = await bare_route_floor(session, spec)
-        results = []
-        for concurrency in levels:
-            for stream in streams:
-                n = num_requests or max(int(rounds * concurrency), 16)
-                results.append(await run_level(session, spec, concurrency, n, stream, rate, seed))
-                print(json.dumps(results[-1]), flush=True)
+        results, pool = [], client_pool(clients)
+        try:
+            for concurrency in levels:
+                for stream in streams:
+                    n = num_requests or max(int(rounds * concurrency), 16)
+                    results.append(await run_level(session, spec, concurrency, n, stream, rate,
+                                                   seed, pool, clients))
+                    print(json.dumps(results[-1]), flush=True)
+        finally:
+            if pool is not None:
+                pool.shutdown()
     return {"benchmark": "serve", "url": spec.url, "model": spec.model, "api": spec.api,
-            "prompt_len": spec.prompt_len, "output_len": spec.output_len, "floor": floor,
-            "levels": results}
+            "prompt_len": spec.prompt_len, "output_len": spec.output_len, "clients": clients,
+            "floor": floor, "levels": results}
 
 def save_chart(result: dict[str, Any], path: str) -> str | None:
     """Throughput and latency against concurrency, as a PNG (None without matplotlib)."""
@@ -188,7 +256,7 @@ def run(args: Any) -> dict[str, Any]:
     streams = {"both": [False, True], "on": [True], "off": [False]}[args.stream]
     levels = [int(c) for c in args.concurrency.split(",")]
     result = asyncio.run(sweep(spec, levels, streams, args.num_requests, args.rate, args.seed,
-                               args.rounds))
+                               args.rounds, args.clients))
     if args.out:
         result["chart"] = save_chart(result, args.out.rsplit(".", 1)[0] + ".png")
     return result
@@ -214,6 +282,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--api-key")
+    p.add_argument("--clients", type=int, default=1,
+                   help="processes that send the load, so that parsing the chunks of many streams "
+                        "is not the limit (each level reports the cores they used)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--conversations", type=int, default=64, help="multiturn: conversations")
     p.add_argument("--turns", type=int, default=6, help="multiturn: turns per conversation")
