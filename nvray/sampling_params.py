@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from nvray.structured_outputs import StructuredOutputsParams
@@ -191,8 +192,9 @@ class SamplingParams:
         """Penalties, biases or allowed ids change the logits before sampling."""
         return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
 
-    @property
+    @cached_property
     def max_stop_len(self) -> int:
+        """The longest stop string (read for every streamed token: computed once)."""
         return max((len(s) for s in self.stop), default=0)
 
     @classmethod

@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--num-seqs", type=int, default=256)
     cp.add_argument("--steps", type=int, default=200)
     cp.add_argument("--block-size", type=int, default=16)
+    cp.add_argument("--stream", action="store_true",
+                    help="every request streams (an output per step, detokenized as it goes)")
     ro = sub.add_parser("ray-overhead", parents=[common],
                         help="Ray rank actors vs in-process, per decode step")
     ro.add_argument("--model", default="tiny")
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.cmd == "control-plane":
         from nvray.bench.control_plane import bench_control_plane  # noqa: PLC0415
 
-        return bench_control_plane(args.num_seqs, args.steps, args.block_size)
+        return bench_control_plane(args.num_seqs, args.steps, args.block_size, args.stream)
     if args.cmd == "throughput":
         runtimes, sizes = tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size)
         try:

@@ -4,11 +4,14 @@ An ``LLMEngine`` over an executor that answers every step at once with pseudo-ra
 (``InstantExecutor``) is filled with ``num_seqs`` running sequences (prompts of 100 to 1024
 tokens, ignore_eos); then ``steps`` decode steps time the scheduler alone, the step input
 (schedule output to ``StepInput`` plus accounting), and the whole control plane (schedule, step
-input, stop checks, detokenization). Medians (and the full step's p90), in microseconds.
+input, stop checks, detokenization), and the outputs' wire form as the driver pickles it for
+its consumers. ``stream``: every request streams (an output per step, detokenized as it goes).
+Medians (and the full step's p90), in microseconds.
 """
 
 from __future__ import annotations
 
+import pickle
 import random
 import statistics
 import time
@@ -16,6 +19,7 @@ from typing import Any
 
 from nvray.config import EngineConfig
 from nvray.engine.engine import LLMEngine, ModelLimits
+from nvray.outputs import to_wire
 from nvray.sampling_params import SamplingParams
 from nvray.step_protocol import StepInput, StepOutput
 
@@ -57,23 +61,24 @@ def _engine(num_seqs: int, block_size: int, tokenizer: Any, vocab: int) -> LLMEn
     return LLMEngine(config, tokenizer, InstantExecutor(vocab), limits)
 
 
-def _fill(engine: LLMEngine, num_seqs: int, vocab: int) -> None:
+def _fill(engine: LLMEngine, num_seqs: int, vocab: int, stream: bool) -> None:
     rng = random.Random(0)
     for i in range(num_seqs):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(100, 1024))]
         engine.add_request(f"b{i}", prompt, SamplingParams(temperature=0.6, max_tokens=2000,
-                                                           ignore_eos=True))
+                                                           ignore_eos=True), stream=stream)
     engine.step()  # one prefill step admits everyone; what follows are pure decode steps
 
 
-def bench_control_plane(num_seqs: int = 256, steps: int = 200, block_size: int = 16) -> dict[str, Any]:
+def bench_control_plane(num_seqs: int = 256, steps: int = 200, block_size: int = 16,
+                        stream: bool = False) -> dict[str, Any]:
     from nvray.tokenizer import load_tokenizer  # noqa: PLC0415
     from nvray.models.tiny import tiny_model_path  # noqa: PLC0415
 
     tokenizer = load_tokenizer(tiny_model_path())
     vocab = len(tokenizer)
     engine = _engine(num_seqs, block_size, tokenizer, vocab)
-    _fill(engine, num_seqs, vocab)
+    _fill(engine, num_seqs, vocab, stream)
     sched_us, input_us, step_us = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -85,13 +90,18 @@ def bench_control_plane(num_seqs: int = 256, steps: int = 200, block_size: int =
         engine._postprocess(launched, sampled)  # noqa: SLF001
         sched_us.append((t1 - t0) * 1e6)
         input_us.append((t2 - t1) * 1e6)
+    wire_us = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.step()
-        step_us.append((time.perf_counter() - t0) * 1e6)
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        pickle.dumps([to_wire(o) for o in outputs])  # what the driver sends its consumers
+        step_us.append((t1 - t0) * 1e6)
+        wire_us.append((time.perf_counter() - t1) * 1e6)
     assert len(engine.scheduler.running) == num_seqs
     return {"benchmark": "control-plane", "num_running_seqs": num_seqs, "block_size": block_size,
-            "steps": steps, "schedule_us_median": statistics.median(sched_us),
+            "steps": steps, "stream": stream,
+            "outputs_to_wire_us_median": statistics.median(wire_us), "schedule_us_median": statistics.median(sched_us),
             "step_input_us_median": statistics.median(input_us),
             "full_control_plane_step_us_median": statistics.median(step_us),
             "full_control_plane_step_us_p90": sorted(step_us)[int(0.9 * steps)]}

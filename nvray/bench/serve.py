@@ -13,7 +13,8 @@ counts k times its gap / k), time per output token after the first (TPOT), end-t
 errors, and the engine's median step time while the batch was full (from ``/metrics``). Tokens
 per chunk come from ``stream_options.continuous_usage_stats``; a server that ignores it is
 counted as one token per chunk. The floor of the path is a bare ``GET /v1/models`` round trip.
-Each level also gives the cores that Serve's proxy, the replicas, the engine drivers and ranks on
+Each level also gives the engines' own mean TTFT (arrival at the engine to its first token, from
+``/metrics``: the rest of the client's TTFT is the HTTP path), and the cores that Serve's proxy, the replicas, the engine drivers and ranks on
 this machine, and the load generator itself, used while it ran (``cores``, from ``/proc``);
 ``--clients N`` sends the load from N processes, so that one Python process parsing every
 stream's chunks is not what limits streamed throughput.
@@ -56,6 +57,23 @@ async def engine_step_sampler(session: Any, spec: LoadSpec, full_batch: int,
             return
         if float(values.get("nvray_num_requests_running", 0)) >= 0.9 * full_batch:
             samples.append(float(values["nvray_step_time_ms_median"]))
+
+
+async def engine_ttft_totals(session: Any, spec: LoadSpec) -> tuple[float, int]:
+    """The engines' time-to-first-token sum (s) and count so far, from ``/metrics``: the
+    engine's own TTFT (arrival at the engine to first token), beside the client's."""
+    try:
+        async with session.get(spec.url + "/metrics") as resp:
+            text = await resp.text()
+    except Exception:  # noqa: BLE001 - metrics are optional (another server)
+        return 0.0, 0
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("nvray_time_to_first_token_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[-1])
+        elif line.startswith("nvray_time_to_first_token_seconds_count"):
+            count += int(float(line.rsplit(" ", 1)[-1]))
+    return total, count
 
 
 async def run_share(session: Any, spec: LoadSpec, bodies: list[tuple[str, dict[str, Any]]],
@@ -107,6 +125,7 @@ async def run_level(session: Any, spec: LoadSpec, concurrency: int, num_requests
     for _ in range(num_requests):
         delays.append(t)
         t += rng.expovariate(rate) if rate else 0.0
+    ttft_before = await engine_ttft_totals(session, spec)
     procs_before, start = process_cpu_seconds(SERVING_PROCESSES), time.perf_counter()
     client_cpu = time.process_time()
     if pool is None:
@@ -124,7 +143,10 @@ async def run_level(session: Any, spec: LoadSpec, concurrency: int, num_requests
     cores = cores_by_role(procs_before, process_cpu_seconds(SERVING_PROCESSES), wall)
     cores["bench_clients"] = round((time.process_time() - client_cpu) / wall, 3)
     sampler.cancel()
-    return {**summarize(records, wall, concurrency, stream, rate, step_samples), "cores": cores}
+    ttft_sum, ttft_count = (a - b for a, b in zip(await engine_ttft_totals(session, spec), ttft_before))
+    engine_ttft = round(1e3 * ttft_sum / ttft_count, 3) if ttft_count else None
+    return {**summarize(records, wall, concurrency, stream, rate, step_samples),
+            "engine_ttft_ms_mean": engine_ttft, "cores": cores}
 
 
 def summarize(records: list[RequestRecord], wall: float, concurrency: int, stream: bool,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from nvray.engine.detokenizer import IncrementalDetokenizer
@@ -15,7 +17,8 @@ def tokenizer(tiny_path):
 
 
 @pytest.mark.parametrize("text", ["Hello world!", " naïve café 你好，世界 🙂✨ Привет", "a🙂b\n\n  c"])
-def test_deltas_concatenate_to_the_text_and_never_split_a_character(tokenizer, text):
+def test_deltas_concatenate_to_the_text_and_never_split_a_character(tokenizer, text,
+                                                                    detokenizer_kind):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > len(text.split())  # multi-byte characters span several tokens
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:", add_special_tokens=False))
@@ -25,17 +28,46 @@ def test_deltas_concatenate_to_the_text_and_never_split_a_character(tokenizer, t
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_special_tokens_are_skipped(tokenizer):
+def test_special_tokens_are_skipped(tokenizer, detokenizer_kind):
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     detok = IncrementalDetokenizer(tokenizer, [5])
     ids = tokenizer.encode("ok", add_special_tokens=False) + [end]
     assert "".join(detok.add_tokens([t]) for t in ids) + detok.flush() == "ok"
 
 
-def test_tokens_that_decode_to_nothing_do_not_grow_the_window(tokenizer):
+@pytest.fixture(params=["decode_stream", "window"])
+def detokenizer_kind(request, monkeypatch):
+    """Both paths: the tokenizers library's DecodeStream, and the window decoded twice a step
+    (a tokenizer without one)."""
+    if request.param == "window":
+        monkeypatch.setattr("nvray.engine.detokenizer._decode_stream", lambda *a: None)
+    return request.param
+
+
+def test_tokens_that_decode_to_nothing_do_not_grow_the_window(tokenizer, detokenizer_kind):
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     detok = IncrementalDetokenizer(tokenizer, [5])
+    assert (detok.stream is not None) == (detokenizer_kind == "decode_stream")
     for _ in range(50):
         assert detok.add_tokens([end]) == ""
-    assert detok.read_offset - detok.prefix_offset <= 1
+        assert detok.read_offset == len(detok.ids)  # nothing held back for a later step
+    assert detok.read_offset - detok.prefix_offset <= 4
     assert detok.add_tokens(tokenizer.encode("ok", add_special_tokens=False)) == "ok"
+
+
+def test_random_tokens_stream_to_the_tokenizers_own_decode(tokenizer, detokenizer_kind):
+    """Any id sequence (split characters, special tokens, several ids a step): the deltas
+    add up to what the tokenizer decodes from the whole sequence."""
+    rng = random.Random(7)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(600)]
+    detok = IncrementalDetokenizer(tokenizer, [5, 6, 7])
+    deltas, at = [], 0
+    while at < len(ids):
+        take = rng.choice((1, 1, 1, 2, 3))
+        deltas.append(detok.add_tokens(ids[at:at + take]))
+        at += take
+    deltas.append(detok.flush())
+    context = tokenizer.decode([5, 6, 7], skip_special_tokens=True)
+    whole = tokenizer.decode([5, 6, 7] + ids, skip_special_tokens=True)
+    assert whole.startswith(context)
+    assert "".join(deltas) == whole[len(context):]

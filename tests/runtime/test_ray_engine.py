@@ -10,7 +10,7 @@ from typing import Any, Callable
 import pytest
 
 from nvray import LLM, EngineConfig, SamplingParams
-from nvray.bench.idle import cores_in_use
+from nvray.bench.proc_cpu import cores_in_use
 from nvray.runtime import EngineDeadError, start_engine
 from oracle import hf_greedy, random_prompts
 from ray_state import live_actors, live_placement_groups
