@@ -22,6 +22,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.args import AppArgs, parse_args
+from deployments.console import quiet_serve_shutdown_notice
 from deployments.engine_replica import NvrayEngine
 from deployments.server import NvrayServer
 from nvray.config import EngineConfig
@@ -62,6 +63,7 @@ def _engine_options(parsed: AppArgs, config: EngineConfig) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     skip_a_dead_recorded_head()  # `serve run` calls ray.init() after building the app
+    quiet_serve_shutdown_notice()  # and prints Serve's shutdown notice after a clean Ctrl-C
     parsed = parse_args(args)
     config = resolve_device(parsed.engine_config())
     parsed = parsed.model_copy(update={"device": config.device})

@@ -21,6 +21,7 @@ health and stats the routes need.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,6 +34,19 @@ from deployments.admission import AdmissionGate
 from deployments.args import AppArgs
 from nvray.runtime import start_engine
 from nvray.runtime.output_router import OutputRouter
+
+# Serve prints this logger's INFO lines on the console of `serve run` (other loggers' it drops)
+serve_logger = logging.getLogger("ray.serve")
+
+
+def ready_line(model: str, info: dict[str, Any]) -> str:
+    """What a user wants to see once an engine is up: model, device, KV cache, graphs, start."""
+    blocks, block_size = info["num_kvcache_blocks"], info["block_size"]
+    graphs = "CUDA graphs on" if info.get("cuda_graphs") else "no CUDA graphs"
+    return (f"nvray engine ready: model {model!r} on {info.get('device')} "
+            f"(tensor parallel {info.get('tensor_parallel_size')}), KV cache {blocks:,} blocks "
+            f"x {block_size} tokens ({blocks * block_size:,} tokens), {graphs}, "
+            f"max_model_len {info['max_model_len']:,}, started in {info.get('startup_s')} s")
 
 
 @dataclass
@@ -60,6 +74,7 @@ class LocalEngine:
         self.driver = self.client.driver
         self.router = OutputRouter(self.driver)
         self.router.open_now()  # here, not in a request: see OutputRouter.open_now
+        serve_logger.info(ready_line(args.name_to_serve(), self.client.info))
 
     async def lease(self, routing_key: str, timeout: float) -> Lease:
         ticket = await self.gate.enter(timeout)

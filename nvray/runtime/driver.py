@@ -72,9 +72,12 @@ class EngineDriver:
             tokenizer_beside_ranks=True)
         self.engine = engine
         self.loop = EngineLoop(engine)
-        lim = engine.limits
+        lim, cfg = engine.limits, self.config
         return {"max_model_len": lim.max_model_len, "vocab_size": lim.vocab_size,
-                "num_kvcache_blocks": lim.num_kvcache_blocks, "block_size": lim.block_size}
+                "num_kvcache_blocks": lim.num_kvcache_blocks, "block_size": lim.block_size,
+                "device": cfg.device, "tensor_parallel_size": cfg.tensor_parallel_size,
+                "cuda_graphs": cfg.device == "cuda" and not cfg.enforce_eager,
+                "startup_s": engine.startup.get("total_s") if engine.startup else None}
 
     # ---------------------------------------------------------------- requests
     def prepare_prompt(self, prompt: Any) -> str | list[int]:

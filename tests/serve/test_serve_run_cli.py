@@ -7,6 +7,7 @@ head forever."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,10 @@ def _kill_a_head_leaving_its_record(env: dict[str, str]) -> str:
     return address
 
 
+ALARMING_ON_STOP = ("Traceback", "graceful_shutdown failed", "Stack (most recent call first)",
+                    "ERROR", "Error")
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     if _port_in_use():
@@ -98,19 +103,31 @@ def _serve_run(log, env: dict[str, str], dead: str):  # noqa: ANN001, ANN202 - t
         started = log.read()
         assert f"a Ray cluster was recorded at {dead} but its head does not answer" in started
         assert "blocking ray.get inside async actor" not in started  # the driver's threads
+        ready = [line for line in started.splitlines() if "nvray engine ready" in line]
+        assert len(ready) == 1, started[-3000:]  # model, device, KV cache, graphs, start-up
+        assert re.search(r"model 'tiny' on cpu .*KV cache [\d,]+ blocks x 16 tokens .*no CUDA "
+                         r"graphs.*started in [\d.]+ s", ready[0]), ready[0]
         yield URL
     except BaseException:
         log.seek(0)
         print(log.read()[-4000:])
         raise
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        log.seek(0, os.SEEK_END)
+        before_stop = log.tell()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        log.seek(before_stop)
+        stopping = log.read()
         log.close()
+    # the teardown fails the module if Ctrl-C printed stack dumps or a failed shutdown
+    alarming = [line for line in stopping.splitlines()
+                if any(word in line for word in ALARMING_ON_STOP)]
+    assert not alarming, "\n".join(alarming[:20])
 
 
 def test_serve_run_answers_the_openai_client(served):
