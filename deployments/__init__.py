@@ -51,7 +51,9 @@ def _engine_options(parsed: AppArgs, config: EngineConfig) -> dict[str, Any]:
                                "max_replicas": parsed.max_replicas,
                                "target_ongoing_requests": parsed.target_ongoing_requests,
                                "upscale_delay_s": parsed.upscale_delay_s,
-                               "downscale_delay_s": parsed.downscale_delay_s},
+                               "downscale_delay_s": parsed.downscale_delay_s,
+                               "metrics_interval_s": parsed.metrics_interval_s,
+                               "look_back_period_s": parsed.look_back_period_s},
         # a bounded queue is kept by the replica (deployments/admission.py), refusing in JSON
         "max_ongoing_requests": parsed.serve_max_ongoing_requests(),
         "max_queued_requests": -1,

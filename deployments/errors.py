@@ -2,7 +2,8 @@
 
 Every failure reaching a client goes through here, with a short message: validation failures
 are 400 (never 422 or 500; unknown fields too, all named in one error), a missing or wrong API key 401, an unknown model 404, an unhealthy
-or overloaded engine 503, a time-out 504. Exceptions raised in Ray actors are unwrapped to their
+or overloaded engine 503, a time-out 504; a request whose client left (Serve cancels it) is
+logged as a disconnect, not as an error, and answered 499 to nobody. Exceptions raised in Ray actors are unwrapped to their
 cause so no traceback or file path leaks into a response.
 """
 
@@ -14,6 +15,7 @@ import re
 from typing import Any
 
 from fastapi import FastAPI, Request
+from ray.exceptions import TaskCancelledError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,6 +62,9 @@ def to_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(503, "the engine is unavailable; retry shortly", code="engine_unavailable")
     if isinstance(e, TimeoutError):
         return OpenAIError(504, "the request timed out", code="timeout")
+    if isinstance(e, TaskCancelledError):  # Serve cancelled the request: its client left
+        logger.info("a client disconnected before its answer ended")
+        return OpenAIError(499, "the client closed the request", code="client_closed_request")
     if isinstance(e, ValueError):
         message = str(e).splitlines()[0] if str(e) else "invalid request"
         param = getattr(e, "param", None)

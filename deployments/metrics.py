@@ -71,6 +71,10 @@ def render_metrics(stats_by_engine: dict[str | None, dict[str, Any]], model: str
         lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
         lines += [f"{full}{_fmt_labels({**labels, label: value})} {count}"
                   for labels, stats in healthy for value, count in sorted(stats[key].items())]
+    full = f"{prefix}_startup_total_seconds"
+    lines += [f"# HELP {full} The engine's whole start-up, seconds", f"# TYPE {full} gauge"]
+    lines += [f"{full}{_fmt_labels(labels)} {stats['startup']['total_s']}"
+              for labels, stats in healthy if stats.get("startup")]
     full = f"{prefix}_startup_seconds"
     lines += [f"# HELP {full} The engine's start-up, seconds by phase (stats()['startup'])",
               f"# TYPE {full} gauge"]

@@ -35,6 +35,9 @@ Subcommands:
 - ``idle``: cores each driver and rank process of an idle engine on Ray uses, and the time to
   the first token of a request that wakes it against one right after another
   (``nvray/bench/idle.py``).
+- ``scaleup``: a burst of streamed requests that makes Serve add a second engine replica: the time
+  from the burst to the new replica running and to its first token, against its engine's own
+  start-up, and the requests' latency before and after (``nvray/bench/scaleup.py``).
 - ``serve``: a load generator for the HTTP app (``nvray/bench/serve.py``): concurrency sweep,
   streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
 """
@@ -45,7 +48,7 @@ import argparse
 import json
 from typing import Any
 
-from nvray.bench import serve, soak
+from nvray.bench import scaleup, serve, soak
 from nvray.bench.checkpoints import QWEN3_SHAPES
 from nvray.bench.throughput import FEATURES, bench_throughput, resolve_placements
 
@@ -146,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", parents=[common],
                         help="load generator for a running app (or one it starts): latency and tok/s")
     serve.add_arguments(sv)
+    su = sub.add_parser("scaleup", parents=[common],
+                        help="a burst that makes Serve add an engine replica: time to its first answer")
+    scaleup.add_arguments(su)
     sk = sub.add_parser("soak", parents=[common],
                         help="streaming load with random disconnects for minutes: errors, memory")
     soak.add_arguments(sk)
@@ -158,6 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return serve.run(args)
     if args.cmd == "soak":
         return soak.run(args)
+    if args.cmd == "scaleup":
+        return scaleup.run(args, serve.parse_app_args(args.app_args or []))
     if args.cmd == "control-plane":
         from nvray.bench.control_plane import bench_control_plane  # noqa: PLC0415
 

@@ -105,6 +105,8 @@ def test_models_health_and_metrics(base_url, client):
     assert metric(base_url, "nvray_driver_resident_memory_bytes") > 50 << 20  # a live Python + torch
     assert metric(base_url, "nvray_startup_seconds", phase="model_and_weights") > 0  # start-up
     assert metric(base_url, "nvray_startup_seconds", phase="rank_actors") > 0
+    assert metric(base_url, "nvray_startup_total_seconds") > metric(
+        base_url, "nvray_startup_seconds", phase="model_and_weights")  # the whole start
 
 
 BAD_REQUESTS = [
