@@ -28,17 +28,19 @@ def _special_ids(tokenizer: Any) -> frozenset[int]:
 
 
 def _decode_stream(backend: Any, skip_special_tokens: bool, context: list[int]) -> Any:
-    """A DecodeStream primed with the context ids, or None where there is none to use."""
+    """A DecodeStream primed with the context ids (their text is not output; the longest tail
+    of them that decodes to whole characters), or None where there is none to use."""
     try:
         from tokenizers.decoders import DecodeStream  # noqa: PLC0415
     except ImportError:  # tokenizers older than 0.21
         return None
     if backend is None:
         return None
-    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-    if context:
-        stream.step(backend, context)  # the context's own text is not output
-    return stream
+    for start in range(len(context) + 1):  # the longest context that decodes whole
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        if start == len(context) or stream.step(backend, context[start:]) is not None:
+            return stream  # (a context ending in half a character would leak into the output)
+    return None
 
 
 class IncrementalDetokenizer:

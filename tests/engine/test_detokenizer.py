@@ -71,3 +71,18 @@ def test_random_tokens_stream_to_the_tokenizers_own_decode(tokenizer, detokenize
     whole = tokenizer.decode([5, 6, 7] + ids, skip_special_tokens=True)
     assert whole.startswith(context)
     assert "".join(deltas) == whole[len(context):]
+
+
+def test_a_prompt_ending_in_half_a_character_leaks_nothing_into_the_output(tokenizer,
+                                                                         detokenizer_kind):
+    """The prompt's last tokens are context only: when they end in the middle of a character,
+    none of their text may come out with the output."""
+    rng = random.Random(3)
+    prompts = ([rng.randrange(len(tokenizer)) for _ in range(4)] for _ in range(10_000))
+    split = [p for p in prompts if tokenizer.decode(p, skip_special_tokens=True).endswith("\ufffd")]
+    assert len(split) >= 5
+    outputs = tokenizer.encode(" ok then", add_special_tokens=False)
+    for prompt in split[:5]:
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        text = "".join(detok.add_tokens([t]) for t in outputs) + detok.flush()
+        assert text == " ok then", (prompt, text)
