@@ -257,7 +257,9 @@ class OutputRouter:
         return sink
 
     def abort(self, request_ids: list[str]) -> None:
-        self.driver.abort.remote(request_ids)
+        """Fire and forget, from a fresh context: an abort is often sent by a request that is
+        being cancelled, and Ray cancels a cancelled task's child calls (see ``open_now``)."""
+        contextvars.Context().run(self.driver.abort.remote, request_ids)
 
     def close(self) -> None:
         """End the subscription; the driver aborts whatever this consumer still has running.

@@ -160,7 +160,8 @@ def live_engine_actors(head: Cluster) -> list[str]:
 def test_a_job_stopped_mid_run_leaves_no_engine_and_no_output(ray_head, tmp_path):
     """``ray job stop`` while the engine generates: the job ends STOPPED, its engine's actors
     go within a minute, and no output file appears (output is written only on success)."""
-    rows = [{"id": f"r{i}", "prompt": f"row {i} keeps the engine busy"} for i in range(64)]
+    # far more work than the seconds before the stop (a faster engine once finished 64 rows)
+    rows = [{"id": f"r{i}", "prompt": f"row {i} keeps the engine busy"} for i in range(512)]
     src, out = write_jsonl(tmp_path / "long.jsonl", rows), tmp_path / "out.jsonl"
     runtime_env = {"excludes": [".git", ".venv", "**/__pycache__", "*.egg-info", "build", "dist"],
                    "env_vars": {"NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"]}}
