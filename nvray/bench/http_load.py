@@ -130,6 +130,14 @@ async def read_stream(resp: Any, rec: RequestRecord, start: float) -> None:
     rec.output_tokens = tokens
 
 
+async def read_model_card(session: Any, spec: LoadSpec) -> None:
+    """The served model's name (unless given) and vocabulary (prompt ids are drawn below it)."""
+    async with session.get(spec.url + "/v1/models", headers=auth_headers(spec)) as resp:
+        card = (await resp.json())["data"][0]
+    spec.model = spec.model or card["id"]
+    spec.max_token_id = min(spec.max_token_id, card.get("vocab_size") or spec.max_token_id)
+
+
 def start_app(app_args: dict[str, Any], port: int, name: str | None = None) -> str:
     """Start the nvray app on this machine's Ray cluster (at ``/name`` if named, else at
     ``/``); returns its base URL."""

@@ -21,7 +21,8 @@ import re
 import time
 from typing import Any
 
-from nvray.bench.http_load import LoadSpec, RequestRecord, percentiles, request_body, send, start_app
+from nvray.bench.http_load import (LoadSpec, RequestRecord, percentiles, read_model_card,
+                                   request_body, send, start_app)
 
 _ENGINE_SAMPLE = re.compile(r'^nvray_(generation_tokens_total|startup_total_seconds)\{([^}]*)\} (\S+)$',
                             re.M)
@@ -97,6 +98,7 @@ async def burst_run(spec: LoadSpec, app_name: str | None, concurrency: int, afte
     import aiohttp  # noqa: PLC0415 - Ray Serve's own dependency
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await read_model_card(session, spec)
         await send(session, spec, *request_body(spec, random.Random(-1), True))  # warm-up
         first = set(await engines_seen(session, spec.url))
         burst, seen_by, records = time.perf_counter(), Watch(), []
@@ -129,16 +131,6 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-async def read_model_card(spec: LoadSpec) -> None:
-    """The served model's name and vocabulary (prompt ids are drawn below it)."""
-    import aiohttp  # noqa: PLC0415
-
-    async with aiohttp.ClientSession() as session, session.get(spec.url + "/v1/models") as resp:
-        card = (await resp.json())["data"][0]
-    spec.model = card["id"]
-    spec.max_token_id = min(spec.max_token_id, card.get("vocab_size") or spec.max_token_id)
-
-
 def run(args: Any, app_args: dict[str, Any]) -> dict[str, Any]:
     app_args = {"min_replicas": 1, "max_replicas": 2, "ingress_replicas": 1,
                 "upscale_delay_s": 0, "target_ongoing_requests": max(1, args.concurrency // 4),
@@ -146,7 +138,6 @@ def run(args: Any, app_args: dict[str, Any]) -> dict[str, Any]:
     name = "nvray-scaleup"
     url = start_app(app_args, args.port, name)
     spec = LoadSpec(url, None, "completions", args.prompt_len, args.output_len)
-    asyncio.run(read_model_card(spec))
     result = asyncio.run(burst_run(spec, name, args.concurrency, args.after_s, args.timeout_s))
     return {**result, "app_args": app_args}
 

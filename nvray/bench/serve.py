@@ -37,7 +37,7 @@ from typing import Any
 
 from nvray.bench import multiturn
 from nvray.bench.http_load import (LoadSpec, RequestRecord, auth_headers, percentiles,
-                                   request_body, send, start_app)
+                                   read_model_card, request_body, send, start_app)
 from nvray.bench.proc_cpu import SERVING_PROCESSES, cores_by_role, process_cpu_seconds
 
 
@@ -201,10 +201,7 @@ async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requ
 
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        async with session.get(spec.url + "/v1/models", headers=auth_headers(spec)) as resp:
-            card = (await resp.json())["data"][0]
-        spec.model = spec.model or card["id"]
-        spec.max_token_id = min(spec.max_token_id, card.get("vocab_size") or spec.max_token_id)
+        await read_model_card(session, spec)
         await send(session, spec, *request_body(spec, random.Random(-1), True))  # warm-up
         floor = await bare_route_floor(session, spec)
         results, pool = [], client_pool(clients)
