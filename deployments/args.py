@@ -45,6 +45,10 @@ class AppArgs(BaseModel):
     enforce_eager: bool = Field(_ENGINE.enforce_eager, description="disable CUDA graphs")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(_ENGINE.dtype, description="weights "
                                                                                         "and KV dtype")
+    quantization: Literal["fp8"] | None = Field(_ENGINE.quantization, description="'fp8': "
+                                                "quantize a 16/32-bit checkpoint's linear layers "
+                                                "to FP8 at load (FP8 checkpoints are detected "
+                                                "from config.json)")
     scheduling_policy: Literal["fcfs", "sjf", "priority"] = Field(_ENGINE.scheduling_policy, description="admission "
                                                                                       "order")
     num_cpus_per_rank: float = Field(_ENGINE.num_cpus_per_rank, gt=0, description="CPUs per rank actor (CPU engines; "
@@ -125,7 +129,7 @@ class AppArgs(BaseModel):
         fields = {k: getattr(self, k) for k in (
             "tensor_parallel_size", "device", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
-            "enable_prefix_caching", "enforce_eager", "dtype", "scheduling_policy",
+            "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "scheduling_policy",
             "num_cpus_per_rank")}
         return EngineConfig.from_kwargs(self.model, **fields, **self.engine_options)
 

@@ -44,7 +44,8 @@ def ready_line(model: str, info: dict[str, Any]) -> str:
     blocks, block_size = info["num_kvcache_blocks"], info["block_size"]
     graphs = "CUDA graphs on" if info.get("cuda_graphs") else "no CUDA graphs"
     return (f"nvray engine ready: model {model!r} on {info.get('device')} "
-            f"(tensor parallel {info.get('tensor_parallel_size')}), KV cache {blocks:,} blocks "
+            f"(tensor parallel {info.get('tensor_parallel_size')}), weights "
+            f"{(info.get('dtypes') or {}).get('weights')}, KV cache {blocks:,} blocks "
             f"x {block_size} tokens ({blocks * block_size:,} tokens), {graphs}, "
             f"max_model_len {info['max_model_len']:,}, started in {info.get('startup_s')} s")
 

@@ -1,8 +1,9 @@
 """Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention, the
 attention prologue (per-head q/k RMSNorm + rotary, optionally fused with the KV store), the
 hidden-state RMSNorm (with the residual add), the MLP's gated activation, the sampler's
-greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds, and grammar token
-masks applied to chosen logits rows.
+greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds, grammar token
+masks applied to chosen logits rows, and FP8 linear layers (activation quantization, the
+block-scaled GEMM).
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -50,6 +51,8 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 
 _patch_interpreter_for_numpy_2_4()
 
+from .fp8_gemm import (block_fp8_mm, block_fp8_mm_ref, fp8_linear, fp8_linear_ref,  # noqa: E402
+                       quantize_fp8_act, quantize_fp8_act_ref)
 from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
@@ -61,6 +64,12 @@ from .silu_mul import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from .store_kv import store_kvcache, store_kvcache_ref  # noqa: E402
 
 __all__ = [
+    "block_fp8_mm",
+    "block_fp8_mm_ref",
+    "fp8_linear",
+    "fp8_linear_ref",
+    "quantize_fp8_act",
+    "quantize_fp8_act_ref",
     "store_kvcache",
     "store_kvcache_ref",
     "paged_decode_attention",

@@ -51,7 +51,8 @@ def create_engine(config: EngineConfig,
         limits = ModelLimits(max_model_len=executor.max_model_len,
                              vocab_size=executor.vocab_size, num_kvcache_blocks=executor.num_blocks,
                              block_size=config.kvcache_block_size,
-                             eos_token_ids=eos_token_ids(model_path, tokenizer))
+                             eos_token_ids=eos_token_ids(model_path, tokenizer),
+                             dtypes=dict(executor.dtypes))
         engine = LLMEngine(config, tokenizer, executor, limits,
                            grammar_compiler=functools.partial(grammar_compiler, model_path,
                                                               executor.vocab_size))

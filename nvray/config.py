@@ -16,6 +16,7 @@ SCHEDULING_POLICIES = ("fcfs", "sjf", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = (None, "fp8")  # weights; an FP8 checkpoint is detected from its config.json
 RUNTIMES = ("ray", "inprocess")
 RAY_DISPATCH = ("compiled", "actor_calls")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -54,6 +55,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None  # "fp8": quantize a 16/32-bit checkpoint's linear layers at load
     seed: int = 0
     runtime: str = "ray"  # "ray": driver + rank actors; "inprocess": TP=1 in the calling process
     ray_dispatch: str = "compiled"  # per-step calls to the ranks: a Ray compiled graph or plain calls
@@ -106,6 +108,7 @@ class EngineConfig:
                               ("device", DEVICES),
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("dtype", DTYPES),
+                              ("quantization", QUANTIZATIONS),
                               ("runtime", RUNTIMES),
                               ("ray_dispatch", RAY_DISPATCH),
                               ("placement_strategy", PLACEMENT_STRATEGIES)):

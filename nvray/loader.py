@@ -4,6 +4,10 @@ Each checkpoint tensor is routed to its parameter — through ``packed_modules_m
 fused parameters — and that parameter's ``weight_loader`` copies this rank's shard. A tensor
 the model does not have, a parameter the checkpoint lacks, or a shape mismatch is a
 ``ValueError`` that names the tensor.
+
+FP8 layers (``nvray/quantization``) take their scale tensors the same way. With on-the-fly FP8
+a 16/32-bit linear weight is quantized whole, on the parameter's device, before it is sharded:
+the weight and its per-channel scale then load as a pre-quantized checkpoint's would.
 """
 
 from __future__ import annotations
@@ -47,9 +51,31 @@ def load_model(model: nn.Module, path: str) -> None:
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
                 param_name, shard_id = _route(name, packed)
-                _load_one(params, param_name, shard_id, name, f.get_tensor(name))
-                loaded.setdefault(param_name, set()).add(shard_id)
+                for pname, tensor in _as_stored(params, param_name, f.get_tensor(name)):
+                    _load_one(params, pname, shard_id, name, tensor)
+                    loaded.setdefault(pname, set()).add(shard_id)
     _check_complete(expected_shards, loaded, tied, packed)
+
+
+def _as_stored(params: dict[str, nn.Parameter], param_name: str, tensor: torch.Tensor
+               ) -> list[tuple[str, torch.Tensor]]:
+    """(parameter, tensor) pairs one checkpoint tensor fills: itself, or with on-the-fly FP8
+    the quantized weight and its scale."""
+    method = getattr(params.get(param_name), "quant_method", None)
+    if (method is None or not method.config.quantize_on_load or tensor.dtype.itemsize == 1
+            or not param_name.endswith(".weight")):
+        return [(param_name, tensor)]
+    q, scale = method.quantize_checkpoint_tensor(tensor.to(params[param_name].device))
+    return [(param_name, q), (param_name[:-len("weight")] + method.config.scale_name, scale)]
+
+
+def _check_dtype(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """An FP8 parameter takes FP8 tensors only, and an FP8 tensor only an FP8 parameter
+    (``copy_`` would convert either silently)."""
+    if (param.dtype.itemsize == 1) != (tensor.dtype.itemsize == 1):
+        raise ValueError(f"checkpoint dtype {tensor.dtype} does not fit the model's "
+                         f"{param.dtype} parameter (does quantization_config name every "
+                         f"quantized module, and only those?)")
 
 
 def _load_one(params: dict[str, nn.Parameter], param_name: str, shard_id: object | None,
@@ -59,6 +85,7 @@ def _load_one(params: dict[str, nn.Parameter], param_name: str, shard_id: object
         raise ValueError(f"checkpoint tensor {ckpt_name!r} does not match any model parameter")
     loader = getattr(param, "weight_loader", None)
     try:
+        _check_dtype(param, tensor)
         if loader is None:
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"expected shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}")

@@ -129,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPUs per rank when running on CPU")
     p.add_argument("--device", default=_ENGINE.device, help="auto, cpu or cuda")
     p.add_argument("--dtype", default=_ENGINE.dtype)
+    p.add_argument("--quantization", default=_ENGINE.quantization, choices=["fp8"],
+                   help="'fp8': quantize a 16/32-bit checkpoint's linear layers at load "
+                        "(FP8 checkpoints are detected)")
     return p.parse_args(argv)
 
 
@@ -160,7 +163,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
               "num_cpus_per_rank": args.num_cpus_per_rank, "device": args.device,
-              "dtype": args.dtype}
+              "dtype": args.dtype, "quantization": args.quantization}
     EngineConfig.from_kwargs(**kwargs)
     return kwargs
 

@@ -61,6 +61,14 @@ def _on_off(text: str) -> tuple[bool, ...]:
     return tuple(values[w] for w in words)
 
 
+def _quantizations(text: str) -> tuple[str | None, ...]:
+    values = {"none": None, "fp8": "fp8"}
+    words = text.split(",")
+    if any(w not in values for w in words):
+        raise SystemExit(f"--quantization {text!r}: give none, fp8 or none,fp8")
+    return tuple(values[w] for w in words)
+
+
 def _budgets(text: str | None) -> tuple[int | None, ...]:
     if text is None:
         return (None,)
@@ -121,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
     tp.add_argument("--max-num-batched-tokens", default=None,
                     help="token budgets per step to compare, comma-separated (default: the engine's)")
+    tp.add_argument("--quantization", default="none",
+                    help="weights to compare, comma-separated: none (the checkpoint's), fp8 "
+                         "(quantized at load)")
     tp.add_argument("--features", default="plain",
                     help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
     gb = sub.add_parser("gpu-busy", parents=[common],
@@ -179,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
                                 args.max_model_len, args.floor, _on_off(args.overlap),
                                 _features(args.features), _budgets(args.max_num_batched_tokens),
-                                sizes, args.shape)
+                                sizes, args.shape, _quantizations(args.quantization))
     if args.cmd == "sampler":
         from nvray.bench.sampler import bench_sampler  # noqa: PLC0415
 

@@ -13,7 +13,9 @@ through the LM head) at the device's measured matmul peak, and a decode step's l
 take the longer of reading their weights and their ``2 x batch x parameters`` FLOPs (a
 Qwen3-8B step at batch 256 is compute-bound on an H200). Attention's arithmetic is left out, so
 both are bounds, not estimates. With tensor parallelism over ``n`` GPUs each has ``1/n`` of the
-bytes and FLOPs: ``n`` times either floor (collectives ignored).
+bytes and FLOPs: ``n`` times either floor (collectives ignored). With FP8 weights
+(``quantization="fp8"`` or an FP8 checkpoint) the decoder layers' linear weights count one byte a
+value; the LM head keeps the checkpoint's dtype.
 """
 
 from __future__ import annotations
@@ -63,9 +65,15 @@ def _layer_params(cfg: dict[str, Any]) -> int:
     return cfg["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * inter)
 
 
-def weight_bytes_per_step(cfg: dict[str, Any]) -> int:
+def _layer_bytes_per_value(cfg: dict[str, Any], quantization: str | None) -> int:
+    fp8 = quantization == "fp8" or "quantization_config" in cfg
+    return 1 if fp8 else _bytes_per_value(cfg)
+
+
+def weight_bytes_per_step(cfg: dict[str, Any], quantization: str | None = None) -> int:
     """Bytes of the weights one decode step reads: the layers' linear layers and the LM head."""
-    return (_layer_params(cfg) + _head_params(cfg)) * _bytes_per_value(cfg)
+    return (_layer_params(cfg) * _layer_bytes_per_value(cfg, quantization)
+            + _head_params(cfg) * _bytes_per_value(cfg))
 
 
 def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
@@ -84,10 +92,11 @@ def _decode_steps(prompt_lens: list[int], output_lens: list[int]) -> list[tuple[
 
 
 def floor_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int], output_lens: list[int],
-                           tb_per_s: float, tensor_parallel_size: int = 1) -> float:
+                           tb_per_s: float, tensor_parallel_size: int = 1,
+                           quantization: str | None = None) -> float:
     """design.md's floor in output tok/s (module docstring) at ``tb_per_s`` per GPU."""
     steps = _decode_steps(prompt_lens, output_lens)
-    total = (len(steps) * weight_bytes_per_step(cfg)
+    total = (len(steps) * weight_bytes_per_step(cfg, quantization)
              + sum(tokens for _, tokens in steps) * kv_bytes_per_token(cfg))
     seconds = total / (tb_per_s * 1e12 * tensor_parallel_size)
     return sum(output_lens) / seconds
@@ -95,13 +104,13 @@ def floor_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int], output_l
 
 def roofline_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int],
                               output_lens: list[int], tb_per_s: float, tflop_per_s: float,
-                              tensor_parallel_size: int = 1) -> float:
+                              tensor_parallel_size: int = 1, quantization: str | None = None) -> float:
     """The roofline floor in output tok/s (module docstring) at ``tb_per_s`` and
     ``tflop_per_s`` per GPU."""
     bandwidth, peak = tb_per_s * 1e12, tflop_per_s * 1e12
     layers, head = _layer_params(cfg), _head_params(cfg)
     seconds = 2 * (layers * sum(prompt_lens) + head * len(prompt_lens)) / peak
-    weights, kv = weight_bytes_per_step(cfg), kv_bytes_per_token(cfg)
+    weights, kv = weight_bytes_per_step(cfg, quantization), kv_bytes_per_token(cfg)
     for batch, tokens in _decode_steps(prompt_lens, output_lens):
         seconds += tokens * kv / bandwidth + max(weights / bandwidth,
                                                  2 * batch * (layers + head) / peak)

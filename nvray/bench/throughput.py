@@ -117,7 +117,8 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      features: tuple[str, ...] = ("plain",),
                      token_budgets: tuple[int | None, ...] = (None,),
                      tensor_parallel_sizes: tuple[int, ...] = (1,),
-                     shape: str = "0.6b") -> dict[str, Any]:
+                     shape: str = "0.6b",
+                     quantizations: tuple[str | None, ...] = (None,)) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     placements = resolve_placements(runtimes, tensor_parallel_sizes)
@@ -132,21 +133,22 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
         prompts, params = bench_workload(num_seqs, **FEATURES[feature])
-        for (runtime, tp), overlap, budget in ((p, o, b) for b in token_budgets for o in overlaps
-                                               for p in placements):
+        for (runtime, tp), overlap, budget, quant in (
+                (p, o, b, q) for q in quantizations for b in token_budgets for o in overlaps
+                for p in placements):
             options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
-                       "tensor_parallel_size": tp}
+                       "tensor_parallel_size": tp, "quantization": quant}
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
             runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
-                         "tensor_parallel_size": tp,
+                         "tensor_parallel_size": tp, "quantization": quant,
                          **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
                 _wait_gpu_memory_released(baseline)
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    floors = _floors(model, device, num_seqs, floor_tok_per_s)
     for run in runs:
+        floors = _floors(model, device, num_seqs, floor_tok_per_s, run["quantization"])
         for name, floor in floors.items():
             floor *= run["tensor_parallel_size"]
             run[name] = round(floor)
@@ -157,10 +159,13 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
             "model": model, "device": device, "num_seqs": num_seqs,
             "max_model_len": max_model_len, "bandwidth_tb_per_s": measured_bandwidth(device),
             "matmul_tflop_per_s": measured_matmul_peak(device),
-            **{name: round(floor) for name, floor in floors.items()}, "runs": runs}
+            **{name: round(floor) for name, floor in _floors(model, device, num_seqs,
+                                                              floor_tok_per_s, None).items()},
+            "runs": runs}
 
 
-def _floors(model: str, device: str, num_seqs: int, floor: float | None) -> dict[str, float]:
+def _floors(model: str, device: str, num_seqs: int, floor: float | None,
+            quantization: str | None) -> dict[str, float]:
     """The workload's TP=1 floors (nvray/bench/floor.py) on this device: ``floor`` when given
     (else design.md's bandwidth floor), and the roofline floor, where the device is known."""
     bandwidth, peak = measured_bandwidth(device), measured_matmul_peak(device)
@@ -170,8 +175,10 @@ def _floors(model: str, device: str, num_seqs: int, floor: float | None) -> dict
     cfg = read_config(resolve_model(model))
     prompts, params = bench_workload(num_seqs)
     lens = [len(p) for p in prompts], [p.max_tokens for p in params]
-    floors.setdefault("floor_output_tok_per_s", floor_output_tok_per_s(cfg, *lens, bandwidth))
-    floors["roofline_output_tok_per_s"] = roofline_output_tok_per_s(cfg, *lens, bandwidth, peak)
+    floors.setdefault("floor_output_tok_per_s", floor_output_tok_per_s(
+        cfg, *lens, bandwidth, quantization=quantization))
+    floors["roofline_output_tok_per_s"] = roofline_output_tok_per_s(
+        cfg, *lens, bandwidth, peak, quantization=quantization)
     return floors
 
 
@@ -179,7 +186,8 @@ def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None
     """A TP>1 run's throughput over the Ray TP=1 run of the same settings, when there is one."""
     if run["tensor_parallel_size"] == 1:
         return
-    same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling")
+    same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling",
+            "quantization")
     for other in runs:
         if (other["runtime"] == "ray" and other["tensor_parallel_size"] == 1
                 and all(other[k] == run[k] for k in same)):

@@ -345,4 +345,5 @@ class LLMEngine:
                 "step_seconds": dict(self.step_seconds),
                 "steps": dict(self.num_steps),
                 "startup": self.startup,
+                "dtypes": self.limits.dtypes,
                 **self.metrics.snapshot()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nvray.engine.block_manager import BlockManager
@@ -32,6 +32,7 @@ class ModelLimits:
     num_kvcache_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...]
+    dtypes: dict[str, str] = field(default_factory=dict)  # weights / compute / KV cache
 
 
 class RequestIntake:

@@ -6,6 +6,10 @@ checkpoint tensor onto this rank.
 - QKVParallelLinear: q, k, v fused; heads split across ranks, KV heads replicated when there are
   fewer KV heads than ranks.
 - RowParallelLinear: input features split; outputs summed with an all-reduce.
+
+Every layer takes an optional ``Fp8Config`` (``nvray/quantization``): its weight is then FP8
+with a scale tensor beside it, and the loaders shard the scale along the same axis as the
+weight, in units of the scale's ``shard_unit`` (the weight rows / columns one entry covers).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvray.layers.tp import all_reduce, divide, tp_rank, tp_size
+from nvray.quantization import Fp8Config, Fp8LinearMethod
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -22,18 +27,41 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: tuple[int,
         raise ValueError(f"expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
 
 
+def _units(param: nn.Parameter, dim: int, n: int) -> int:
+    """Entries of ``param`` along ``dim`` that ``n`` weight rows (0) / columns (1) take."""
+    unit = getattr(param, "shard_unit", (1, 1))[dim] if param.dim() == 2 else 1
+    return -(-n // unit)
+
+
+def _split_along_inputs(param: nn.Parameter) -> bool:
+    """Whether a row-parallel layer splits this parameter's columns (a bias or a per-channel
+    scale covers whole rows)."""
+    return param.dim() == 2 and getattr(param, "shard_unit", (1, 1))[1] is not None
+
+
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_method = Fp8LinearMethod(quant) if quant is not None else None
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        else:
+            self.quant_method.create_weights(self, in_features, out_features)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            param.quant_method = self.quant_method  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return F.linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
         raise NotImplementedError
@@ -46,36 +74,45 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: Fp8Config | None = None) -> None:
         self.full_out = out_features
-        super().__init__(in_features, divide(out_features, tp_size(), "output features"), bias)
+        local = divide(out_features, tp_size(), "output features")
+        if quant is not None and tp_size() > 1:
+            Fp8LinearMethod(quant).check_shard("output features per rank", local, 0)
+        super().__init__(in_features, local, bias, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
         shard = param.shape[0]
-        _check_shape(param, loaded, (self.full_out, *param.shape[1:]))
+        _check_shape(param, loaded, (_units(param, 0, self.full_out), *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, tp_rank() * shard, shard))
 
 
 class MergedColumnParallelLinear(LinearBase):
     """Fused column layers; ``shard_id`` picks which of ``output_sizes`` a tensor fills."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 quant: Fp8Config | None = None) -> None:
         self.output_sizes = output_sizes
         local = [divide(n, tp_size(), "output features") for n in output_sizes]
+        if quant is not None:
+            for n in local:
+                Fp8LinearMethod(quant).check_shard("a fused part's output features per rank", n, 0)
         self.offsets = [sum(local[:i]) for i in range(len(local))]
         self.local_sizes = local
-        super().__init__(in_features, sum(local), bias)
+        super().__init__(in_features, sum(local), bias, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
         shard_id = int(args[0])  # type: ignore[arg-type]
-        size, offset = self.local_sizes[shard_id], self.offsets[shard_id]
-        _check_shape(param, loaded, (self.output_sizes[shard_id], *param.shape[1:]))
+        size = _units(param, 0, self.local_sizes[shard_id])
+        offset = _units(param, 0, self.offsets[shard_id])
+        _check_shape(param, loaded, (_units(param, 0, self.output_sizes[shard_id]), *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, tp_rank() * size, size))
 
 
 class QKVParallelLinear(LinearBase):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, quant: Fp8Config | None = None) -> None:
         world = tp_size()
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
@@ -86,7 +123,10 @@ class QKVParallelLinear(LinearBase):
             divide(world, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
             self.num_kv_heads = 1  # each KV head replicated on world // num_kv_heads ranks
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias)
+        if quant is not None:
+            for part, n in (("q", self.num_heads * head_dim), ("k/v", self.num_kv_heads * head_dim)):
+                Fp8LinearMethod(quant).check_shard(f"{part} output features per rank", n, 0)
+        super().__init__(hidden_size, out, bias, quant)
 
     def _kv_head_start(self) -> int:
         if self.total_num_kv_heads >= tp_size():
@@ -103,24 +143,27 @@ class QKVParallelLinear(LinearBase):
             full, size = self.total_num_kv_heads * d, kv_size
             offset = q_size if shard_id == "k" else q_size + kv_size
             start = self._kv_head_start() * d
+        full, size, offset, start = (_units(param, 0, n) for n in (full, size, offset, start))
         _check_shape(param, loaded, (full, *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: Fp8Config | None = None) -> None:
         self.full_in = in_features
-        super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias)
+        super().__init__(divide(in_features, tp_size(), "input features"), out_features, bias,
+                         quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
-        if param.dim() == 1:  # bias: not sharded, added once after the reduce
+        if not _split_along_inputs(param):  # bias (added once after the reduce), channel scale
             _check_shape(param, loaded, tuple(param.shape))
             param.data.copy_(loaded)
             return
         shard = param.shape[1]
-        _check_shape(param, loaded, (param.shape[0], self.full_in))
+        _check_shape(param, loaded, (param.shape[0], _units(param, 1, self.full_in)))
         param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y

@@ -4,7 +4,9 @@
 parameters. ``forward`` returns hidden states of every token; ``compute_logits`` takes the rows
 to sample and returns their full-vocabulary logits on rank 0 (None elsewhere). On the GPU the
 model runner calls ``use_triton_kernels()`` on the modules that have it: the attention's q/k norms,
-rotary and KV-cache store then run as one fused kernel.
+rotary and KV-cache store then run as one fused kernel. With an ``Fp8Config`` each linear layer
+is FP8 unless the config leaves the checkpoint modules it fuses unquantized (layers are named by
+their checkpoint prefix, e.g. ``model.layers.0.self_attn.q_proj``).
 """
 
 from __future__ import annotations
@@ -20,18 +22,26 @@ from nvray.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nvray.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nvray.layers.norm import RMSNorm
 from nvray.layers.rotary import RotaryEmbedding, rope_theta_of
+from nvray.quantization import Fp8Config
+
+
+def _quant(quant: Fp8Config | None, prefix: str, parts: list[str]) -> Fp8Config | None:
+    """The layer fusing checkpoint modules ``prefix.<part>``: quantized or not."""
+    return quant.for_modules([f"{prefix}.{p}" for p in parts]) if quant is not None else None
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool, quant: Fp8Config | None,
+                 prefix: str) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=qkv_bias)
+                                          cfg.num_key_value_heads, bias=qkv_bias,
+                                          quant=_quant(quant, prefix, ["q_proj", "k_proj", "v_proj"]))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size,
-                                        bias=False)
+                                        bias=False, quant=_quant(quant, prefix, ["o_proj"]))
         self.rotary_emb = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_theta_of(cfg))
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -68,12 +78,15 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported (only 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2,
+            quant=_quant(quant, prefix, ["gate_proj", "up_proj"]))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           quant=_quant(quant, prefix, ["down_proj"]))
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,10 +94,11 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool, quant: Fp8Config | None,
+                 prefix: str) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg, qk_norm, qkv_bias)
-        self.mlp = Qwen3MLP(cfg)
+        self.self_attn = Qwen3Attention(cfg, qk_norm, qkv_bias, quant, f"{prefix}.self_attn")
+        self.mlp = Qwen3MLP(cfg, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -100,11 +114,11 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool) -> None:
+    def __init__(self, cfg: Any, qk_norm: bool, qkv_bias: bool, quant: Fp8Config | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, qk_norm, qkv_bias)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, qk_norm, qkv_bias, quant, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -123,9 +137,9 @@ class Qwen3ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, quant: Fp8Config | None = None) -> None:
         super().__init__()
-        self.model = Qwen3Model(cfg, self.qk_norm, self.qkv_bias)
+        self.model = Qwen3Model(cfg, self.qk_norm, self.qkv_bias, quant)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

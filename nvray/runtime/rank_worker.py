@@ -13,7 +13,7 @@ import contextlib
 import datetime
 import os
 import socket
-from typing import Iterator
+from typing import Any, Iterator
 
 import ray
 import torch
@@ -58,10 +58,10 @@ class RankWorker:
         self.runner = ModelRunner(self.config, model_path)
         return num_kvcache_blocks(self.runner)
 
-    def model_facts(self) -> dict[str, int]:
+    def model_facts(self) -> dict[str, Any]:
         assert self.runner is not None, "load() first"
         return {"max_model_len": self.runner.max_model_len,
-                "vocab_size": self.runner.hf_config.vocab_size}
+                "vocab_size": self.runner.hf_config.vocab_size, "dtypes": self.runner.dtypes()}
 
     def startup_phases(self) -> dict[str, float]:
         """This rank's start-up seconds by phase (startup_phases.py)."""

@@ -77,6 +77,7 @@ class RayExecutor:
         ray.get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
         facts = ray.get(self.workers[0].model_facts.remote())
         self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
+        self.dtypes = facts["dtypes"]
 
     def _compile(self):  # noqa: ANN202 - ray.dag types are experimental
         from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415

@@ -23,6 +23,7 @@ class InProcessExecutor:
         prepare_kv_cache(self.runner, self.num_blocks)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
+        self.dtypes = self.runner.dtypes()
         self.startup_phases = dict(self.runner.startup.seconds)
 
     def execute(self, step: StepInput) -> StepOutput:

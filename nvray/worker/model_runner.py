@@ -42,6 +42,7 @@ from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory
 from nvray.worker.sampled_ids import HostIds, SampledIds
 from nvray.worker.sampler import sample
+from nvray.quantization import quant_config_for
 from nvray.worker.setup import (build_model, enable_torch_compile, load_hf_config,
                                 resolve_dtype, resolve_max_model_len, torch_device,
                                 use_triton_kernels)
@@ -65,12 +66,13 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.hf_config = load_hf_config(model_path)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.quant_config = quant_config_for(self.hf_config, config.quantization)
         self.block_size = config.kvcache_block_size
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.startup = StartupPhases()  # this rank's start-up, by phase (startup_phases.py)
         with self.startup.phase("model_and_weights"):
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
-                                     config.seed)
+                                     config.seed, self.quant_config)
         self.attention_layers = self.model.attention_layers()
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         for layer in self.attention_layers:
@@ -107,6 +109,12 @@ class ModelRunner:
                            self.backend.name)
             return False
         return True
+
+    def dtypes(self) -> dict[str, str]:
+        """What the weights and the KV cache are stored in, for stats and the model card."""
+        compute = str(self.dtype).removeprefix("torch.")
+        weights = compute if self.quant_config is None else self.quant_config.describe()
+        return {"weights": weights, "compute": compute, "kv_cache": compute}
 
     # ----------------------------------------------------------------- KV cache
     @property

@@ -17,6 +17,7 @@ import torch
 from nvray.config import EngineConfig
 from nvray.loader import load_model
 from nvray.models import model_class_for
+from nvray.quantization import Fp8Config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -58,14 +59,15 @@ def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
 
 
 def build_model(hf_config: Any, model_path: str, dtype: torch.dtype, device: torch.device,
-                seed: int) -> torch.nn.Module:
-    """The model for ``hf_config``, made on ``device`` in ``dtype``, its weights loaded."""
+                seed: int, quant: Fp8Config | None = None) -> torch.nn.Module:
+    """The model for ``hf_config``, made on ``device`` in ``dtype`` (its linear layers FP8
+    with ``quant``), its weights loaded."""
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class_for(hf_config)(hf_config)
+            model = model_class_for(hf_config)(hf_config, quant)
     finally:
         torch.set_default_dtype(default_dtype)
     load_model(model, model_path)

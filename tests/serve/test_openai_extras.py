@@ -59,6 +59,9 @@ def assert_openai_error(resp: requests.Response, status: int, param: str | None)
 def test_model_card_by_id_equals_the_listed_card(client):
     [listed] = client.models.list().data
     assert client.models.retrieve("tiny").model_dump() == listed.model_dump()
+    # the tiny model on CPU: fp32 weights, compute and KV cache
+    assert listed.model_dump()["dtypes"] == {"weights": "float32", "compute": "float32",
+                                             "kv_cache": "float32"}
 
 
 @pytest.mark.parametrize("model_id", ["no-such-model", "org/no-such-model"])

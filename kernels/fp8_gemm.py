@@ -1,0 +1,167 @@
+"""FP8 (e4m3) linear layers: dynamic activation quantization and the block-scaled GEMM.
+
+Contract
+--------
+``quantize_fp8_act(x, group) -> (q, scale)``
+
+* ``x``: ``[M, K]`` bf16/fp16/fp32, last dim contiguous; ``group``: columns per scale, a
+  divisor of ``K``, or ``None`` for one scale per row.
+* ``q``: ``[M, K]`` ``float8_e4m3fn``; ``scale``: ``[M, K // group]`` float32 with
+  ``x ≈ q * scale`` (``scale = max(amax, 1e-12 * 448) / 448`` over each row's group).
+  One program per (row, group).
+
+``block_fp8_mm(a, a_scale, w, w_scale, block, out_dtype) -> out``
+
+* ``a``: ``[M, K]`` fp8, ``a_scale``: ``[M, K // bk]`` float32 (``quantize_fp8_act`` with
+  ``group = bk``); ``w``: ``[N, K]`` fp8, ``w_scale``: ``[ceil(N / bn), K // bk]`` float32;
+  ``block = (bn, bk)`` with ``bk`` a multiple of 16 dividing ``K``.
+* ``out[m, n] = Σ_k a[m, k] * a_scale[m, k // bk] * w[n, k] * w_scale[n // bn, k // bk]``,
+  products accumulated in fp32 per K block, written in ``out_dtype``.
+
+``fp8_linear(x, w, w_scale, block, bias) -> y`` is a whole layer on ``x`` of any leading shape:
+per-channel weights (``block=None``, ``w_scale [N, 1]``) go through ``torch._scaled_mm`` with
+per-token activation scales; block weights through ``block_fp8_mm``. The ``*_ref`` functions
+are the pure-torch references with the same signatures.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nvray.quantization.fp8_math import FP8_DTYPE, FP8_MAX, dequantize, quantize_activation
+
+__all__ = ["quantize_fp8_act", "quantize_fp8_act_ref", "block_fp8_mm", "block_fp8_mm_ref",
+           "fp8_linear", "fp8_linear_ref"]
+
+_MIN_SCALE = 1e-12
+
+
+@triton.jit
+def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm,
+                         GROUP: tl.constexpr, CHUNK: tl.constexpr, FP8_MAX: tl.constexpr,
+                         MIN_SCALE: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = tl.arange(0, CHUNK)
+    start = g * GROUP
+    amax = tl.zeros([CHUNK], dtype=tl.float32)
+    for c in range(0, GROUP, CHUNK):
+        cols = start + c + offs
+        x = tl.load(x_ptr + m * stride_xm + cols, mask=c + offs < GROUP, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    for c in range(0, GROUP, CHUNK):
+        cols = start + c + offs
+        mask = c + offs < GROUP
+        x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + m * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + m * stride_sm + g, scale)
+
+
+def quantize_fp8_act(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] with a contiguous last dim, got {tuple(x.shape)}")
+    m, k = x.shape
+    group = group or k
+    if k % group:
+        raise ValueError(f"group={group} does not divide K={k}")
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
+    if m:
+        chunk = min(triton.next_power_of_2(group), 2048)
+        _quantize_act_kernel[(m, k // group)](x, q, scale, x.stride(0), q.stride(0), scale.stride(0),
+                                              GROUP=group, CHUNK=chunk, FP8_MAX=FP8_MAX,
+                                              MIN_SCALE=_MIN_SCALE, num_warps=4)
+    return q, scale
+
+
+def quantize_fp8_act_ref(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_activation(x, group)
+
+
+@triton.jit
+def _block_fp8_mm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
+                         stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
+                         BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    as_rows = as_ptr + offs_m.to(tl.int64) * stride_asm
+    ws_rows = ws_ptr + (offs_n // BN_SCALE).to(tl.int64) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+        w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=mask_n[None, :], other=0.0)
+        a_s = tl.load(as_rows + k0 // BK_SCALE, mask=mask_m, other=0.0)
+        w_s = tl.load(ws_rows + k0 // BK_SCALE, mask=mask_n, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _check_block_args(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
+                      w_scale: torch.Tensor, block: tuple[int, int]) -> None:
+    (m, k), (n, kw), (bn, bk) = a.shape, w.shape, block
+    if k != kw:
+        raise ValueError(f"a has K={k}, w has K={kw}")
+    if bk % 16 or k % bk:
+        raise ValueError(f"block={block}: bk must be a multiple of 16 dividing K={k}")
+    if tuple(a_scale.shape) != (m, k // bk) or tuple(w_scale.shape) != (-(-n // bn), k // bk):
+        raise ValueError(f"scales {tuple(a_scale.shape)} / {tuple(w_scale.shape)} do not fit "
+                         f"a {tuple(a.shape)}, w {tuple(w.shape)}, block {block}")
+    if a.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("a and w need a contiguous last dim")
+
+
+def block_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    _check_block_args(a, a_scale, w, w_scale, block)
+    (m, k), n = a.shape, w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_k = min(block[1], 128)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 128))
+    _block_fp8_mm_kernel[grid](a, a_scale, w, w_scale, out, m, n, k, a.stride(0),
+                               a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+                               BN_SCALE=block[0], BK_SCALE=block[1], BLOCK_M=block_m,
+                               BLOCK_N=128, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return out
+
+
+def block_fp8_mm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    _check_block_args(a, a_scale, w, w_scale, block)
+    a_deq = a.float() * a_scale.repeat_interleave(block[1], dim=1)
+    return (a_deq @ dequantize(w, w_scale, block).t()).to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_fp8_act(rows, None if block is None else block[1])
+    if block is None:
+        y = torch._scaled_mm(q, w.t(), scale_a=scale, scale_b=w_scale.view(1, -1),
+                             out_dtype=x.dtype)
+    else:
+        y = block_fp8_mm(q, scale, w, w_scale, block, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                   block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
+    from nvray.quantization.fp8_math import linear_ref  # noqa: PLC0415
+
+    return linear_ref(x, w, w_scale, block, bias)

@@ -1,0 +1,65 @@
+"""FP8 weights for nvray's linear layers: the parameters one layer holds and its matmul.
+
+``Fp8LinearMethod.create_weights`` gives a layer an ``float8_e4m3fn`` ``weight`` and a float32
+scale named as the checkpoint names it (``weight_scale`` or ``weight_scale_inv``); the scale's
+``shard_unit`` tells the layer's weight loader how many weight rows / columns one scale entry
+covers (``None``: the dimension is not split), so tensor parallelism shards weights and scales
+along the same axis. ``apply`` runs the layer:
+
+- on CUDA: activations quantized by one Triton kernel (per token, or per token and block
+  column group), then ``torch._scaled_mm`` (per-channel weights, per-token activations) or the
+  Triton block-scaled GEMM (``kernels/fp8_gemm.py``);
+- elsewhere: ``fp8_math.linear_ref`` (dequantize, compute in the activations' dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nvray.quantization.config import Fp8Config
+from nvray.quantization.fp8_math import FP8_DTYPE, linear_ref, quantize_per_channel
+
+
+class Fp8LinearMethod:
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+        self.block = config.block
+
+    def check_shard(self, what: str, size: int, dim: int) -> None:
+        """A fused part or tensor-parallel shard of ``size`` weight rows (dim 0) or columns
+        (dim 1) must start and end on a scale block's edge."""
+        if self.block is not None and size % self.block[dim] != 0:
+            raise ValueError(f"{what} of {size} does not split into the checkpoint's "
+                             f"{self.block[0]}x{self.block[1]} weight blocks (fewer tensor-"
+                             f"parallel ranks may fit)")
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
+        self.check_shard("input features per rank", in_features, 1)
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE),
+                                    requires_grad=False)
+        if self.block is None:
+            shape, unit = (out_features, 1), (1, None)
+        else:
+            bn, bk = self.block
+            shape, unit = (-(-out_features // bn), -(-in_features // bk)), (bn, bk)
+        scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+        scale.shard_unit = unit  # type: ignore[attr-defined]
+        setattr(layer, self.config.scale_name, scale)
+
+    def scale_of(self, layer: nn.Module) -> torch.Tensor:
+        return getattr(layer, self.config.scale_name)
+
+    def quantize_checkpoint_tensor(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On-the-fly FP8: a full 16/32-bit checkpoint weight -> (fp8 weight, per-channel scale),
+        before it is sharded, so every rank count quantizes alike."""
+        assert self.block is None, "on-the-fly quantization is per channel"
+        return quantize_per_channel(tensor)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        scale = self.scale_of(layer)
+        if x.is_cuda:
+            from kernels.fp8_gemm import fp8_linear  # noqa: PLC0415
+
+            return fp8_linear(x, layer.weight, scale, self.block, bias)
+        return linear_ref(x, layer.weight, scale, self.block, bias)

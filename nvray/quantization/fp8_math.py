@@ -1,0 +1,88 @@
+"""FP8 (e4m3) quantization math in plain torch: the reference every FP8 path is checked against.
+
+Weights are stored as ``float8_e4m3fn`` with float32 scales such that ``w ≈ q * scale``:
+
+- per output channel: ``scale`` is ``[out, 1]`` (compressed-tensors ``strategy: channel``,
+  nvray's on-the-fly quantization);
+- per block: ``scale`` is ``[ceil(out / bn), ceil(in / bk)]`` (Qwen's / DeepSeek's
+  ``weight_scale_inv``, ``weight_block_size = [bn, bk]``).
+
+Activations are quantized dynamically, per token (a row) or per token and group of ``group``
+columns, with ``scale = amax / 448``. ``linear_ref`` is the whole FP8 linear layer: quantize the
+input as the GPU path does, dequantize both operands to the compute dtype, multiply.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+_MIN_SCALE = 1e-12  # an all-zero row or block gets this scale instead of 0
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Saturating cast: torch's own cast turns values beyond ±448 into NaN."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (fp8 [out, in], float32 scale [out, 1])."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return to_fp8(w / scale), scale
+
+
+def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """A block-scale grid repeated to ``shape`` (the last blocks may be partial)."""
+    bn, bk = block
+    full = scale.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)
+    return full[:shape[0], :shape[1]]
+
+
+def quantize_per_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (fp8 [out, in], float32 scale [ceil(out/bn), ceil(in/bk)])."""
+    bn, bk = block
+    out, inp = w.shape
+    rows, cols = -(-out // bn), -(-inp // bk)
+    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32, device=w.device)
+    padded[:out, :inp] = w.float()
+    amax = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    return to_fp8(w.float() / _expand_blocks(scale, (out, inp), block)), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight an FP8 tensor stands for: per channel (``block=None``) or per block."""
+    if block is None:
+        return (q.float() * scale.float()).to(dtype)
+    return (q.float() * _expand_blocks(scale.float(), tuple(q.shape), block)).to(dtype)
+
+
+def quantize_activation(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, K] -> (fp8 [T, K], float32 scale [T, K / group]); ``group=None``: one per row."""
+    group = group or x.shape[-1]
+    t, k = x.shape
+    assert k % group == 0, f"{k} columns do not split into groups of {group}"
+    grouped = x.float().view(t, k // group, group)
+    scale = (grouped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    return to_fp8(grouped / scale).view(t, k), scale.view(t, k // group)
+
+
+def fake_quantize_activation(x: torch.Tensor, group: int | None) -> torch.Tensor:
+    """``x`` after an FP8 round trip, in ``x``'s dtype: what the FP8 GEMM sees of it."""
+    q, scale = quantize_activation(x.reshape(-1, x.shape[-1]), group)
+    group = group or x.shape[-1]
+    back = q.float().view(q.shape[0], -1, group) * scale.unsqueeze(-1)
+    return back.view(x.shape).to(x.dtype)
+
+
+def linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 linear layer in ``x``'s dtype: activations quantized per token (per channel
+    weights) or per token and ``block[1]`` columns (block weights)."""
+    group = None if block is None else block[1]
+    w = dequantize(q, scale, block, x.dtype)
+    return F.linear(fake_quantize_activation(x, group), w, bias)
