@@ -121,19 +121,19 @@ def _format_of(qc: dict) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def hf_fp8_model(path: str):
+def hf_fp8_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """HF transformers' Qwen3 over the dequantized files, FP8 activations reproduced."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 
     with open(os.path.join(path, "config.json")) as f:
         qc = json.load(f)["quantization_config"]
-    kwargs = {}
-    if qc["quant_method"] == "compressed-tensors":
-        from transformers import CompressedTensorsConfig
-
-        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
-    group = None if _format_of(qc) == "ct-channel" else BLOCK[1]
+    fmt = _format_of(qc)
+    # transformers' own readers of each format, told to dequantize (on a machine without a GPU
+    # they do anyway)
+    loader = FineGrainedFP8Config if fmt == "qwen-fp8" else CompressedTensorsConfig
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantization_config=loader(dequantize=True), device_map=device).eval()
+    group = None if fmt == "ct-channel" else BLOCK[1]
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
         quantized = {n[:-len(".weight")] for n in f.keys()
                      if n.endswith(".weight") and f.get_slice(n).get_dtype() == "F8_E4M3"}

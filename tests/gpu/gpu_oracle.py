@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Callable
 
 import torch
 
@@ -32,11 +33,15 @@ def hf_logits(path: str, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
     return model(torch.tensor([ids], device="cuda")).logits[0].float()
 
 
-def check_greedy_near_argmax(path: str, prompt: list[int], output: list[int]) -> dict[str, float]:
-    """Assert each output token is an fp32-oracle argmax up to bf16 noise; returns match rates."""
+def check_greedy_near_argmax(path: str, prompt: list[int], output: list[int],
+                             logits: Callable[[list[int], torch.dtype], torch.Tensor] | None = None
+                             ) -> dict[str, float]:
+    """Assert each output token is an fp32-oracle argmax up to bf16 noise; returns match rates.
+    ``logits(ids, dtype)`` is the oracle (default: HF's model of ``path``)."""
+    logits = logits or functools.partial(hf_logits, path)
     ids = prompt + output
-    ref = hf_logits(path, ids, torch.float32)[len(prompt) - 1:-1]  # [n_out, V]
-    bf16 = hf_logits(path, ids, torch.bfloat16)[len(prompt) - 1:-1]
+    ref = logits(ids, torch.float32)[len(prompt) - 1:-1]  # [n_out, V]
+    bf16 = logits(ids, torch.bfloat16)[len(prompt) - 1:-1]
     assert torch.isfinite(ref).all() and torch.isfinite(bf16).all()
     noise = (bf16 - ref).pow(2).mean(-1).sqrt()  # [n_out] bf16 noise per position
     chosen = ref.gather(1, torch.tensor(output, device="cuda").unsqueeze(1)).squeeze(1)

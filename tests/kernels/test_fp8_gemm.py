@@ -52,7 +52,8 @@ def test_block_fp8_gemm_matches_reference(m):
     aq, a_scale = kernels.quantize_fp8_act_ref(x, BLOCK[1])
     out = kernels.block_fp8_mm(aq, a_scale, wq, ws, BLOCK, torch.float32)
     ref = kernels.block_fp8_mm_ref(aq, a_scale, wq, ws, BLOCK, torch.float32)
-    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)
+    # Hopper's FP8 tensor cores accumulate a K block in less than fp32 precision
+    torch.testing.assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
 
 
 def test_block_fp8_gemm_rejects_mismatched_scales():
