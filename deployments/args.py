@@ -49,6 +49,9 @@ class AppArgs(BaseModel):
                                                 "quantize a 16/32-bit checkpoint's linear layers "
                                                 "to FP8 at load (FP8 checkpoints are detected "
                                                 "from config.json)")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(_ENGINE.kv_cache_dtype, description="'fp8': "
+                                                   "keys and values stored as e4m3 (scale 1), "
+                                                   "about twice the KV cache tokens")
     scheduling_policy: Literal["fcfs", "sjf", "priority"] = Field(_ENGINE.scheduling_policy, description="admission "
                                                                                       "order")
     num_cpus_per_rank: float = Field(_ENGINE.num_cpus_per_rank, gt=0, description="CPUs per rank actor (CPU engines; "
@@ -129,7 +132,7 @@ class AppArgs(BaseModel):
         fields = {k: getattr(self, k) for k in (
             "tensor_parallel_size", "device", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
-            "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "scheduling_policy",
+            "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
             "num_cpus_per_rank")}
         return EngineConfig.from_kwargs(self.model, **fields, **self.engine_options)
 

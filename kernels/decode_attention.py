@@ -9,7 +9,9 @@ Contract
   strided, the last dim must be contiguous. It is the newest token of each
   sequence; its K/V must already be in the cache (see ``store_kvcache``).
 * ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-  contiguous, same dtype as ``q``. ``head_dim`` is a power of two in [16, 256];
+  contiguous, the dtype of ``q`` or ``float8_e4m3fn`` (an FP8 cache, scale 1: values are
+  read as they are; with a 16-bit q both dots take fp16 operands, the cache values exactly,
+  q and the softmax weights rounded to fp16; scores and sums stay fp32). ``head_dim`` is a power of two in [16, 256];
   ``num_heads`` is a multiple of ``num_kv_heads`` (GQA; q head ``h`` reads KV
   head ``h // (num_heads // num_kv_heads)``).
 * ``block_tables``: ``[batch, max_num_blocks]`` int32, last dim contiguous.
@@ -90,6 +92,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per inner tile
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
+    FP8_AS_F16: tl.constexpr,  # an e4m3 cache with 16-bit q: both dots in fp16 (one cvt a pair)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -112,6 +115,8 @@ def _decode_split_kernel(
         mask=g_mask[:, None],
         other=0.0,
     )  # [BLOCK_G, D]
+    if FP8_AS_F16:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -124,7 +129,8 @@ def _decode_split_kernel(
         n_mask = offs_n < end
         blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE_SIZE) * stride_ct + head_off  # [BLOCK_N]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0).to(q.dtype)  # e4m3 -> fp16: exact, one instruction per pair
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # every tile holds >= 1 valid position, so m_new is finite
@@ -132,7 +138,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                    other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -234,8 +241,9 @@ def _validate_q_cache_tables(
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (same as k_cache), got {tuple(v_cache.shape)}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != q.dtype:
-            raise ValueError(f"{name}: expected dtype {q.dtype} (same as q), got {c.dtype}")
+        if c.dtype not in (q.dtype, torch.float8_e4m3fn):
+            raise ValueError(f"{name}: expected dtype {q.dtype} (same as q) or "
+                             f"torch.float8_e4m3fn, got {c.dtype}")
         if not c.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor, got strides {c.stride()}")
         if c.device != q.device:
@@ -285,10 +293,11 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _decode_block_n(head_dim: int, block_size: int) -> int:
+def _decode_config(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel."""
     if _INTERPRET:
-        return 32
-    return 64 if head_dim <= 128 else 32
+        return 32, 4, 1
+    return (64 if head_dim <= 128 else 32), 4, 3
 
 
 def _choose_splits(
@@ -334,7 +343,7 @@ def paged_decode_attention(
 
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
-    block_n = _decode_block_n(head_dim, block_size)
+    block_n, num_warps, num_stages = _decode_config(head_dim, k_cache.element_size())
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     n_splits, tokens_per_split = _choose_splits(
         batch, num_kv_heads, max_ctx, block_n, _num_sms(q.device), num_splits
@@ -361,8 +370,9 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision,
-        num_warps=4,
-        num_stages=3,
+        FP8_AS_F16=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if not single:
         _decode_merge_kernel[(batch, num_heads)](

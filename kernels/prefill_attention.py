@@ -9,7 +9,8 @@ seq_lens, max_seqlen_q, scale) -> out``
   may be strided, last dim contiguous. Sequence ``b`` owns rows
   ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` (``qlen_b`` rows, possibly 1).
 * ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-  contiguous, same dtype as ``q``; ``head_dim`` a power of two in [16, 256];
+  contiguous, the dtype of ``q`` or ``float8_e4m3fn`` (read as in decode_attention.py);
+  ``head_dim`` a power of two in [16, 256];
   ``num_heads`` a multiple of ``num_kv_heads``.
 * ``block_tables``: ``[batch, max_num_blocks]`` int32 (last dim contiguous);
   only the first ``ceil(seq_lens[b] / block_size)`` entries are read.
@@ -76,9 +77,9 @@ def _prefill_tile(
     kv_off = blk * stride_cb + (offs_n % PAGE_SIZE) * stride_ct + head_off
     kv_ptrs = kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, D]
     if MASKED:
-        k = tl.load(k_cache_ptr + kv_ptrs, mask=n_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=n_mask[:, None], other=0.0).to(q.dtype)
     else:
-        k = tl.load(k_cache_ptr + kv_ptrs)
+        k = tl.load(k_cache_ptr + kv_ptrs).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -90,9 +91,9 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
-        v = tl.load(v_cache_ptr + kv_ptrs, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=n_mask[:, None], other=0.0).to(q.dtype)
     else:
-        v = tl.load(v_cache_ptr + kv_ptrs)
+        v = tl.load(v_cache_ptr + kv_ptrs).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

@@ -57,6 +57,7 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,  # next_power_of_2(NUM_HEADS + NUM_KV_HEADS)
     HAS_NORM: tl.constexpr,
     STORE: tl.constexpr,  # k (and v, copied from qkv) go to their cache slot, not to k_out
+    FP8_CACHE: tl.constexpr,  # with STORE: the caches are e4m3 (saturate, then cast)
 ):
     t = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -100,12 +101,23 @@ def _qk_norm_rope_kernel(
     else:
         row = t * (NUM_KV_HEADS * HEAD_DIM)
     k_off = row + k_heads[:, None] * HEAD_DIM + offs[None, :]
-    tl.store(k_out_ptr + k_off, o1, mask=k_mask)
-    tl.store(k_out_ptr + k_off + half, o2, mask=k_mask)
+    out_ty = k_out_ptr.dtype.element_ty
+    tl.store(k_out_ptr + k_off, _to_cache(o1, FP8_CACHE).to(out_ty), mask=k_mask)
+    tl.store(k_out_ptr + k_off + half, _to_cache(o2, FP8_CACHE).to(out_ty), mask=k_mask)
     if STORE:  # v: copied as it is from the projection
         v_src = src + NUM_KV_HEADS * HEAD_DIM  # a k head's row, one KV width further on
-        tl.store(v_cache_ptr + k_off, tl.load(v_src, mask=k_mask), mask=k_mask)
-        tl.store(v_cache_ptr + k_off + half, tl.load(v_src + half, mask=k_mask), mask=k_mask)
+        v1 = _to_cache(tl.load(v_src, mask=k_mask), FP8_CACHE)
+        v2 = _to_cache(tl.load(v_src + half, mask=k_mask), FP8_CACHE)
+        tl.store(v_cache_ptr + k_off, v1.to(out_ty), mask=k_mask)
+        tl.store(v_cache_ptr + k_off + half, v2.to(out_ty), mask=k_mask)
+
+
+@triton.jit
+def _to_cache(x, FP8_CACHE: tl.constexpr):
+    """What an e4m3 cache can hold: values saturated at ±448 (the cast itself rounds)."""
+    if FP8_CACHE:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x
 
 
 _INTERPRET = not isinstance(_qk_norm_rope_kernel, triton.runtime.jit.JITFunction)
@@ -160,15 +172,16 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torc
     """The prologue that also stores this step's K/V: returns q [T, H, D]; the normalized,
     rotated k and the projection's v of token ``t`` go to cache slot ``slot_mapping[t]``
     (negative: skipped) of ``k_cache``/``v_cache`` ``[num_blocks, block_size, KVH, D]``,
-    contiguous, in qkv's dtype — what ``store_kvcache`` would write, without k ever being
+    contiguous, in qkv's dtype or FP8 (e4m3, saturated) — what ``store_kvcache`` would write, without k ever being
     materialized (one kernel and one round trip of k through memory fewer per layer)."""
     head_dim = _validate(qkv, positions, cos_sin, num_heads, num_kv_heads, q_weight, k_weight)
     want = (num_kv_heads, head_dim)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (c.dim() != 4 or tuple(c.shape[2:]) != want or c.shape != k_cache.shape
-                or c.dtype != qkv.dtype or not c.is_contiguous() or c.device != qkv.device):
+                or c.dtype not in (qkv.dtype, torch.float8_e4m3fn) or c.dtype != k_cache.dtype
+                or not c.is_contiguous() or c.device != qkv.device):
             raise ValueError(f"{name}: expected a contiguous [num_blocks, block_size, "
-                             f"{num_kv_heads}, {head_dim}] {qkv.dtype} tensor on {qkv.device} "
+                             f"{num_kv_heads}, {head_dim}] {qkv.dtype} or float8_e4m3fn tensor on {qkv.device} "
                              f"(both caches alike), got {c.dtype} of shape {tuple(c.shape)}")
     if (slot_mapping.shape != (qkv.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64)
             or not slot_mapping.is_contiguous() or slot_mapping.device != qkv.device):
@@ -198,7 +211,8 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, n
         q, k_out, v_cache if store else q, slot_mapping if store else positions,
         qkv.stride(0), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
-        HAS_NORM=has_norm, STORE=store, num_warps=4 if block_h * head_dim >= 4096 else 2)
+        HAS_NORM=has_norm, STORE=store, FP8_CACHE=k_out.dtype == torch.float8_e4m3fn,
+        num_warps=4 if block_h * head_dim >= 4096 else 2)
     return q
 
 

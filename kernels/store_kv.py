@@ -5,7 +5,8 @@ Contract
 ``store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None``
 
 * ``key``, ``value``: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the
-  caches. Dims 0 and 1 may have any stride (e.g. slices of a fused qkv
+  caches, or any float dtype when the caches are ``float8_e4m3fn`` (an FP8 cache, scale 1:
+  values are clamped to ±448 and rounded to nearest). Dims 0 and 1 may have any stride (e.g. slices of a fused qkv
   projection output); the last dim must be contiguous (stride 1).
 * ``k_cache``, ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
   contiguous, identical shape/dtype/device.
@@ -25,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nvray.quantization.fp8_math import to_cache_dtype
+
 __all__ = ["store_kvcache", "store_kvcache_ref"]
 
 
@@ -43,6 +46,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next_power_of_2(NUM_KV_HEADS)
+    FP8_CACHE: tl.constexpr,  # the caches are e4m3: saturate before the cast
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
@@ -57,8 +61,11 @@ def _store_kv_kernel(
     # The cache is contiguous, so slot s starts at element s * H * D
     # (block b, offset o  ->  (b * BS + o) * H * D  ==  s * H * D).
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if FP8_CACHE:
+        k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 _INTERPRET = not isinstance(_store_kv_kernel, triton.runtime.jit.JITFunction)
@@ -103,7 +110,7 @@ def _validate(
             raise ValueError(
                 f"{name}: expected shape [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(x.shape)}"
             )
-        if x.dtype != k_cache.dtype:
+        if x.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:
             raise ValueError(f"{name}: expected dtype {k_cache.dtype} (the cache dtype), got {x.dtype}")
         if head_dim > 1 and x.stride(2) != 1:
             raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {x.stride()}")
@@ -140,6 +147,7 @@ def store_kvcache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
+        FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
     )
 
@@ -158,5 +166,5 @@ def store_kvcache_ref(
         s = int(slot_mapping[t])
         if s < 0:
             continue
-        k_cache[s // block_size, s % block_size] = key[t]
-        v_cache[s // block_size, s % block_size] = value[t]
+        k_cache[s // block_size, s % block_size] = to_cache_dtype(key[t], k_cache.dtype)
+        v_cache[s // block_size, s % block_size] = to_cache_dtype(value[t], v_cache.dtype)

@@ -17,6 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "fp8")  # weights; an FP8 checkpoint is detected from its config.json
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype; fp8: e4m3, scale 1
 RUNTIMES = ("ray", "inprocess")
 RAY_DISPATCH = ("compiled", "actor_calls")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -56,6 +57,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     dtype: str = "auto"
     quantization: str | None = None  # "fp8": quantize a 16/32-bit checkpoint's linear layers at load
+    kv_cache_dtype: str = "auto"  # "fp8": keys and values stored as e4m3 (about twice the blocks)
     seed: int = 0
     runtime: str = "ray"  # "ray": driver + rank actors; "inprocess": TP=1 in the calling process
     ray_dispatch: str = "compiled"  # per-step calls to the ranks: a Ray compiled graph or plain calls
@@ -109,6 +111,7 @@ class EngineConfig:
                               ("attention_backend", ATTENTION_BACKENDS),
                               ("dtype", DTYPES),
                               ("quantization", QUANTIZATIONS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("runtime", RUNTIMES),
                               ("ray_dispatch", RAY_DISPATCH),
                               ("placement_strategy", PLACEMENT_STRATEGIES)):

@@ -162,3 +162,24 @@ def assert_greedy_agrees(ours: list[int], oracle: list[int], margins: list[float
         if margins[i] <= tol:
             return
         assert a == b, f"token {i}: {a} != oracle {b} (oracle margin {margins[i]:.4f} > {tol:.4f})"
+
+
+def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA over keys and values rounded as an FP8 KV cache stores them (scale 1, ±448)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def stored(x: torch.Tensor) -> torch.Tensor:
+        return _e4m3(x.float()).to(x.dtype)
+
+    return sdpa_attention_forward(module, query, stored(key), stored(value), attention_mask, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_fp8_kv_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """HF transformers' Qwen3 whose attention reads keys and values through an FP8 round
+    trip: the oracle of ``kv_cache_dtype='fp8'``."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register("nvray_fp8_kv", _fp8_kv_attention)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
+                                                attn_implementation="nvray_fp8_kv").eval()

@@ -135,15 +135,17 @@ def test_modules_left_unquantized_load_in_full_precision(tmp_path, fp8_src):
 
 def test_fp8_tp2_equals_tp1(ray_cluster, fp8_paths):
     """Block scales split with the weights: at TP=2 every activation group and weight block
-    is the same as at TP=1, so greedy tokens are too."""
+    is the same as at TP=1, and each rank's FP8 KV cache holds its heads as one rank's does, so
+    greedy tokens are too."""
     path = fp8_paths["qwen-fp8"]
     prompts = random_prompts(3, 5, 60, seed=12)
-    tp2 = LLM(path, tensor_parallel_size=2)
+    tp2 = LLM(path, tensor_parallel_size=2, kv_cache_dtype="fp8")
     try:
         outs2 = tp2.generate(prompts, GREEDY, use_tqdm=False)
     finally:
         tp2.shutdown()
-    outs1 = LLM(path, runtime="inprocess").generate(prompts, GREEDY, use_tqdm=False)
+    outs1 = LLM(path, runtime="inprocess", kv_cache_dtype="fp8").generate(prompts, GREEDY,
+                                                                          use_tqdm=False)
     assert [o.token_ids for o in outs2] == [o.token_ids for o in outs1]
 
 

@@ -132,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default=_ENGINE.quantization, choices=["fp8"],
                    help="'fp8': quantize a 16/32-bit checkpoint's linear layers at load "
                         "(FP8 checkpoints are detected)")
+    p.add_argument("--kv-cache-dtype", default=_ENGINE.kv_cache_dtype, choices=["auto", "fp8"],
+                   help="'fp8': keys and values stored as e4m3, about twice the KV cache tokens")
     return p.parse_args(argv)
 
 
@@ -163,7 +165,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
               "num_cpus_per_rank": args.num_cpus_per_rank, "device": args.device,
-              "dtype": args.dtype, "quantization": args.quantization}
+              "dtype": args.dtype, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype}
     EngineConfig.from_kwargs(**kwargs)
     return kwargs
 

@@ -69,6 +69,13 @@ def _quantizations(text: str) -> tuple[str | None, ...]:
     return tuple(values[w] for w in words)
 
 
+def _kv_cache_dtypes(text: str) -> tuple[str, ...]:
+    words = tuple(text.split(","))
+    if any(w not in ("auto", "fp8") for w in words):
+        raise SystemExit(f"--kv-cache-dtype {text!r}: give auto, fp8 or auto,fp8")
+    return words
+
+
 def _budgets(text: str | None) -> tuple[int | None, ...]:
     if text is None:
         return (None,)
@@ -132,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--quantization", default="none",
                     help="weights to compare, comma-separated: none (the checkpoint's), fp8 "
                          "(quantized at load)")
+    tp.add_argument("--kv-cache-dtype", default="auto",
+                    help="KV caches to compare, comma-separated: auto (the compute dtype), fp8")
     tp.add_argument("--features", default="plain",
                     help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
     gb = sub.add_parser("gpu-busy", parents=[common],
@@ -190,7 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
                                 args.max_model_len, args.floor, _on_off(args.overlap),
                                 _features(args.features), _budgets(args.max_num_batched_tokens),
-                                sizes, args.shape, _quantizations(args.quantization))
+                                sizes, args.shape, _quantizations(args.quantization),
+                                _kv_cache_dtypes(args.kv_cache_dtype))
     if args.cmd == "sampler":
         from nvray.bench.sampler import bench_sampler  # noqa: PLC0415
 

@@ -15,7 +15,8 @@ Qwen3-8B step at batch 256 is compute-bound on an H200). Attention's arithmetic 
 both are bounds, not estimates. With tensor parallelism over ``n`` GPUs each has ``1/n`` of the
 bytes and FLOPs: ``n`` times either floor (collectives ignored). With FP8 weights
 (``quantization="fp8"`` or an FP8 checkpoint) the decoder layers' linear weights count one byte a
-value; the LM head keeps the checkpoint's dtype.
+value; the LM head keeps the checkpoint's dtype. With an FP8 KV cache (``kv_cache_dtype="fp8"``)
+keys and values count one byte a value.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def weight_bytes_per_step(cfg: dict[str, Any], quantization: str | None = None) 
             + _head_params(cfg) * _bytes_per_value(cfg))
 
 
-def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
+def kv_bytes_per_token(cfg: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
     """Bytes of one context token's keys and values over all layers."""
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2 * _bytes_per_value(cfg)
+    value = 1 if kv_cache_dtype == "fp8" else _bytes_per_value(cfg)
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2 * value
 
 
 def _decode_steps(prompt_lens: list[int], output_lens: list[int]) -> list[tuple[int, int]]:
@@ -93,24 +95,26 @@ def _decode_steps(prompt_lens: list[int], output_lens: list[int]) -> list[tuple[
 
 def floor_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int], output_lens: list[int],
                            tb_per_s: float, tensor_parallel_size: int = 1,
-                           quantization: str | None = None) -> float:
+                           quantization: str | None = None, kv_cache_dtype: str = "auto") -> float:
     """design.md's floor in output tok/s (module docstring) at ``tb_per_s`` per GPU."""
     steps = _decode_steps(prompt_lens, output_lens)
     total = (len(steps) * weight_bytes_per_step(cfg, quantization)
-             + sum(tokens for _, tokens in steps) * kv_bytes_per_token(cfg))
+             + sum(tokens for _, tokens in steps) * kv_bytes_per_token(cfg, kv_cache_dtype))
     seconds = total / (tb_per_s * 1e12 * tensor_parallel_size)
     return sum(output_lens) / seconds
 
 
 def roofline_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int],
                               output_lens: list[int], tb_per_s: float, tflop_per_s: float,
-                              tensor_parallel_size: int = 1, quantization: str | None = None) -> float:
+                              tensor_parallel_size: int = 1, quantization: str | None = None,
+                              kv_cache_dtype: str = "auto") -> float:
     """The roofline floor in output tok/s (module docstring) at ``tb_per_s`` and
     ``tflop_per_s`` per GPU."""
     bandwidth, peak = tb_per_s * 1e12, tflop_per_s * 1e12
     layers, head = _layer_params(cfg), _head_params(cfg)
     seconds = 2 * (layers * sum(prompt_lens) + head * len(prompt_lens)) / peak
-    weights, kv = weight_bytes_per_step(cfg, quantization), kv_bytes_per_token(cfg)
+    weights = weight_bytes_per_step(cfg, quantization)
+    kv = kv_bytes_per_token(cfg, kv_cache_dtype)
     for batch, tokens in _decode_steps(prompt_lens, output_lens):
         seconds += tokens * kv / bandwidth + max(weights / bandwidth,
                                                  2 * batch * (layers + head) / peak)

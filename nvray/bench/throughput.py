@@ -118,7 +118,8 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      token_budgets: tuple[int | None, ...] = (None,),
                      tensor_parallel_sizes: tuple[int, ...] = (1,),
                      shape: str = "0.6b",
-                     quantizations: tuple[str | None, ...] = (None,)) -> dict[str, Any]:
+                     quantizations: tuple[str | None, ...] = (None,),
+                     kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     placements = resolve_placements(runtimes, tensor_parallel_sizes)
@@ -133,22 +134,24 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
         prompts, params = bench_workload(num_seqs, **FEATURES[feature])
-        for (runtime, tp), overlap, budget, quant in (
-                (p, o, b, q) for q in quantizations for b in token_budgets for o in overlaps
-                for p in placements):
+        for (runtime, tp), overlap, budget, quant, kv in (
+                (p, o, b, q, kv) for kv in kv_cache_dtypes for q in quantizations
+                for b in token_budgets for o in overlaps for p in placements):
             options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
-                       "tensor_parallel_size": tp, "quantization": quant}
+                       "tensor_parallel_size": tp, "quantization": quant, "kv_cache_dtype": kv}
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
             runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
                          "tensor_parallel_size": tp, "quantization": quant,
+                         "kv_cache_dtype": kv,
                          **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
                 _wait_gpu_memory_released(baseline)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     for run in runs:
-        floors = _floors(model, device, num_seqs, floor_tok_per_s, run["quantization"])
+        floors = _floors(model, device, num_seqs, floor_tok_per_s, run["quantization"],
+                         run["kv_cache_dtype"])
         for name, floor in floors.items():
             floor *= run["tensor_parallel_size"]
             run[name] = round(floor)
@@ -160,12 +163,12 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
             "max_model_len": max_model_len, "bandwidth_tb_per_s": measured_bandwidth(device),
             "matmul_tflop_per_s": measured_matmul_peak(device),
             **{name: round(floor) for name, floor in _floors(model, device, num_seqs,
-                                                              floor_tok_per_s, None).items()},
+                                                              floor_tok_per_s, None, "auto").items()},
             "runs": runs}
 
 
 def _floors(model: str, device: str, num_seqs: int, floor: float | None,
-            quantization: str | None) -> dict[str, float]:
+            quantization: str | None, kv_cache_dtype: str) -> dict[str, float]:
     """The workload's TP=1 floors (nvray/bench/floor.py) on this device: ``floor`` when given
     (else design.md's bandwidth floor), and the roofline floor, where the device is known."""
     bandwidth, peak = measured_bandwidth(device), measured_matmul_peak(device)
@@ -176,9 +179,9 @@ def _floors(model: str, device: str, num_seqs: int, floor: float | None,
     prompts, params = bench_workload(num_seqs)
     lens = [len(p) for p in prompts], [p.max_tokens for p in params]
     floors.setdefault("floor_output_tok_per_s", floor_output_tok_per_s(
-        cfg, *lens, bandwidth, quantization=quantization))
+        cfg, *lens, bandwidth, quantization=quantization, kv_cache_dtype=kv_cache_dtype))
     floors["roofline_output_tok_per_s"] = roofline_output_tok_per_s(
-        cfg, *lens, bandwidth, peak, quantization=quantization)
+        cfg, *lens, bandwidth, peak, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     return floors
 
 
@@ -187,7 +190,7 @@ def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None
     if run["tensor_parallel_size"] == 1:
         return
     same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling",
-            "quantization")
+            "quantization", "kv_cache_dtype")
     for other in runs:
         if (other["runtime"] == "ray" and other["tensor_parallel_size"] == 1
                 and all(other[k] == run[k] for k in same)):

@@ -333,6 +333,7 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": bm.usage,
+                "num_kvcache_blocks": self.limits.num_kvcache_blocks,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate,
                 "prefix_cache_queried_tokens": bm.num_queried_tokens,
                 "prefix_cache_hit_tokens": bm.num_hit_tokens,

@@ -2,7 +2,9 @@
 
 Every backend implements ``forward(q, k, v, k_cache, v_cache, meta, scale) -> out`` with
 q ``[T, H, D]``, k/v ``[T, KVH, D]`` (this step's tokens), caches
-``[num_blocks, block_size, KVH, D]``. It first writes k/v into the slots of
+``[num_blocks, block_size, KVH, D]`` in the compute dtype or ``float8_e4m3fn`` (an FP8 cache:
+values stored with scale 1, saturated at ±448, read back into the compute dtype; flash_attn
+takes the compute dtype only). It first writes k/v into the slots of
 ``meta.slot_mapping`` (slot -1: skip) — unless k and v are None: the caller stored them
 already (the model's fused prologue does, on the GPU) — then computes causal attention of each
 sequence's query chunk over its whole context read from the cache, which serves prefill,
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nvray.quantization.fp8_math import to_cache_dtype
 
 
 @dataclass
@@ -69,8 +73,8 @@ class TorchAttentionBackend:
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             blocks = meta.block_tables[i, :-(-ctx_len // block_size)].long()
-            keys = k_cache[blocks].flatten(0, 1)[:ctx_len]  # [ctx, KVH, D]
-            values = v_cache[blocks].flatten(0, 1)[:ctx_len]
+            keys = k_cache[blocks].flatten(0, 1)[:ctx_len].to(q.dtype)  # [ctx, KVH, D]
+            values = v_cache[blocks].flatten(0, 1)[:ctx_len].to(q.dtype)
             out[start:start + q_len] = self._attend(q[start:start + q_len], keys, values, scale)
             start += q_len
         return out
@@ -80,8 +84,8 @@ class TorchAttentionBackend:
               slot_mapping: torch.Tensor) -> None:
         valid = slot_mapping >= 0
         slots = slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache_dtype(k[valid], k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(v[valid], v_cache.dtype)
 
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

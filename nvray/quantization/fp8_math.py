@@ -7,6 +7,8 @@ Weights are stored as ``float8_e4m3fn`` with float32 scales such that ``w ≈ q 
 - per block: ``scale`` is ``[ceil(out / bn), ceil(in / bk)]`` (Qwen's / DeepSeek's
   ``weight_scale_inv``, ``weight_block_size = [bn, bk]``).
 
+An FP8 KV cache (``to_cache_dtype``) stores keys and values as they are (scale 1), saturated.
+
 Activations are quantized dynamically, per token (a row) or per token and group of ``group``
 columns, with ``scale = amax / 448``. ``linear_ref`` is the whole FP8 linear layer: quantize the
 input as the GPU path does, dequantize both operands to the compute dtype, multiply.
@@ -25,6 +27,12 @@ _MIN_SCALE = 1e-12  # an all-zero row or block gets this scale instead of 0
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
     """Saturating cast: torch's own cast turns values beyond ±448 into NaN."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a KV cache of ``dtype`` stores it: an FP8 cache holds values at scale 1,
+    saturated at ±448."""
+    return to_fp8(x.float()) if dtype == FP8_DTYPE else x.to(dtype)
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,6 +67,7 @@ class ModelRunner:
         self.hf_config = load_hf_config(model_path)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.block_size = config.kvcache_block_size
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.startup = StartupPhases()  # this rank's start-up, by phase (startup_phases.py)
@@ -75,6 +76,9 @@ class ModelRunner:
                                      config.seed, self.quant_config)
         self.attention_layers = self.model.attention_layers()
         self.backend = select_backend(config.attention_backend, self.device, self.block_size)
+        if self.kv_dtype != self.dtype and self.backend.name == "flash_attn":
+            raise ValueError("kv_cache_dtype='fp8' needs the triton or torch attention backend "
+                             "(flash_attn reads caches in the compute dtype only)")
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.use_torch_compile = self.device.type == "cuda"  # enforce_eager turns off graphs only
@@ -114,13 +118,14 @@ class ModelRunner:
         """What the weights and the KV cache are stored in, for stats and the model card."""
         compute = str(self.dtype).removeprefix("torch.")
         weights = compute if self.quant_config is None else self.quant_config.describe()
-        return {"weights": weights, "compute": compute, "kv_cache": compute}
+        kv = compute if self.kv_dtype == self.dtype else "fp8 e4m3 (scale 1)"
+        return {"weights": weights, "compute": compute, "kv_cache": kv}
 
     # ----------------------------------------------------------------- KV cache
     @property
     def kv_block_bytes(self) -> int:
         layer = self.attention_layers[0]
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
         return len(self.attention_layers) * self.block_size * per_token
 
     def new_graphs(self) -> StepGraphs:
@@ -140,8 +145,8 @@ class ModelRunner:
         for layer in self.attention_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = layer.v_cache = torch.empty(0)  # free the old cache first
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def close(self) -> None:
         """Drop graphs, cache and weights and give their memory back: the modules hold reference

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from fp8_checkpoints import hf_fp8_model, write_fp8_checkpoint
+from fp8_checkpoints import hf_fp8_kv_model, hf_fp8_model, write_fp8_checkpoint
 from gpu_oracle import check_greedy_near_argmax, wait_gpu_memory_below
 from oracle import random_prompts
 from nvray import LLM, SamplingParams
@@ -64,6 +64,24 @@ def test_fp8_greedy_on_gpu_is_oracle_argmax_up_to_bf16_noise(fmt, fp8_06b, qwen3
     # FP8 rounding of bf16 activations moves logits of this random model more than bf16
     # alone does, so exact fp32 argmaxes are rarer than in the bf16 tests: printed only
     print(f"{fmt}: exact fp32-argmax rate per prompt {rates}")
+
+
+@torch.no_grad()
+def _kv_oracle_logits(path: str, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    model = hf_fp8_kv_model(path, dtype, "cuda")
+    return model(torch.tensor([ids], device="cuda")).logits[0].float()
+
+
+def test_fp8_kv_cache_greedy_on_gpu_is_oracle_argmax_up_to_bf16_noise(qwen3_06b_path):
+    """bf16 weights, e4m3 keys and values: the fused prologue stores them, the decode (graphs)
+    and prefill kernels read them."""
+    prompts, outs, dtypes = _generate(qwen3_06b_path, kv_cache_dtype="fp8")
+    assert dtypes["kv_cache"].startswith("fp8 e4m3")
+    logits = functools.partial(_kv_oracle_logits, qwen3_06b_path)
+    _assert_noise_discriminates(logits, prompts[0] + outs[0])
+    rates = [check_greedy_near_argmax(qwen3_06b_path, p, o, logits)["fp32_argmax_rate"]
+             for p, o in zip(prompts, outs)]
+    print(f"fp8 KV cache: exact fp32-argmax rate per prompt {rates}")
 
 
 def _assert_noise_discriminates(logits, ids: list[int]) -> None:

@@ -366,3 +366,42 @@ def test_prefill_padded_query_leaves_the_real_rows_unchanged(prefix, n, padded):
                                           _i32([prefix + padded]), padded, head_dim**-0.5)
     assert not torch.isnan(out[:n]).any()
     torch.testing.assert_close(out[:n], real, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# FP8 KV caches (kv_cache_dtype="fp8": e4m3, scale 1)
+# ----------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton 3.6's interpreter does not round to e4m3: compiled only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kvcache_into_fp8_rounds_and_saturates_like_the_reference(dtype):
+    g = _gen(40)
+    key = (_randn((9, 4, 64), dtype, g) * 200).to(DEVICE)  # some beyond ±448
+    value = _randn((9, 4, 64), dtype, g).to(DEVICE)
+    slots = _i32([3, -1, 0, 17, 30, 8, 9, 1, 31])
+    caches = [torch.zeros((4, 8, 4, 64), dtype=FP8, device=DEVICE) for _ in range(4)]
+    kernels.store_kvcache(key, value, caches[0], caches[1], slots)
+    kernels.store_kvcache_ref(key, value, caches[2], caches[3], slots)
+    assert caches[2].float().abs().max() == 448
+    for got, want in zip(caches[:2], caches[2:]):
+        assert torch.equal(got.float(), want.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_and_prefill_read_fp8_caches_like_the_reference(dtype):
+    """Attention over e4m3 caches: the values are read as they are (scale 1), the math is the
+    kernels' own (fp32 scores and sums); fp32/fp16 only here, bf16 in the GPU tier."""
+    head_dim, block_size, num_heads, num_kv_heads = 64, 16, 8, 2
+    seq_lens, qlens = [45, 3 * block_size + 5, 1], [45, 4, 1]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, FP8, seed=41)
+    q = _randn((sum(qlens), num_heads, head_dim), dtype, _gen(42)).to(DEVICE)
+    args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), max(qlens), head_dim**-0.5)
+    _assert_close(kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args),
+                  dtype)
+    q_dec = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(43)).to(DEVICE)
+    dec = (q_dec, k_cache, v_cache, bt, _i32(seq_lens), head_dim**-0.5)
+    _assert_close(kernels.paged_decode_attention(*dec), kernels.paged_decode_attention_ref(*dec),
+                  dtype)

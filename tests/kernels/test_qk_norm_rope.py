@@ -157,3 +157,27 @@ def test_store_variant_validation_names_the_argument():
     for name, extra in bad_calls:
         with pytest.raises(ValueError, match=name):
             kernels.qk_norm_rope_store(*args, *extra)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton 3.6's interpreter does not round to e4m3: compiled only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_store_variant_into_an_fp8_cache_writes_what_the_store_reference_would(dtype):
+    """An FP8 cache gets the same k and v rounded to e4m3, large values saturated at ±448."""
+    num_heads, num_kv_heads, head_dim = 16, 8, 128
+    qkv, positions, rotary, q_norm, k_norm = _case(6, num_heads, num_kv_heads, head_dim, dtype,
+                                                    True, seed=11, extra_cols=0)
+    qkv[:, (num_heads + num_kv_heads) * head_dim:] *= 300  # v beyond e4m3's range in places
+    args = (qkv, positions, rotary.cos_sin, num_heads, num_kv_heads, q_norm.weight,
+            k_norm.weight, 1e-6)
+    want_q, k = kernels.qk_norm_rope(*args)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].reshape(-1, num_kv_heads, head_dim)
+    slots = torch.tensor([5, -1, 0, 17, 30, 8], dtype=torch.int32, device=DEVICE)
+    shape = (4, 8, num_kv_heads, head_dim)
+    want_k = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE)
+    want_v = want_k.clone()
+    kernels.store_kvcache_ref(k, v, want_k, want_v, slots)
+    k_cache, v_cache = want_k.clone().zero_(), want_v.clone().zero_()
+    q = kernels.qk_norm_rope_store(*args, k_cache, v_cache, slots)
+    torch.testing.assert_close(q, want_q, atol=0, rtol=0)
+    assert want_v.float().abs().max() == 448  # the saturation was exercised
+    assert torch.equal(k_cache.float(), want_k.float()) and torch.equal(v_cache.float(), want_v.float())

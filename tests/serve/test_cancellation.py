@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from serve_helpers import assert_counters_balance, greedy, metric
+from serve_helpers import MAX_MODEL_LEN, assert_counters_balance, greedy, metric
 
 CANARY = "after the storm"
 DRAIN_S = 30
+MAX_TOKENS_LEFT = MAX_MODEL_LEN - 32  # a unary call the engine is still running when cancelled
 
 
 def wait_engine_idle(base_url: str) -> None:
@@ -99,26 +100,36 @@ def test_cancelled_handle_calls_free_their_requests(base_url, ray_cluster, offli
     ray = ray_cluster
 
     @ray.remote(num_cpus=0.1)
-    def start_and_cancel() -> int:
-        from ray import serve as s
+    def start_and_cancel(metrics_url: str, accepted_before: float) -> int:
+        import re  # noqa: PLC0415
+
+        from ray import serve as s  # noqa: PLC0415
+
+        def accepted() -> float:
+            text = requests.get(metrics_url, timeout=30).text
+            line = r"^nvray_requests_accepted_total(?:\{[^}]*\})? (\S+)$"
+            return float(re.search(line, text, re.M).group(1))
 
         handle = s.get_app_handle("default")
-        params = {"max_tokens": 400, "ignore_eos": True}
-        stream = handle.options(stream=True).generate_stream.remote("cancel my stream", params)
+        stream = handle.options(stream=True).generate_stream.remote(
+            "cancel my stream", {"max_tokens": 400, "ignore_eos": True})
         got = sum(1 for _ in zip(range(3), stream))
         stream.cancel()
-        unary = handle.generate.remote("cancel my call", params)
-        time.sleep(0.5)
+        # the unary call is cancelled once the engine has it (a fixed wait let a fast moment
+        # finish it first: 'aborted 1 of 2'), with far more tokens left than the poll takes
+        unary = handle.generate.remote("cancel my call", {"max_tokens": MAX_TOKENS_LEFT,
+                                                          "ignore_eos": True})
+        deadline = time.monotonic() + 10
+        while accepted() < accepted_before + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         unary.cancel()
         return got
 
     before = finished_counts(base_url)
     accepted = metric(base_url, "nvray_requests_accepted_total")
-    assert ray.get(start_and_cancel.remote(), timeout=60) == 3
+    assert ray.get(start_and_cancel.remote(f"{base_url}/metrics", accepted), timeout=60) == 3
     wait_engine_idle(base_url)
-    # the stream was running when cancelled; the unary call may have been cancelled before it
-    # reached the engine (then it never ran): every request that reached it was aborted
     reached = metric(base_url, "nvray_requests_accepted_total") - accepted
-    assert reached in (1, 2)
+    assert reached == 2, "both calls reach the engine before they are cancelled"
     assert_aborted(base_url, before, int(reached))
     assert_canary(base_url, offline)
