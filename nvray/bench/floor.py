@@ -15,7 +15,8 @@ Qwen3-8B step at batch 256 is compute-bound on an H200). Attention's arithmetic 
 both are bounds, not estimates. With tensor parallelism over ``n`` GPUs each has ``1/n`` of the
 bytes and FLOPs: ``n`` times either floor (collectives ignored). With FP8 weights
 (``quantization="fp8"`` or an FP8 checkpoint) the decoder layers' linear weights count one byte a
-value; the LM head keeps the checkpoint's dtype. With an FP8 KV cache (``kv_cache_dtype="fp8"``)
+value and their FLOPs run at twice the bf16 matmul peak; the LM head keeps the checkpoint's
+dtype. With an FP8 KV cache (``kv_cache_dtype="fp8"``)
 keys and values count one byte a value.
 """
 
@@ -111,13 +112,15 @@ def roofline_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int],
     """The roofline floor in output tok/s (module docstring) at ``tb_per_s`` and
     ``tflop_per_s`` per GPU."""
     bandwidth, peak = tb_per_s * 1e12, tflop_per_s * 1e12
+    # FP8 layers run on the FP8 tensor cores, at twice the bf16 rate
+    layer_peak = peak * (2 if _layer_bytes_per_value(cfg, quantization) == 1 else 1)
     layers, head = _layer_params(cfg), _head_params(cfg)
-    seconds = 2 * (layers * sum(prompt_lens) + head * len(prompt_lens)) / peak
+    seconds = 2 * (layers * sum(prompt_lens) / layer_peak + head * len(prompt_lens) / peak)
     weights = weight_bytes_per_step(cfg, quantization)
     kv = kv_bytes_per_token(cfg, kv_cache_dtype)
     for batch, tokens in _decode_steps(prompt_lens, output_lens):
         seconds += tokens * kv / bandwidth + max(weights / bandwidth,
-                                                 2 * batch * (layers + head) / peak)
+                                                 2 * batch * (layers / layer_peak + head / peak))
     return sum(output_lens) * tensor_parallel_size / seconds
 
 
