@@ -293,15 +293,19 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _decode_config(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel. An e4m3 cache runs one warp over
-    32-token tiles (H100, Qwen3-0.6B heads, batch 256 x 1000 tokens: 215 us, 2.44 TB/s, against
-    235 us with 64-token tiles on two warps and 283 us on four); bf16 keeps 64-token tiles on
-    four warps (2.7-2.9 TB/s there; fewer warps gained nothing)."""
+def _decode_config(head_dim: int, kv_itemsize: int, num_programs: int = 0, n_sm: int = 1
+                   ) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel for a grid of ``num_programs``.
+
+    An e4m3 cache moves half the bytes a tile: with programs enough to fill the GPU many times
+    over, one warp on 32-token tiles keeps the most bytes in flight (H100, Qwen3-0.6B heads,
+    batch 256 x 1000 tokens: 215 us, 2.44 TB/s, against 235 us on two warps and 64-token tiles
+    and 283 us on four); with fewer programs that leaves SMs idle, and two warps on 64-token
+    tiles serve better. bf16 keeps 64-token tiles on four warps (2.7-2.9 TB/s there)."""
     if _INTERPRET:
         return 32, 4, 1
     if kv_itemsize == 1:
-        return 32, 1, 3
+        return (32, 1, 3) if num_programs >= 12 * n_sm else (64, 2, 3)
     return (64 if head_dim <= 128 else 32), 4, 3
 
 
@@ -348,10 +352,12 @@ def paged_decode_attention(
 
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
-    block_n, num_warps, num_stages = _decode_config(head_dim, k_cache.element_size())
+    n_sm = _num_sms(q.device)
+    block_n, num_warps, num_stages = _decode_config(head_dim, k_cache.element_size(),
+                                                    batch * num_kv_heads, n_sm)
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     n_splits, tokens_per_split = _choose_splits(
-        batch, num_kv_heads, max_ctx, block_n, _num_sms(q.device), num_splits
+        batch, num_kv_heads, max_ctx, block_n, n_sm, num_splits
     )
     single = n_splits == 1
     if single:
