@@ -287,6 +287,17 @@ def test_cli_fails_fast_on_malformed_input_before_starting_ray(tmp_path):
     assert time.monotonic() - start < 100
 
 
+def test_fp8_flags_reach_the_engine_options():
+    from nvray.batch.__main__ import engine_kwargs_from_args, parse_args
+
+    args = parse_args(["--input", "in.jsonl", "--output", "out.jsonl", "--quantization", "fp8",
+                       "--kv-cache-dtype", "fp8"])
+    kwargs = engine_kwargs_from_args(args)
+    assert (kwargs["quantization"], kwargs["kv_cache_dtype"]) == ("fp8", "fp8")
+    with pytest.raises(SystemExit):
+        parse_args(["--input", "in.jsonl", "--output", "out.jsonl", "--kv-cache-dtype", "int8"])
+
+
 def test_input_directory_and_output_path_checks(tmp_path):
     from nvray.batch.io import check_output_path, find_input_files, validate_input
 

@@ -53,6 +53,13 @@ def test_unknown_or_invalid_args_fail_at_start_up_naming_them():
         build_app({"engine_options": {"bogus": 1}})
     with pytest.raises(ValueError, match="min_replicas=3 > max_replicas=2"):
         build_app({"min_replicas": 3, "max_replicas": 2})
+    with pytest.raises(ValueError, match="quantization.*kv_cache_dtype|kv_cache_dtype.*quantization"):
+        build_app({"quantization": "int4", "kv_cache_dtype": "fp16"})
+
+
+def test_fp8_app_arguments_reach_the_engine_config():
+    config = AppArgs(quantization="fp8", kv_cache_dtype="fp8").engine_config()
+    assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
 
 
 def test_api_key_is_required_on_v1_but_health_stays_open(serve_http):
