@@ -14,7 +14,8 @@ Contract
 
 * ``a``: ``[M, K]`` fp8, ``a_scale``: ``[M, K // bk]`` float32 (``quantize_fp8_act`` with
   ``group = bk``); ``w``: ``[N, K]`` fp8, ``w_scale``: ``[ceil(N / bn), K // bk]`` float32;
-  ``block = (bn, bk)`` with ``bk`` a multiple of 16 dividing ``K``.
+  ``block = (bn, bk)`` with ``bk`` 16, 32, 64, 128 or a multiple of 128, dividing ``K`` (K is
+  walked in tiles of ``min(bk, 128)``, each inside one scale group).
 * ``out[m, n] = Σ_k a[m, k] * a_scale[m, k // bk] * w[n, k] * w_scale[n // bn, k // bk]``,
   products accumulated in fp32 per K block, written in ``out_dtype``.
 
@@ -113,8 +114,9 @@ def _check_block_args(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
     (m, k), (n, kw), (bn, bk) = a.shape, w.shape, block
     if k != kw:
         raise ValueError(f"a has K={k}, w has K={kw}")
-    if bk % 16 or k % bk:
-        raise ValueError(f"block={block}: bk must be a multiple of 16 dividing K={k}")
+    if not ((16 <= bk <= 128 and bk & (bk - 1) == 0) or bk % 128 == 0) or k % bk:
+        raise ValueError(f"block={block}: bk must be 16, 32, 64, 128 or a multiple of 128, "
+                         f"dividing K={k}")
     if tuple(a_scale.shape) != (m, k // bk) or tuple(w_scale.shape) != (-(-n // bn), k // bk):
         raise ValueError(f"scales {tuple(a_scale.shape)} / {tuple(w_scale.shape)} do not fit "
                          f"a {tuple(a.shape)}, w {tuple(w.shape)}, block {block}")
@@ -164,8 +166,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     rows = x.reshape(-1, x.shape[-1])
     q, scale = quantize_fp8_act(rows, None if block is None else block[1])
     if block is None:
+        # row-wise scales give bf16 on every torch/cuBLAS build; other dtypes only on some
         y = torch._scaled_mm(q, w.t(), scale_a=scale, scale_b=w_scale.view(1, -1),
-                             out_dtype=x.dtype)
+                             out_dtype=torch.bfloat16).to(x.dtype)
     else:
         y = block_fp8_mm(q, scale, w, w_scale, block, x.dtype)
     if bias is not None:

@@ -11,8 +11,8 @@ sequence's query chunk over its whole context read from the cache, which serves 
 prefill over a cached prefix, chunked prefill and decode alike.
 
 Backend choice lives in ``select_backend`` only. ``auto``: ``flash_attn`` when it is importable,
-the engine runs on CUDA and the KV block size is a multiple of 256 (flash-attn's paged-KV
-requirement); else ``triton`` on CUDA; else ``torch``. A forced backend that cannot run is an
+the engine runs on CUDA, the KV block size is a multiple of 256 (flash-attn's paged-KV
+requirement) and the cache is not FP8; else ``triton`` on CUDA; else ``torch``. A forced backend that cannot run is an
 error saying why (``ImportError`` for a missing package, ``ValueError`` for a bad setting).
 ``supports_cuda_graphs`` says whether a backend's decode path can be captured in a CUDA graph
 (no host syncs, no host-side per-sequence loops).
@@ -182,13 +182,19 @@ def backend_available(name: str, device: torch.device, block_size: int) -> tuple
     return True, ""
 
 
-def select_backend(name: str, device: torch.device, block_size: int = 16) -> Backend:
-    """The one place that picks the attention backend (``auto`` or a forced name)."""
+def select_backend(name: str, device: torch.device, block_size: int = 16,
+                   fp8_kv_cache: bool = False) -> Backend:
+    """The one place that picks the attention backend (``auto`` or a forced name); an FP8 KV
+    cache rules out flash_attn, which reads caches in the compute dtype only."""
+    usable = [n for n in _BACKENDS if not (fp8_kv_cache and n == "flash_attn")]
     if name == "auto":
-        name = next(n for n in _BACKENDS if backend_available(n, device, block_size)[0])
+        name = next(n for n in usable if backend_available(n, device, block_size)[0])
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend={name!r} is invalid: must be one of "
                          f"{['auto', *_BACKENDS]}")
+    if name not in usable:
+        raise ValueError("kv_cache_dtype='fp8' needs the triton or torch attention backend "
+                         "(flash_attn reads caches in the compute dtype only)")
     ok, reason = backend_available(name, device, block_size)
     if not ok:
         raise (ValueError if "kvcache_block_size" in reason else ImportError)(reason)

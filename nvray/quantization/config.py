@@ -51,7 +51,8 @@ class Fp8Config:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module):
                     return True
-            elif module == pattern or module.endswith("." + pattern):
+            elif (module == pattern or module.endswith("." + pattern)
+                  or module.startswith(pattern + ".")):  # a parent module: all inside it
                 return True
         return False
 
@@ -89,6 +90,20 @@ def _from_checkpoint(qc: dict[str, Any]) -> Fp8Config:
                      f"(FP8_DYNAMIC and FP8 block)")
 
 
+def _checked_block(block: Any, what: str) -> tuple[int, int]:
+    """A ``[rows, cols]`` weight block nvray's kernels take: any row count; columns a power
+    of two from 16 to 128 or a multiple of 128 (the GEMM walks K in tiles of at most 128)."""
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)):
+        raise _unsupported(what, block, "a [rows, cols] block is needed (per-tensor FP8 "
+                           "checkpoints are not supported)")
+    cols = block[1]
+    if not ((16 <= cols <= 128 and cols & (cols - 1) == 0) or cols % 128 == 0):
+        raise _unsupported(what, block, "block columns must be 16, 32, 64, 128 or a multiple "
+                           "of 128")
+    return int(block[0]), int(cols)
+
+
 def _unsupported(what: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"checkpoint quantization_config {what}={value!r} is not supported: {allowed}")
 
@@ -98,18 +113,17 @@ def _from_qwen_fp8(qc: dict[str, Any]) -> Fp8Config:
         raise _unsupported("fmt", qc.get("fmt"), "only 'e4m3'")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise _unsupported("activation_scheme", qc.get("activation_scheme"), "only 'dynamic'")
-    block = qc.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block)):
-        raise _unsupported("weight_block_size", block, "a [rows, cols] block is needed "
-                           "(per-tensor FP8 checkpoints are not supported)")
+    block = _checked_block(qc.get("weight_block_size"), "weight_block_size")
     ignored = tuple(qc.get("modules_to_not_convert") or ())
-    return Fp8Config(block=(int(block[0]), int(block[1])), scale_name="weight_scale_inv",
-                     source="fp8", ignored=ignored)
+    return Fp8Config(block=block, scale_name="weight_scale_inv", source="fp8", ignored=ignored)
 
 
 def _from_compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
     if qc.get("format") != "float-quantized":
         raise _unsupported("format", qc.get("format"), "only 'float-quantized' (FP8)")
+    for field in ("sparsity_config", "transform_config"):
+        if qc.get(field):
+            raise _unsupported(field, qc.get(field), "only dense FP8 checkpoints")
     if qc.get("kv_cache_scheme"):
         raise _unsupported("kv_cache_scheme", qc.get("kv_cache_scheme"),
                            "use kv_cache_dtype='fp8' instead of checkpoint KV scales")
@@ -119,6 +133,9 @@ def _from_compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
     group = groups[0]
     if "Linear" not in (group.get("targets") or []):
         raise _unsupported("targets", group.get("targets"), "the group must target 'Linear'")
+    if group.get("output_activations"):
+        raise _unsupported("output_activations", group.get("output_activations"),
+                           "output quantization is not supported")
     block = _ct_weights(group.get("weights") or {})
     _ct_activations(group.get("input_activations"), block)
     ignored = tuple(qc.get("ignore") or ())
@@ -138,8 +155,8 @@ def _ct_weights(w: dict[str, Any]) -> tuple[int, int] | None:
     strategy = w.get("strategy")
     if strategy == "channel":
         return None
-    if strategy == "block" and len(w.get("block_structure") or []) == 2:
-        return tuple(int(b) for b in w["block_structure"])  # type: ignore[return-value]
+    if strategy == "block":
+        return _checked_block(w.get("block_structure"), "weights.block_structure")
     raise _unsupported("weights.strategy", strategy, "'channel' or 'block'")
 
 

@@ -17,8 +17,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nvray.layers.tp import tp_size
 from nvray.quantization.config import Fp8Config
 from nvray.quantization.fp8_math import FP8_DTYPE, linear_ref, quantize_per_channel
+
+
+def check_fp8_device(device: torch.device, fp8_weights: bool, fp8_kv_cache: bool) -> None:
+    """FP8 on CUDA needs FP8 tensor cores and conversions: compute capability 8.9 (Ada) or
+    newer, 9.0 (Hopper) for the weights' GEMMs. Elsewhere the reference path runs."""
+    if device.type != "cuda" or not (fp8_weights or fp8_kv_cache):
+        return
+    capability = torch.cuda.get_device_capability(device)
+    need = (9, 0) if fp8_weights else (8, 9)
+    if capability < need:
+        what = "FP8 weights" if fp8_weights else "kv_cache_dtype='fp8'"
+        raise ValueError(f"{what} need a GPU of compute capability {need[0]}.{need[1]} or newer; "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
 
 
 class Fp8LinearMethod:
@@ -30,9 +44,9 @@ class Fp8LinearMethod:
         """A fused part or tensor-parallel shard of ``size`` weight rows (dim 0) or columns
         (dim 1) must start and end on a scale block's edge."""
         if self.block is not None and size % self.block[dim] != 0:
+            hint = " (fewer tensor-parallel ranks may fit)" if "per rank" in what and tp_size() > 1 else ""
             raise ValueError(f"{what} of {size} does not split into the checkpoint's "
-                             f"{self.block[0]}x{self.block[1]} weight blocks (fewer tensor-"
-                             f"parallel ranks may fit)")
+                             f"{self.block[0]}x{self.block[1]} weight blocks{hint}")
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
         self.check_shard("input features per rank", in_features, 1)

@@ -42,7 +42,7 @@ from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory
 from nvray.worker.sampled_ids import HostIds, SampledIds
 from nvray.worker.sampler import sample
-from nvray.quantization import quant_config_for
+from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.worker.setup import (build_model, enable_torch_compile, load_hf_config,
                                 resolve_dtype, resolve_max_model_len, torch_device,
                                 use_triton_kernels)
@@ -75,10 +75,9 @@ class ModelRunner:
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
                                      config.seed, self.quant_config)
         self.attention_layers = self.model.attention_layers()
-        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
-        if self.kv_dtype != self.dtype and self.backend.name == "flash_attn":
-            raise ValueError("kv_cache_dtype='fp8' needs the triton or torch attention backend "
-                             "(flash_attn reads caches in the compute dtype only)")
+        check_fp8_device(self.device, self.quant_config is not None, self.kv_dtype != self.dtype)
+        self.backend = select_backend(config.attention_backend, self.device, self.block_size,
+                                      fp8_kv_cache=self.kv_dtype != self.dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.use_torch_compile = self.device.type == "cuda"  # enforce_eager turns off graphs only
@@ -188,8 +187,10 @@ class ModelRunner:
         src = to_device([c[0] for c in copies], self.device)
         dst = to_device([c[1] for c in copies], self.device)
         for layer in self.attention_layers:
-            layer.k_cache.index_copy_(0, dst, layer.k_cache.index_select(0, src))
-            layer.v_cache.index_copy_(0, dst, layer.v_cache.index_select(0, src))
+            for cache in (layer.k_cache, layer.v_cache):
+                # as bytes: torch has no index_copy_ for float8 (an FP8 cache)
+                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+                raw.index_copy_(0, dst, raw.index_select(0, src))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
