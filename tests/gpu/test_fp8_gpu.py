@@ -102,3 +102,20 @@ def _assert_noise_discriminates(logits, ids: list[int]) -> None:
     noise = (bf16 - ref).pow(2).mean(-1).sqrt()
     spread = ref.std(-1)
     assert (noise < 0.25 * spread).all(), f"noise {noise.max():.3f} vs spread {spread.min():.3f}"
+
+
+def test_forked_choices_copy_fp8_blocks_on_gpu(calm_06b_path):
+    """n > 1 with an FP8 KV cache: the partial prompt block is copied (as bytes) before each
+    choice writes; each seeded choice equals the same request made alone."""
+    def sampled(seed: int, n: int = 1) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True, n=n)
+
+    prompt = random_prompts(1, 45, 45, seed=22, vocab=VOCAB)[0]
+    llm = LLM(calm_06b_path, runtime="inprocess", max_model_len=1024, max_num_seqs=32,
+              num_kvcache_blocks=512, kv_cache_dtype="fp8")
+    try:
+        choices = llm.generate(prompt, sampled(5, n=3), use_tqdm=False)
+        alone = [llm.generate(prompt + [], sampled(5 + i), use_tqdm=False)[0] for i in range(3)]
+    finally:
+        llm.shutdown()
+    assert [c.token_ids for c in choices] == [a.token_ids for a in alone]
