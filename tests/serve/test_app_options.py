@@ -62,6 +62,33 @@ def test_fp8_app_arguments_reach_the_engine_config():
     assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
 
 
+def test_an_fp8_app_serves_what_an_fp8_llm_generates(serve_http):
+    """quantization=fp8 kv_cache_dtype=fp8 as app arguments: the model card says so, and the
+    completion is the offline LLM's with the same options (CPU: the reference FP8 path)."""
+    options = {"quantization": "fp8", "kv_cache_dtype": "fp8", "max_model_len": 256}
+    serve.run(build_app(options), name="fp8", route_prefix="/fp8")
+    base = f"{serve_http}/fp8"
+    try:
+        [card] = requests.get(f"{base}/v1/models", timeout=60).json()["data"]
+        assert card["dtypes"]["weights"].startswith("fp8 e4m3 (on-the-fly")
+        assert card["dtypes"]["kv_cache"] == "fp8 e4m3 (scale 1)"
+        body = requests.post(f"{base}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "The engine schedules", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}).json()
+    finally:
+        serve.delete("fp8")
+    from nvray import LLM, SamplingParams
+
+    offline = LLM("tiny", runtime="inprocess", **options).generate(
+        "The engine schedules", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)[0]
+    plain = LLM("tiny", runtime="inprocess", max_model_len=256).generate(
+        "The engine schedules", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)[0]
+    assert body["choices"][0]["text"] == offline.text
+    assert offline.token_ids != plain.token_ids  # FP8 changed this continuation: not a no-op
+
+
 def test_api_key_is_required_on_v1_but_health_stays_open(serve_http):
     serve.run(build_app({"api_key": "s3cret", "max_model_len": 256}), name="secure",
               route_prefix="/secure")
