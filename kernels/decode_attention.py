@@ -293,7 +293,7 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _decode_config(head_dim: int, kv_itemsize: int, num_programs: int = 0, n_sm: int = 1
+def _decode_config(head_dim: int, kv_itemsize: int, num_programs: int, n_sm: int
                    ) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel for a grid of ``num_programs``.
 

@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.quantization.fp8_math import FP8_DTYPE, FP8_MAX, dequantize, quantize_activation
+from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize, linear_ref,
+                                         quantize_activation)
 
 __all__ = ["quantize_fp8_act", "quantize_fp8_act_ref", "block_fp8_mm", "block_fp8_mm_ref",
            "fp8_linear", "fp8_linear_ref"]
 
-_MIN_SCALE = 1e-12
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def quantize_fp8_act(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, 
         chunk = min(triton.next_power_of_2(group), 2048)
         _quantize_act_kernel[(m, k // group)](x, q, scale, x.stride(0), q.stride(0), scale.stride(0),
                                               GROUP=group, CHUNK=chunk, FP8_MAX=FP8_MAX,
-                                              MIN_SCALE=_MIN_SCALE, num_warps=4)
+                                              MIN_SCALE=MIN_SCALE, num_warps=4)
     return q, scale
 
 
@@ -178,6 +178,4 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                    block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
-    from nvray.quantization.fp8_math import linear_ref  # noqa: PLC0415
-
     return linear_ref(x, w, w_scale, block, bias)

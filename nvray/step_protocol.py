@@ -169,7 +169,7 @@ class Executor(Protocol):
     num_blocks: int  # KV cache blocks every rank holds (the minimum over the ranks)
     max_model_len: int  # prompt + output tokens a sequence may reach
     vocab_size: int
-    dtypes: dict[str, str]  # {"weights": ..., "kv_cache": ...}: what the ranks hold
+    dtypes: dict[str, str]  # {"weights", "compute", "kv_cache"}: what the ranks hold, in words
 
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` to completion; rank 0's answer."""

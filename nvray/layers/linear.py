@@ -58,6 +58,11 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
+    def use_triton_kernels(self) -> None:
+        """FP8 layers take their CUDA kernels (GPU only; the model runner calls this)."""
+        if self.quant_method is not None:
+            self.quant_method.use_triton_kernels()
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
@@ -79,7 +84,7 @@ class ColumnParallelLinear(LinearBase):
         self.full_out = out_features
         local = divide(out_features, tp_size(), "output features")
         if quant is not None and tp_size() > 1:
-            Fp8LinearMethod(quant).check_shard("output features per rank", local, 0)
+            quant.check_shard("output features per rank", local, 0)
         super().__init__(in_features, local, bias, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
@@ -97,7 +102,7 @@ class MergedColumnParallelLinear(LinearBase):
         local = [divide(n, tp_size(), "output features") for n in output_sizes]
         if quant is not None:
             for n in local:
-                Fp8LinearMethod(quant).check_shard("a fused part's output features per rank", n, 0)
+                quant.check_shard("a fused part's output features per rank", n, 0)
         self.offsets = [sum(local[:i]) for i in range(len(local))]
         self.local_sizes = local
         super().__init__(in_features, sum(local), bias, quant)
@@ -125,7 +130,7 @@ class QKVParallelLinear(LinearBase):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         if quant is not None:
             for part, n in (("q", self.num_heads * head_dim), ("k/v", self.num_kv_heads * head_dim)):
-                Fp8LinearMethod(quant).check_shard(f"{part} output features per rank", n, 0)
+                quant.check_shard(f"{part} output features per rank", n, 0)
         super().__init__(hidden_size, out, bias, quant)
 
     def _kv_head_start(self) -> int:

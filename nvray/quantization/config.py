@@ -38,13 +38,16 @@ class Fp8Config:
     def quantize_on_load(self) -> bool:
         return self.source == "on-the-fly"
 
-    @property
-    def activation_group(self) -> int | None:
-        return None if self.block is None else self.block[1]
-
     def describe(self) -> str:
         scales = "per channel" if self.block is None else f"{self.block[0]}x{self.block[1]} blocks"
         return f"fp8 e4m3 ({self.source}, weight scales {scales}, dynamic activations)"
+
+    def check_shard(self, what: str, size: int, dim: int) -> None:
+        """A fused part or tensor-parallel shard of ``size`` weight rows (dim 0) or columns
+        (dim 1) must start and end on a scale block's edge."""
+        if self.block is not None and size % self.block[dim] != 0:
+            raise ValueError(f"{what} of {size} does not split into the checkpoint's "
+                             f"{self.block[0]}x{self.block[1]} weight blocks")
 
     def _is_ignored(self, module: str) -> bool:
         for pattern in self.ignored:
@@ -139,7 +142,7 @@ def _from_compressed_tensors(qc: dict[str, Any]) -> Fp8Config:
     block = _ct_weights(group.get("weights") or {})
     _ct_activations(group.get("input_activations"), block)
     ignored = tuple(qc.get("ignore") or ())
-    if not any(p in ("lm_head", "re:.*lm_head") or p.endswith("lm_head") for p in ignored):
+    if not any(p.endswith("lm_head") for p in ignored):
         raise _unsupported("ignore", list(ignored), "lm_head must be left unquantized")
     return Fp8Config(block=block, scale_name="weight_scale", source="compressed-tensors",
                      ignored=ignored)

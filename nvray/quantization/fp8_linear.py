@@ -6,18 +6,20 @@ scale named as the checkpoint names it (``weight_scale`` or ``weight_scale_inv``
 covers (``None``: the dimension is not split), so tensor parallelism shards weights and scales
 along the same axis. ``apply`` runs the layer:
 
-- on CUDA: activations quantized by one Triton kernel (per token, or per token and block
+- on CUDA, once the model runner has called ``use_triton_kernels`` (as for every layer with
+  Triton kernels): activations quantized by one Triton kernel (per token, or per token and block
   column group), then ``torch._scaled_mm`` (per-channel weights, per-token activations) or the
   Triton block-scaled GEMM (``kernels/fp8_gemm.py``);
-- elsewhere: ``fp8_math.linear_ref`` (dequantize, compute in the activations' dtype).
+- otherwise: ``fp8_math.linear_ref`` (dequantize, compute in the activations' dtype).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-from nvray.layers.tp import tp_size
 from nvray.quantization.config import Fp8Config
 from nvray.quantization.fp8_math import FP8_DTYPE, linear_ref, quantize_per_channel
 
@@ -39,17 +41,16 @@ class Fp8LinearMethod:
     def __init__(self, config: Fp8Config) -> None:
         self.config = config
         self.block = config.block
+        self.gpu_linear: Callable[..., torch.Tensor] | None = None  # set by use_triton_kernels
 
-    def check_shard(self, what: str, size: int, dim: int) -> None:
-        """A fused part or tensor-parallel shard of ``size`` weight rows (dim 0) or columns
-        (dim 1) must start and end on a scale block's edge."""
-        if self.block is not None and size % self.block[dim] != 0:
-            hint = " (fewer tensor-parallel ranks may fit)" if "per rank" in what and tp_size() > 1 else ""
-            raise ValueError(f"{what} of {size} does not split into the checkpoint's "
-                             f"{self.block[0]}x{self.block[1]} weight blocks{hint}")
+    def use_triton_kernels(self) -> None:
+        """The CUDA path (Triton activation quantization, FP8 GEMMs), chosen once on the GPU."""
+        from kernels.fp8_gemm import fp8_linear  # noqa: PLC0415 - GPU-only import
+
+        self.gpu_linear = fp8_linear
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
-        self.check_shard("input features per rank", in_features, 1)
+        self.config.check_shard("input features per rank", in_features, 1)
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE),
                                     requires_grad=False)
         if self.block is None:
@@ -61,9 +62,6 @@ class Fp8LinearMethod:
         scale.shard_unit = unit  # type: ignore[attr-defined]
         setattr(layer, self.config.scale_name, scale)
 
-    def scale_of(self, layer: nn.Module) -> torch.Tensor:
-        return getattr(layer, self.config.scale_name)
-
     def quantize_checkpoint_tensor(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """On-the-fly FP8: a full 16/32-bit checkpoint weight -> (fp8 weight, per-channel scale),
         before it is sharded, so every rank count quantizes alike."""
@@ -71,9 +69,6 @@ class Fp8LinearMethod:
         return quantize_per_channel(tensor)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        scale = self.scale_of(layer)
-        if x.is_cuda:
-            from kernels.fp8_gemm import fp8_linear  # noqa: PLC0415
-
-            return fp8_linear(x, layer.weight, scale, self.block, bias)
-        return linear_ref(x, layer.weight, scale, self.block, bias)
+        scale = getattr(layer, self.config.scale_name)
+        linear = self.gpu_linear or linear_ref
+        return linear(x, layer.weight, scale, self.block, bias)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-_MIN_SCALE = 1e-12  # an all-zero row or block gets this scale instead of 0
+MIN_SCALE = 1e-12  # an all-zero row or block gets this scale instead of 0
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] -> (fp8 [out, in], float32 scale [out, 1])."""
     w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     return to_fp8(w / scale), scale
 
 
@@ -57,7 +57,7 @@ def quantize_per_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.T
     padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32, device=w.device)
     padded[:out, :inp] = w.float()
     amax = padded.view(rows, bn, cols, bk).abs().amax(dim=(1, 3))
-    scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
     return to_fp8(w.float() / _expand_blocks(scale, (out, inp), block)), scale
 
 
@@ -75,7 +75,7 @@ def quantize_activation(x: torch.Tensor, group: int | None) -> tuple[torch.Tenso
     t, k = x.shape
     assert k % group == 0, f"{k} columns do not split into groups of {group}"
     grouped = x.float().view(t, k // group, group)
-    scale = (grouped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    scale = (grouped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     return to_fp8(grouped / scale).view(t, k), scale.view(t, k // group)
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank, tp_size
+from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import SampleSpec, StepInput, StepOutput
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
@@ -42,7 +43,6 @@ from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory
 from nvray.worker.sampled_ids import HostIds, SampledIds
 from nvray.worker.sampler import sample
-from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.worker.setup import (build_model, enable_torch_compile, load_hf_config,
                                 resolve_dtype, resolve_max_model_len, torch_device,
                                 use_triton_kernels)
