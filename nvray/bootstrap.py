@@ -28,25 +28,19 @@ T = TypeVar("T")
 
 def create_engine(config: EngineConfig,
                   make_executor: Callable[[EngineConfig, str], Executor],
-                  phases: StartupPhases | None = None, start: float | None = None,
-                  tokenizer_beside_ranks: bool = False) -> LLMEngine:
+                  phases: StartupPhases | None = None, start: float | None = None) -> LLMEngine:
     """``phases`` and ``start``: a start-up the caller began timing earlier (its imports).
-    ``tokenizer_beside_ranks``: the executor's ranks start in other processes (Ray), so the
-    tokenizer loads in a thread meanwhile."""
+    The tokenizer loads in a thread while the executor starts (its import of transformers
+    alone takes seconds): beside rank processes on Ray, beside CUDA and file work in-process."""
     start = time.perf_counter() if start is None else start
     phases = phases or StartupPhases()
     with phases.phase("model_files"):
         model_path = resolve_model(config.model)
-    if not tokenizer_beside_ranks:
-        with phases.phase("tokenizer"):
-            tokenizer = load_tokenizer(model_path)
+    with concurrent.futures.ThreadPoolExecutor(1, "nvray-tokenizer") as pool:
+        loading = pool.submit(_timed, load_tokenizer, model_path)
         executor = _timed_executor(make_executor, config, model_path, phases)
-    else:  # the ranks run in their own processes: load the tokenizer meanwhile
-        with concurrent.futures.ThreadPoolExecutor(1, "nvray-tokenizer") as pool:
-            loading = pool.submit(_timed, load_tokenizer, model_path)
-            executor = _timed_executor(make_executor, config, model_path, phases)
-            with phases.phase("tokenizer_wait"):  # what the ranks' start did not hide
-                tokenizer, phases.beside["tokenizer"] = loading.result()
+        with phases.phase("tokenizer_wait"):  # what the executor's start did not hide
+            tokenizer, phases.beside["tokenizer"] = loading.result()
     with phases.phase("engine"):
         limits = ModelLimits(max_model_len=executor.max_model_len,
                              vocab_size=executor.vocab_size, num_kvcache_blocks=executor.num_blocks,

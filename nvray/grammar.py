@@ -24,12 +24,14 @@ import concurrent.futures
 import functools
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from nvray.structured_outputs import GrammarSpec
+
+if TYPE_CHECKING:  # torch loads where masks are made (the ranks), not where grammars compile
+    import torch
 
 DEFAULT_COMPILE_TIMEOUT_S = 30.0  # a grammar that takes longer is refused (NVRAY_GRAMMAR_TIMEOUT_S)
 MAX_CACHED_GRAMMARS = 64
@@ -117,6 +119,8 @@ class GrammarCompiler:
             ok[token_id] = token_id in special or not any(b < 32 for b in piece)
         weights = (np.uint64(1) << np.arange(32, dtype=np.uint64))
         words = (ok.reshape(-1, 32).astype(np.uint64) * weights).sum(axis=1).astype(np.uint32)
+        import torch  # noqa: PLC0415
+
         return torch.from_numpy(words.view(np.int32).copy())
 
 

@@ -10,6 +10,8 @@ outputs come back in prompt order. A tqdm bar shows requests done and prefill/de
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import importlib
 import itertools
 import time
 from typing import Any, Sequence as Seq
@@ -42,9 +44,7 @@ class LLM:
             self.engine = create_engine(self.config, InProcessExecutor, phases, start)
             self._tokenizer = self.engine.tokenizer
         else:
-            from nvray.runtime import start_engine  # noqa: PLC0415
-
-            self.client = start_engine(self.config)
+            self.client = _start_on_ray(self.config)
             atexit.register(self.shutdown)
 
     @property
@@ -195,3 +195,19 @@ class LLM:
             decode = (stats["generation_tokens"] - last[1].get("generation_tokens", 0)) / dt
             bar.set_postfix(prefill=f"{prefill:.0f} tok/s", decode=f"{decode:.0f} tok/s")
         return now, stats
+
+
+def _start_on_ray(config: EngineConfig) -> Any:
+    """``start_engine``, its imports (torch, the engine: seconds) in a thread while this one
+    connects to Ray. Ray must start from this thread: a local cluster's processes die with the
+    thread that started them."""
+    from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415 - Ray only, no torch
+
+    phases = StartupPhases()
+    with concurrent.futures.ThreadPoolExecutor(1, "nvray-imports") as pool:
+        importing = pool.submit(importlib.import_module, "nvray.runtime.client")
+        with phases.phase("ray_init"):
+            ensure_ray()
+        with phases.phase("imports"):  # what connecting did not hide
+            client_module = importing.result()
+    return client_module.start_engine(config, phases=phases)

@@ -42,7 +42,7 @@ def bench_ray_overhead(model: str = "tiny", num_seqs: int = 32, prompt_len: int 
     from nvray.runtime.cluster import resolve_device  # noqa: PLC0415
     from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
     from nvray.runtime.placement import create_engine_placement_group  # noqa: PLC0415
-    from nvray.runtime.ray_executor import RayExecutor  # noqa: PLC0415
+    from nvray.runtime.ray_executor import RayExecutor, start_rank_actors  # noqa: PLC0415
     from nvray.worker.executor import InProcessExecutor  # noqa: PLC0415
 
     ensure_ray()
@@ -53,7 +53,7 @@ def bench_ray_overhead(model: str = "tiny", num_seqs: int = 32, prompt_len: int 
         cfg = config.replace(ray_dispatch=dispatch)
         pgs.append(create_engine_placement_group(cfg, cfg.device == "cuda"))
         engines[f"ray_{dispatch}"] = create_engine(
-            cfg, lambda c, path, pg=pgs[-1]: RayExecutor(c, path, pg))
+            cfg, lambda c, path, pg=pgs[-1]: RayExecutor(c, path, start_rank_actors(c, pg)))
     per_mode: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(rounds):  # interleaved, so drift hits every mode alike
         for name, engine in engines.items():

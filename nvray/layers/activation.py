@@ -7,21 +7,16 @@ one hand-written kernel (``kernels/silu_mul.py``), cheaper to launch on eager st
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nvray.layers.compiled import compiled
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@functools.cache
-def _compiled(fn):  # noqa: ANN001, ANN202 - one compiled artifact per function, shared
-    return torch.compile(fn, dynamic=True)
 
 
 class SiluAndMul(nn.Module):
@@ -30,7 +25,7 @@ class SiluAndMul(nn.Module):
         self._fn = silu_and_mul
 
     def enable_torch_compile(self) -> None:
-        self._fn = _compiled(silu_and_mul)
+        self._fn = compiled(silu_and_mul)
 
     def use_triton_kernels(self) -> None:
         from kernels import silu_and_mul as kernel  # noqa: PLC0415 - GPU-only import

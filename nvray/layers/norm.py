@@ -9,10 +9,10 @@ steps.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
+
+from nvray.layers.compiled import compiled
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,11 +28,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(residual, weight, eps), residual
 
 
-@functools.cache
-def _compiled(fn):  # noqa: ANN001, ANN202 - one compiled artifact per function, shared
-    return torch.compile(fn, dynamic=True)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -41,7 +36,7 @@ class RMSNorm(nn.Module):
         self._norm, self._add_norm = rms_norm, add_rms_norm
 
     def enable_torch_compile(self) -> None:
-        self._norm, self._add_norm = _compiled(rms_norm), _compiled(add_rms_norm)
+        self._norm, self._add_norm = compiled(rms_norm), compiled(add_rms_norm)
 
     def use_triton_kernels(self) -> None:
         from kernels import rms_norm as kernel  # noqa: PLC0415 - GPU-only import

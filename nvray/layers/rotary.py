@@ -6,10 +6,10 @@ of q and k as ``torch.compile``d kernels instead of ~20 small ones per layer.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
+
+from nvray.layers.compiled import compiled
 
 
 def rope_theta_of(hf_config: object) -> float:
@@ -38,11 +38,6 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-@functools.cache
-def _compiled(fn):  # noqa: ANN001, ANN202 - one compiled artifact per function, shared
-    return torch.compile(fn, dynamic=True)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
         super().__init__()
@@ -53,7 +48,7 @@ class RotaryEmbedding(nn.Module):
         self._apply_rotary = apply_rotary
 
     def enable_torch_compile(self) -> None:
-        self._apply_rotary = _compiled(apply_rotary)
+        self._apply_rotary = compiled(apply_rotary)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

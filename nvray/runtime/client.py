@@ -1,17 +1,22 @@
 """start_engine / EngineClient: place an engine on the Ray cluster and call its driver.
 
-An EngineClient is a small picklable handle (the driver actor and the placement group), so it
-can be passed to other Ray tasks and actors, which then call the same engine concurrently.
+``start_engine`` makes the rank actors and the driver actor together, so their processes start
+and import side by side; the caller owns both (they die with it), and the start-up report
+(``stats()["startup"]``) counts from the caller's ``ray_init``.
+
+An EngineClient is a small picklable handle (the driver and rank actors, the placement group),
+so it can be passed to other Ray tasks and actors, which then call the same engine concurrently.
 In each process it is used in, it opens one output channel to the driver on first use (a
 SyncRouter): ``generate``, ``generate_many`` and ``stream`` all receive their outputs through
 it, one message per engine step for all of that client's requests. ``close`` ends the channel
-(what is still running is aborted); ``shutdown`` kills the driver (its rank actors die with
-it) and removes the placement group.
+(what is still running is aborted); ``shutdown`` kills the driver and the rank actors and
+removes the placement group.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -25,33 +30,41 @@ from nvray.request import EngineRequest
 from nvray.runtime.cluster import ensure_ray, resolve_device
 from nvray.runtime.driver import EngineDriver
 from nvray.runtime.placement import DRIVER_CPUS, create_engine_placement_group, in_bundle
+from nvray.runtime.ray_executor import start_rank_actors
 from nvray.runtime.sync_router import SyncRouter, SyncSink
+from nvray.startup_phases import StartupPhases
 
 _SHUTDOWN_TIMEOUT_S = 30.0
 _DRIVER_MAX_CONCURRENCY = 10_000
 
 
-def start_engine(config: EngineConfig, pg: PlacementGroup | None = None) -> "EngineClient":
+def start_engine(config: EngineConfig, pg: PlacementGroup | None = None,
+                 phases: StartupPhases | None = None) -> "EngineClient":
     """Start one engine (driver + ranks in one placement group) on the current Ray cluster.
 
     With ``pg`` (bundles laid out as ``placement.engine_bundles``: rank r in bundle r, the
     driver in bundle 0 beside rank 0), the engine lives in that placement group and its owner
     removes it — this is how a Serve replica hosts its engine in the replica's own placement
-    group.
+    group. ``phases``: a start-up the caller began timing (its imports).
     """
-    ensure_ray()
+    phases = phases or StartupPhases()
+    with phases.phase("ray_init"):
+        ensure_ray()
     if config.model != TINY_NAME:
         resolve_model(config.model)  # fail fast, here, on a path that does not exist
     config = resolve_device(config)
     owns_pg = pg is None
     if pg is None:
-        pg = create_engine_placement_group(config, config.device == "cuda")
+        with phases.phase("placement_group"):
+            pg = create_engine_placement_group(config, config.device == "cuda")
+    launched_at = time.time()
+    ranks = start_rank_actors(config, pg)  # their processes start beside the driver's
     driver = ray.remote(EngineDriver).options(
         num_cpus=DRIVER_CPUS, scheduling_strategy=in_bundle(pg, 0),
-        max_concurrency=_DRIVER_MAX_CONCURRENCY, max_restarts=0).remote(config, pg)
-    client = EngineClient(driver, pg, owns_pg)
+        max_concurrency=_DRIVER_MAX_CONCURRENCY, max_restarts=0).remote(config, ranks)
+    client = EngineClient(driver, pg, owns_pg, ranks)
     try:
-        client.info = ray.get(driver.start.remote())
+        client.info = ray.get(driver.start.remote(phases.seconds, launched_at))
     except BaseException:
         client.shutdown()
         raise
@@ -59,19 +72,22 @@ def start_engine(config: EngineConfig, pg: PlacementGroup | None = None) -> "Eng
 
 
 class EngineClient:
-    def __init__(self, driver: Any, pg: PlacementGroup, owns_pg: bool = True) -> None:
+    def __init__(self, driver: Any, pg: PlacementGroup, owns_pg: bool = True,
+                 ranks: Sequence[Any] = ()) -> None:
         self.driver = driver
         self.pg = pg
         self.owns_pg = owns_pg
+        self.ranks = list(ranks)
         self.info: dict[str, Any] = {}
         self._router: SyncRouter | None = None
         self._router_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"driver": self.driver, "pg": self.pg, "owns_pg": self.owns_pg, "info": self.info}
+        return {"driver": self.driver, "pg": self.pg, "owns_pg": self.owns_pg, "info": self.info,
+                "ranks": self.ranks}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["driver"], state["pg"], state["owns_pg"])  # type: ignore[misc]
+        self.__init__(state["driver"], state["pg"], state["owns_pg"], state["ranks"])  # type: ignore[misc]
         self.info = state["info"]
 
     @property
@@ -141,6 +157,7 @@ class EngineClient:
             ray.get(self.driver.shutdown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a dead driver is what shutdown wants anyway
             pass
-        ray.kill(self.driver, no_restart=True)
+        for actor in (self.driver, *self.ranks):  # the ranks too, should the driver have died
+            ray.kill(actor, no_restart=True)
         if self.owns_pg:
             remove_placement_group(self.pg)

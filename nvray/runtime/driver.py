@@ -38,8 +38,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from ray.util.placement_group import PlacementGroup
-
 from nvray.bootstrap import create_engine
 from nvray.chat_template import is_chat, render_chat
 from nvray.config import EngineConfig
@@ -49,27 +47,38 @@ from nvray.runtime.consumer_channel import ConsumerChannel, FinalOutput, OutputS
 from nvray.runtime.engine_loop import EngineLoop
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.ray_executor import RayExecutor
+from nvray.startup_phases import StartupPhases
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
 
 
 class EngineDriver:
-    def __init__(self, config: EngineConfig, pg: PlacementGroup) -> None:
+    def __init__(self, config: EngineConfig, workers: list) -> None:
+        """``workers``: the engine's rank actors, started beside this one (``start_engine``)."""
         # Ray warns at the first ray.get in any thread of an async actor; this one calls it
         # only from its own threads (start-up, the step loop), never on the event loop
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")  # Ray's own switch
         self.config = config
-        self.pg = pg
+        self.workers = workers
         self.loop: EngineLoop | None = None
         self.channels: dict[str, ConsumerChannel] = {}
-        self.started_at = time.time()
+        self.created_at = time.time()  # the process is up and has imported this module
 
-    async def start(self) -> dict[str, Any]:
-        """Start the ranks and the step loop; returns model facts. Errors surface here."""
-        # starting the ranks blocks on ray.get: keep it off the actor's event loop
+    async def start(self, launch_phases: dict[str, float] | None = None,
+                    launched_at: float | None = None) -> dict[str, Any]:
+        """Set the ranks up and start the step loop; returns model facts. Errors surface here.
+        ``launch_phases``: the caller's start-up seconds before it made this actor (Ray, the
+        placement group), and ``launched_at`` (``time.time()``) when it made it: the start-up
+        report then covers the whole start, this actor's process start and imports included."""
+        phases = StartupPhases()
+        phases.add(launch_phases or {})
+        if launched_at is not None:
+            phases.add({"driver_actor": max(0.0, self.created_at - launched_at)})
+        start = time.perf_counter() - sum(phases.seconds.values())
+        # setting the ranks up blocks on ray.get: keep it off the actor's event loop
         engine = await asyncio.to_thread(
-            create_engine, self.config, lambda cfg, path: RayExecutor(cfg, path, self.pg),
-            tokenizer_beside_ranks=True)
+            create_engine, self.config, lambda cfg, path: RayExecutor(cfg, path, self.workers),
+            phases, start)
         self.engine = engine
         self.loop = EngineLoop(engine)
         lim, cfg = engine.limits, self.config

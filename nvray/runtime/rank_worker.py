@@ -5,6 +5,9 @@ and a free port rank 0 picked, builds its ModelRunner (model shard + paged KV ca
 steps. Inside the actor the rank's GPU, if any, is ``cuda:0``. A step that raises on one rank
 makes it leave a gloo process group, so the others fail at once instead of waiting in a
 collective (with NCCL they wait out the group's 120 s timeout).
+
+This module imports torch and the model code only in the actor (its constructor), so the
+processes that merely start ranks (``LLM()``, a Serve replica, the driver) never load them.
 """
 
 from __future__ import annotations
@@ -13,23 +16,24 @@ import contextlib
 import datetime
 import os
 import socket
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import ray
-import torch
-import torch.distributed as dist
 
 from nvray.config import EngineConfig
 from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import freeze_startup_objects, release_frozen_objects
-from nvray.worker.model_runner import ModelRunner
-from nvray.worker.startup import num_kvcache_blocks, prepare_kv_cache
+
+if TYPE_CHECKING:
+    from nvray.worker.model_runner import ModelRunner
 
 _DIST_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int) -> None:
+        import torch  # noqa: PLC0415 - see the module's docstring
+
         self.config = config
         self.rank = rank
         self.runner: ModelRunner | None = None
@@ -47,6 +51,9 @@ class RankWorker:
         world = self.config.tensor_parallel_size
         if world == 1:
             return
+        import torch  # noqa: PLC0415 - see the module's docstring
+        import torch.distributed as dist  # noqa: PLC0415
+
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # the actor sees one GPU
@@ -55,6 +62,9 @@ class RankWorker:
 
     def load(self, model_path: str) -> int:
         """Build the model shard; returns how many KV blocks fit on this rank."""
+        from nvray.worker.model_runner import ModelRunner  # noqa: PLC0415 - see the docstring
+        from nvray.worker.startup import num_kvcache_blocks  # noqa: PLC0415
+
         self.runner = ModelRunner(self.config, model_path)
         return num_kvcache_blocks(self.runner)
 
@@ -69,6 +79,8 @@ class RankWorker:
         return dict(self.runner.startup.seconds)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        from nvray.worker.startup import prepare_kv_cache  # noqa: PLC0415 - see the docstring
+
         assert self.runner is not None, "load() first"
         prepare_kv_cache(self.runner, num_blocks)
         freeze_startup_objects()  # the rank's start-up is done (cache and CUDA graphs exist)
@@ -90,6 +102,8 @@ class RankWorker:
         now rather than after the group's timeout; NCCL is left alone (destroying a group with
         work in flight can block), and its peers wait out the timeout. The engine is dead
         either way."""
+        import torch.distributed as dist  # noqa: PLC0415 - see the module's docstring
+
         try:
             yield
         except BaseException:
@@ -105,5 +119,7 @@ class RankWorker:
             release_frozen_objects()  # first: start-up froze the model's reference cycles
             self.runner.close()
             self.runner = None
+        import torch.distributed as dist  # noqa: PLC0415 - see the module's docstring
+
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,8 +1,10 @@
 """RayExecutor: the engine's tensor-parallel rank actors, driven one step at a time.
 
-Start-up: one RankWorker per rank in its placement-group bundle; torch.distributed rendezvous
-at rank 0's node IP and a free port; every rank loads its shard and reports how many KV blocks
-fit; all allocate the minimum. Per step, the same StepInput goes to every rank and rank 0's
+Start-up: ``start_rank_actors`` places one RankWorker per rank in its placement-group bundle
+(``start_engine`` calls it beside the driver actor, so the rank processes start and import
+while the driver's does); the executor then runs the torch.distributed rendezvous at rank 0's
+node IP and a free port; every rank loads its shard and reports how many KV blocks fit; all
+allocate the minimum. Per step, the same StepInput goes to every rank and rank 0's
 sampled tokens come back. By default the step travels through a Ray compiled graph (shared
 memory channels, no per-call task submission), which keeps Ray's per-call overhead off the
 critical path; ``ray_dispatch="actor_calls"`` uses plain actor calls instead.
@@ -42,15 +44,27 @@ logger = logging.getLogger(__name__)
 _PING_TIMEOUT_S = 10.0
 
 
+def start_rank_actors(config: EngineConfig, pg: PlacementGroup) -> list:
+    """One RankWorker per rank, rank r in bundle r of ``pg``; returns at once (the actors
+    start in the background)."""
+    res = rank_resources(config, config.device == "cuda")
+    actor = ray.remote(RankWorker)
+    return [actor.options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_concurrency=2,
+                          max_restarts=0, scheduling_strategy=in_bundle(pg, rank)
+                          ).remote(config, rank)
+            for rank in range(config.tensor_parallel_size)]
+
+
 class RayExecutor:
-    def __init__(self, config: EngineConfig, model_path: str, pg: PlacementGroup) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, workers: list) -> None:
+        """``workers``: the engine's rank actors (``start_rank_actors``), perhaps still starting."""
         self.config = config
         self.timeout = config.step_timeout_s
         self.overlap = config.overlap_scheduling
         self.dead: str | None = None
+        self.workers = workers
         phases = StartupPhases()
-        with phases.phase("rank_actors"):
-            self.workers = self._start_workers(config, pg)
+        with phases.phase("rank_actors"):  # what their start leaves to wait for
             host, port = ray.get(self.workers[0].rendezvous_address.remote())
             ray.get([w.init_distributed.remote(host, port) for w in self.workers])
         start = time.perf_counter()
@@ -62,14 +76,6 @@ class RayExecutor:
             self.dag = self._compile() if self.compiled else None
         self.startup_phases = phases.seconds
         self.next_dag: concurrent.futures.Future | None = None  # compiling after an idle spell
-
-    def _start_workers(self, config: EngineConfig, pg: PlacementGroup) -> list:
-        res = rank_resources(config, config.device == "cuda")
-        actor = ray.remote(RankWorker)
-        return [actor.options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_concurrency=2,
-                              max_restarts=0, scheduling_strategy=in_bundle(pg, rank)
-                              ).remote(config, rank)
-                for rank in range(config.tensor_parallel_size)]
 
     def _setup(self, model_path: str) -> None:
         blocks = ray.get([w.load.remote(model_path) for w in self.workers])

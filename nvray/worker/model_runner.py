@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank, tp_size
+from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import SampleSpec, StepInput, StepOutput
@@ -43,7 +44,7 @@ from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory
 from nvray.worker.sampled_ids import HostIds, SampledIds
 from nvray.worker.sampler import sample
-from nvray.worker.setup import (build_model, enable_torch_compile, load_hf_config,
+from nvray.worker.setup import (build_model, enable_torch_compile,
                                 resolve_dtype, resolve_max_model_len, torch_device,
                                 use_triton_kernels)
 
@@ -64,7 +65,7 @@ class ModelRunner:
         self.device = torch_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.hf_config = load_hf_config(model_path)
+        self.hf_config = load_model_config(model_path)  # config.json, no transformers import
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype

@@ -1,4 +1,4 @@
-"""Setting up one rank: its device, the model's HF config and dtype, the model itself.
+"""Setting up one rank: its device, the model's dtype and length limit, the model itself.
 
 Functions of the configuration only, run once when a ``ModelRunner`` is made: which torch
 device the rank computes on (``torch_device``: inside a Ray actor ``cuda`` is the one visible
@@ -40,12 +40,6 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     if device.type == "cpu":
         return torch.float32
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
-
-
-def load_hf_config(model_path: str) -> Any:
-    from transformers import AutoConfig  # noqa: PLC0415
-
-    return AutoConfig.from_pretrained(model_path)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:

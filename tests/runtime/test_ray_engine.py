@@ -34,7 +34,9 @@ def live_nvray_actors() -> set[str]:
 
 @pytest.fixture(scope="module")
 def tp2(ray_cluster, tiny_path):
+    start = time.perf_counter()
     llm = LLM("tiny", tensor_parallel_size=2, max_model_len=512)
+    llm.measured_start_s = time.perf_counter() - start
     yield llm
     llm.shutdown()
 
@@ -326,7 +328,10 @@ def test_an_idle_engine_rests_and_wakes_to_the_same_tokens(tp2, tiny_path):
 def test_a_ray_engine_reports_its_start_up_by_phase(tp2):
     startup = tp2.stats()["startup"]
     phases = startup["phases_s"]
-    assert {"rank_actors", "model_and_weights", "kv_cache", "rank_calls", "compiled_graph",
+    assert {"imports", "ray_init", "placement_group", "driver_actor", "rank_actors",
+            "model_and_weights", "kv_cache", "rank_calls", "compiled_graph",
             "tokenizer_wait"} <= set(phases)
     assert startup["beside_s"]["tokenizer"] > 0  # loaded while the ranks started
     assert startup["total_s"] > 0 and startup["other_s"] <= 0.1 * startup["total_s"] + 0.05
+    wall = tp2.measured_start_s  # the report covers LLM() from its first line to its return
+    assert 0.9 * wall - 0.1 <= startup["total_s"] <= wall + 0.01, (startup, wall)
