@@ -38,8 +38,8 @@ class AppArgs(BaseModel):
         f"token budget per engine step (the engine's offline default is "
         f"{_ENGINE.max_num_batched_tokens}; smaller prefill chunks keep streams' inter-token "
         f"latency low while long prompts prefill)"))
-    gpu_memory_utilization: float = Field(_ENGINE.gpu_memory_utilization, gt=0, le=1, description="fraction of GPU memory "
-                                                                       "for weights + KV cache")
+    gpu_memory_utilization: float = Field(_ENGINE.gpu_memory_utilization, gt=0, le=1, description="share of the GPU's memory "
+                                                                       "this engine may use (weights, activations, graphs, KV cache)")
     kvcache_block_size: int = Field(_ENGINE.kvcache_block_size, ge=1, description="tokens per KV cache block")
     enable_prefix_caching: bool = Field(_ENGINE.enable_prefix_caching, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(_ENGINE.enforce_eager, description="disable CUDA graphs")
@@ -56,6 +56,9 @@ class AppArgs(BaseModel):
                                                                                       "order")
     num_cpus_per_rank: float = Field(_ENGINE.num_cpus_per_rank, gt=0, description="CPUs per rank actor (CPU engines; "
                                      "0.9 lets a TP=2 engine and its replica fit 2 cores)")
+    num_gpus_per_rank: float = Field(_ENGINE.num_gpus_per_rank, gt=0, le=1, description="GPU share "
+                                     "per rank actor: 0.5 puts two TP=1 replicas on one GPU (give "
+                                     "each a gpu_memory_utilization of its share)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
                                            "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1} "
                                            "(a JSON object string on the command line)")
@@ -133,7 +136,7 @@ class AppArgs(BaseModel):
             "tensor_parallel_size", "device", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
             "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
-            "num_cpus_per_rank")}
+            "num_cpus_per_rank", "num_gpus_per_rank")}
         return EngineConfig.from_kwargs(self.model, **fields, **self.engine_options)
 
 

@@ -201,13 +201,13 @@ def _start_on_ray(config: EngineConfig) -> Any:
     """``start_engine``, its imports (torch, the engine: seconds) in a thread while this one
     connects to Ray. Ray must start from this thread: a local cluster's processes die with the
     thread that started them."""
-    from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415 - Ray only, no torch
-
     phases = StartupPhases()
+    with phases.phase("imports"):
+        from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415 - Ray only, no torch
     with concurrent.futures.ThreadPoolExecutor(1, "nvray-imports") as pool:
         importing = pool.submit(importlib.import_module, "nvray.runtime.client")
         with phases.phase("ray_init"):
             ensure_ray()
-        with phases.phase("imports"):  # what connecting did not hide
+        with phases.phase("imports"):  # and what connecting did not hide of the rest
             client_module = importing.result()
     return client_module.start_engine(config, phases=phases)

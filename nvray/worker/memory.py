@@ -1,17 +1,22 @@
 """GPU memory budget of the KV cache: what ``gpu_memory_utilization`` leaves after the rest.
 
-The engine may bring the device's memory use up to ``total * gpu_memory_utilization``. Before
-the KV cache exists, the runner measures what else it will need (nano-vllm's and vLLM's method):
+``gpu_memory_utilization`` is the share of the device's memory that this engine may use (vLLM's
+meaning): two engines at 0.45 each share one GPU. Memory that was in use when the rank started
+(other processes, other engines, this process's CUDA context) is not the engine's and is not
+counted against it. Before the KV cache exists, the runner measures what else it will need
+(nano-vllm's and vLLM's method):
 
-- ``used``: memory in use now — CUDA context, weights, other processes, NCCL buffers;
+- ``used``: what the engine holds now, beyond what was in use when its rank started (the
+  ``baseline``): weights, buffers, NCCL's;
 - ``activations``: the peak of a warm-up step of ``max_num_batched_tokens`` tokens through the
   model, the LM head and the sampler (one row per sequence, up to ``max_num_seqs``), run on a
   one-block scratch cache (its allocator blocks are kept, not returned);
 - ``cuda_graphs``: the decode graphs' pool and per-graph memory, estimated by capturing the
   largest and the smallest graph on the scratch cache (largest's pool + count x smallest's cost).
 
-``kv = total * utilization - used - activations - cuda_graphs``. On the CPU the KV cache gets
-``cpu_kvcache_space_gib`` instead.
+``kv = total * utilization - used - activations - cuda_graphs``, and never more than the device
+has free less the activations and graphs (another process may hold more than the rest of the
+device). On the CPU the KV cache gets ``cpu_kvcache_space_gib`` instead.
 """
 
 from __future__ import annotations
@@ -28,22 +33,27 @@ GIB = 2**30
 class GpuMemoryReport:
     total: int
     utilization: float
-    used: int  # context, weights, other processes: everything in use before the warm-up
+    baseline: int  # in use when the rank started: other processes, this process's CUDA context
+    used: int  # this engine's, beyond the baseline, before the warm-up: weights, buffers
     allocated: int  # by torch in this process before the warm-up: the weights (+ small buffers)
     activations: int
     cuda_graphs: int
+    free: int  # free on the device before the KV cache
 
     @property
     def kv_budget(self) -> int:
-        return int(self.total * self.utilization) - self.used - self.activations - self.cuda_graphs
+        share = int(self.total * self.utilization) - self.used - self.activations - self.cuda_graphs
+        return min(share, self.free - self.activations - self.cuda_graphs)
 
     def describe(self) -> str:
         return (f"total {self.total / GIB:.2f} GiB x gpu_memory_utilization {self.utilization} = "
-                f"{self.total * self.utilization / GIB:.2f} GiB; in use before the KV cache "
-                f"{self.used / GIB:.2f} GiB (this process's tensors {self.allocated / GIB:.2f} GiB: "
-                f"the weights; the rest: CUDA context, other processes); activation peak "
+                f"{self.total * self.utilization / GIB:.2f} GiB for this engine; in use by it "
+                f"before the KV cache {self.used / GIB:.2f} GiB (its tensors "
+                f"{self.allocated / GIB:.2f} GiB: the weights); activation peak "
                 f"{self.activations / GIB:.2f} GiB; CUDA graphs {self.cuda_graphs / GIB:.2f} GiB; "
-                f"left for the KV cache {self.kv_budget / GIB:.2f} GiB")
+                f"not the engine's (other processes, the CUDA context) {self.baseline / GIB:.2f} "
+                f"GiB; free {self.free / GIB:.2f} GiB; left for the KV cache "
+                f"{self.kv_budget / GIB:.2f} GiB")
 
 
 def free_cached_memory() -> None:

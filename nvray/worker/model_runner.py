@@ -41,7 +41,7 @@ from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.inputs import InputBuilder
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
-from nvray.worker.memory import GpuMemoryReport, free_cached_memory
+from nvray.worker.memory import GpuMemoryReport, free_cached_memory, measure_used
 from nvray.worker.sampled_ids import HostIds, SampledIds
 from nvray.worker.sampler import sample
 from nvray.worker.setup import (build_model, enable_torch_compile,
@@ -63,8 +63,10 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         self.config = config
         self.device = torch_device(config.device)
+        self.memory_baseline = 0  # in use on the device before this rank's work (memory.py)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            self.memory_baseline = measure_used(self.device)
         self.hf_config = load_model_config(model_path)  # config.json, no transformers import
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)

@@ -73,9 +73,10 @@ def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
                                        len(runner.graph_sizes) + len(runner.prefill_sizes), dev)
     runner.allocate_kv_cache(0)  # drops the trial graphs too
     free_cached_memory()
-    total = torch.cuda.mem_get_info(dev)[1]
-    return GpuMemoryReport(total, runner.config.gpu_memory_utilization, measure_used(dev),
-                           allocated, max(activations, 0), graphs)
+    free, total = torch.cuda.mem_get_info(dev)
+    return GpuMemoryReport(total, runner.config.gpu_memory_utilization, runner.memory_baseline,
+                           max(total - free - runner.memory_baseline, 0), allocated,
+                           max(activations, 0), graphs, free)
 
 
 def warmup(runner: ModelRunner) -> None:

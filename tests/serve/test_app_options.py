@@ -57,6 +57,17 @@ def test_unknown_or_invalid_args_fail_at_start_up_naming_them():
         build_app({"quantization": "int4", "kv_cache_dtype": "fp16"})
 
 
+def test_two_replicas_share_a_gpu_through_num_gpus_per_rank():
+    from deployments import _engine_options  # the Serve options each engine replica gets
+
+    args = AppArgs(device="cuda", num_gpus_per_rank=0.5, gpu_memory_utilization=0.45)
+    config = args.engine_config()
+    assert (config.num_gpus_per_rank, config.gpu_memory_utilization) == (0.5, 0.45)
+    assert _engine_options(args, config)["placement_group_bundles"][0]["GPU"] == 0.5
+    with pytest.raises(ValueError, match="num_gpus_per_rank"):
+        build_app({"num_gpus_per_rank": 1.5})
+
+
 def test_fp8_app_arguments_reach_the_engine_config():
     config = AppArgs(quantization="fp8", kv_cache_dtype="fp8").engine_config()
     assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
