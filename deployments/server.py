@@ -40,6 +40,7 @@ from ray import serve
 from deployments.args import AppArgs, parse_args
 from deployments.auth import bearer_key_matches
 from deployments.body_limit import BodySizeLimit
+from deployments.client_left import ClientLeft
 from deployments.engines import Lease, LeasedEngines, LocalEngine
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
 from deployments.metrics import render_metrics
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 api = FastAPI(title="nvray", description="OpenAI-compatible API of an nvray engine")
 install_error_handlers(api)
 api.add_middleware(BodySizeLimit)
+api.add_middleware(ClientLeft)  # outermost: Serve's cancellation of a request is its disconnect
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
