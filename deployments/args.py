@@ -70,7 +70,7 @@ class AppArgs(BaseModel):
                                                            "adding a replica")
     downscale_delay_s: float = Field(600.0, ge=0, description="autoscaling: sustained low load "
                                                               "before removing a replica")
-    metrics_interval_s: float = Field(2.0, gt=0, description="autoscaling: how often replicas "
+    metrics_interval_s: float = Field(1.0, gt=0, description="autoscaling: how often replicas "
                                       "and handles report their load to Serve (Serve's own "
                                       "default, 10 s, makes a burst wait ~10 s to be seen)")
     look_back_period_s: float = Field(10.0, gt=0, description="autoscaling: the window of load "
