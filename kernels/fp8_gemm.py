@@ -38,7 +38,6 @@ __all__ = ["quantize_fp8_act", "quantize_fp8_act_ref", "block_fp8_mm", "block_fp
            "fp8_linear", "fp8_linear_ref"]
 
 
-
 @triton.jit
 def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, stride_xm, stride_qm, stride_sm,
                          GROUP: tl.constexpr, CHUNK: tl.constexpr, FP8_MAX: tl.constexpr,

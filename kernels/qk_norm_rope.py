@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.store_kv import saturate_for_cache
+
 __all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_store"]
 
 
@@ -102,22 +104,15 @@ def _qk_norm_rope_kernel(
         row = t * (NUM_KV_HEADS * HEAD_DIM)
     k_off = row + k_heads[:, None] * HEAD_DIM + offs[None, :]
     out_ty = k_out_ptr.dtype.element_ty
-    tl.store(k_out_ptr + k_off, _to_cache(o1, FP8_CACHE).to(out_ty), mask=k_mask)
-    tl.store(k_out_ptr + k_off + half, _to_cache(o2, FP8_CACHE).to(out_ty), mask=k_mask)
+    tl.store(k_out_ptr + k_off, saturate_for_cache(o1, FP8_CACHE).to(out_ty), mask=k_mask)
+    tl.store(k_out_ptr + k_off + half, saturate_for_cache(o2, FP8_CACHE).to(out_ty), mask=k_mask)
     if STORE:  # v: copied as it is from the projection
         v_src = src + NUM_KV_HEADS * HEAD_DIM  # a k head's row, one KV width further on
-        v1 = _to_cache(tl.load(v_src, mask=k_mask), FP8_CACHE)
-        v2 = _to_cache(tl.load(v_src + half, mask=k_mask), FP8_CACHE)
+        v1 = saturate_for_cache(tl.load(v_src, mask=k_mask), FP8_CACHE)
+        v2 = saturate_for_cache(tl.load(v_src + half, mask=k_mask), FP8_CACHE)
         tl.store(v_cache_ptr + k_off, v1.to(out_ty), mask=k_mask)
         tl.store(v_cache_ptr + k_off + half, v2.to(out_ty), mask=k_mask)
 
-
-@triton.jit
-def _to_cache(x, FP8_CACHE: tl.constexpr):
-    """What an e4m3 cache can hold: values saturated at ±448 (the cast itself rounds)."""
-    if FP8_CACHE:
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
-    return x
 
 
 _INTERPRET = not isinstance(_qk_norm_rope_kernel, triton.runtime.jit.JITFunction)

@@ -26,9 +26,21 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.quantization.fp8_math import to_cache_dtype
+from nvray.quantization.fp8_math import FP8_MAX, to_cache_dtype
 
 __all__ = ["store_kvcache", "store_kvcache_ref"]
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def saturate_for_cache(x, FP8_CACHE: tl.constexpr):
+    """What a KV cache keeps of ``x``: with an e4m3 cache, values saturated at ±448 in fp32
+    (the store's cast rounds them); else ``x`` as it is. The fused prologue
+    (``qk_norm_rope.py``) stores through it too."""
+    if FP8_CACHE:
+        x = tl.clamp(x.to(tl.float32), -_FP8_MAX, _FP8_MAX)
+    return x
 
 
 @triton.jit
@@ -61,9 +73,7 @@ def _store_kv_kernel(
     # The cache is contiguous, so slot s starts at element s * H * D
     # (block b, offset o  ->  (b * BS + o) * H * D  ==  s * H * D).
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    if FP8_CACHE:
-        k = tl.clamp(k.to(tl.float32), -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32), -448.0, 448.0)
+    k, v = saturate_for_cache(k, FP8_CACHE), saturate_for_cache(v, FP8_CACHE)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

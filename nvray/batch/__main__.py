@@ -31,7 +31,7 @@ from typing import Any
 
 from nvray.batch.io import InputSpec, OutputWriter, check_output_path, output_schema, \
     validate_input
-from nvray.config import EngineConfig
+from nvray.config import KV_CACHE_DTYPES, EngineConfig
 from nvray.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default=_ENGINE.quantization, choices=["fp8"],
                    help="'fp8': quantize a 16/32-bit checkpoint's linear layers at load "
                         "(FP8 checkpoints are detected)")
-    p.add_argument("--kv-cache-dtype", default=_ENGINE.kv_cache_dtype, choices=["auto", "fp8"],
+    p.add_argument("--kv-cache-dtype", default=_ENGINE.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="'fp8': keys and values stored as e4m3, about twice the KV cache tokens")
     return p.parse_args(argv)
 

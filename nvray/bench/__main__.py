@@ -51,29 +51,15 @@ from typing import Any
 from nvray.bench import scaleup, serve, soak
 from nvray.bench.checkpoints import QWEN3_SHAPES
 from nvray.bench.throughput import FEATURES, bench_throughput, resolve_placements
+from nvray.config import KV_CACHE_DTYPES
 
 
-def _on_off(text: str) -> tuple[bool, ...]:
-    values = {"on": True, "off": False}
-    words = text.split(",")
-    if not words or any(w not in values for w in words):
-        raise SystemExit(f"--overlap {text!r}: give on, off or on,off")
-    return tuple(values[w] for w in words)
-
-
-def _quantizations(text: str) -> tuple[str | None, ...]:
-    values = {"none": None, "fp8": "fp8"}
+def _word_list(flag: str, text: str, values: dict[str, Any]) -> tuple[Any, ...]:
+    """``--flag a,b``: the values of comma-separated words from ``values``; others refused."""
     words = text.split(",")
     if any(w not in values for w in words):
-        raise SystemExit(f"--quantization {text!r}: give none, fp8 or none,fp8")
+        raise SystemExit(f"{flag} {text!r}: give {', '.join(values)} or {','.join(values)}")
     return tuple(values[w] for w in words)
-
-
-def _kv_cache_dtypes(text: str) -> tuple[str, ...]:
-    words = tuple(text.split(","))
-    if any(w not in ("auto", "fp8") for w in words):
-        raise SystemExit(f"--kv-cache-dtype {text!r}: give auto, fp8 or auto,fp8")
-    return words
 
 
 def _budgets(text: str | None) -> tuple[int | None, ...]:
@@ -196,11 +182,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             resolve_placements(runtimes, sizes)  # refused before a checkpoint is built
         except ValueError as e:
             raise SystemExit(f"throughput: {e}") from None
+        overlaps = _word_list("--overlap", args.overlap, {"on": True, "off": False})
+        quantizations = _word_list("--quantization", args.quantization, {"none": None, "fp8": "fp8"})
+        kv_dtypes = _word_list("--kv-cache-dtype", args.kv_cache_dtype, {d: d for d in KV_CACHE_DTYPES})
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
-                                args.max_model_len, args.floor, _on_off(args.overlap),
+                                args.max_model_len, args.floor, overlaps,
                                 _features(args.features), _budgets(args.max_num_batched_tokens),
-                                sizes, args.shape, _quantizations(args.quantization),
-                                _kv_cache_dtypes(args.kv_cache_dtype))
+                                sizes, args.shape, quantizations, kv_dtypes)
     if args.cmd == "sampler":
         from nvray.bench.sampler import bench_sampler  # noqa: PLC0415
 

@@ -32,6 +32,7 @@ from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank, tp_size
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
+from nvray.quantization.fp8_math import FP8_DTYPE
 from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import SampleSpec, StepInput, StepOutput
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
@@ -70,7 +71,8 @@ class ModelRunner:
         self.hf_config = load_model_config(model_path)  # config.json, no transformers import
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)
-        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        fp8_kv = config.kv_cache_dtype == "fp8"
+        self.kv_dtype = FP8_DTYPE if fp8_kv else self.dtype
         self.block_size = config.kvcache_block_size
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.startup = StartupPhases()  # this rank's start-up, by phase (startup_phases.py)
@@ -78,9 +80,9 @@ class ModelRunner:
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
                                      config.seed, self.quant_config)
         self.attention_layers = self.model.attention_layers()
-        check_fp8_device(self.device, self.quant_config is not None, self.kv_dtype != self.dtype)
+        check_fp8_device(self.device, self.quant_config is not None, fp8_kv)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size,
-                                      fp8_kv_cache=self.kv_dtype != self.dtype)
+                                      fp8_kv_cache=fp8_kv)
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.use_torch_compile = self.device.type == "cuda"  # enforce_eager turns off graphs only
