@@ -62,6 +62,7 @@ class EngineDriver:
         self.workers = workers
         self.loop: EngineLoop | None = None
         self.channels: dict[str, ConsumerChannel] = {}
+        self.num_add_calls = 0  # add_requests calls taken (a consumer batches its adds)
         self.created_at = time.time()  # the process is up and has imported this module
 
     async def start(self, launch_phases: dict[str, float] | None = None,
@@ -175,6 +176,7 @@ class EngineDriver:
         channel = self.channels.get(consumer_id)
         if channel is None or channel.closed:
             raise ValueError(f"no open output channel {consumer_id!r}: call open_channel first")
+        self.num_add_calls += 1
         return await self._add(list(requests), channel)
 
     async def generate(self, prompt: Any, sampling_params: Any = None,
@@ -245,6 +247,7 @@ class EngineDriver:
         stats["step_time_ms_median"] = 1e3 * times[len(times) // 2] if times else 0.0
         stats["num_steps"] = self.loop.num_steps
         stats["num_output_channels"] = len(self.channels)
+        stats["add_requests_calls"] = self.num_add_calls
         stats["output_messages"] = sum(c.num_messages for c in self.channels.values())
         stats["driver_resident_memory_bytes"] = resident_memory_bytes()
         stats["step_dispatch"] = getattr(self.engine.executor, "dispatch", "in_process")

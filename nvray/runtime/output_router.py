@@ -143,6 +143,80 @@ def coalesce_by_index(batch: list[tuple[int, RequestOutput]]) -> list[tuple[int,
     return [(index, coalesce(outs)) for index, outs in by_index.items()]
 
 
+class _QueuedAdd:
+    def __init__(self, requests: list[EngineRequest]) -> None:
+        self.requests = requests
+        self.result: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.sent = False
+
+
+class AddBatcher:
+    """One ``add_requests`` call to the driver in flight at a time: requests added while one
+    is on its way leave together in the next, so a burst of N requests costs the replica and the
+    driver a few calls, not N (each call is a Ray task the driver runs beside its step loop).
+    A lone request leaves at once.
+
+    A caller cancelled before its requests left takes them out of the queue: they never reach
+    the engine (an abort sent now would overtake them). Once sent, the caller aborts them as
+    after any add; the abort follows the add on the same actor, so it finds them."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send  # requests -> awaitable of the driver's per-request results
+        self._queue: list[_QueuedAdd] = []
+        self._flusher: asyncio.Task | None = None
+
+    async def submit(self, requests: list[EngineRequest]) -> list[Any]:
+        queued = _QueuedAdd(requests)
+        self._queue.append(queued)
+        if self._flusher is None:
+            # in a fresh context: the shared call is nobody's child task (see open_now)
+            loop = asyncio.get_running_loop()
+            self._flusher = contextvars.Context().run(loop.create_task, self._flush())
+        try:
+            return await asyncio.shield(queued.result)
+        except asyncio.CancelledError:
+            if not queued.sent:
+                self._queue.remove(queued)
+            raise
+
+    async def _flush(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                for queued in batch:
+                    queued.sent = True
+                try:
+                    results = await self._send([r for q in batch for r in q.requests])
+                except BaseException as e:  # every caller of the call gets it
+                    closed = isinstance(e, asyncio.CancelledError)  # the loop is closing
+                    for queued in batch:
+                        _settle(queued.result, error=_channel_closed() if closed else e)
+                    if closed:
+                        raise
+                    continue
+                start = 0
+                for queued in batch:
+                    end = start + len(queued.requests)
+                    _settle(queued.result, results[start:end])
+                    start = end
+        finally:
+            self._flusher = None
+            for queued in self._queue:  # only if this task was cancelled (the loop is closing)
+                _settle(queued.result, error=_channel_closed())
+
+
+def _channel_closed() -> EngineDeadError:
+    return EngineDeadError("the output channel was closed")
+
+
+def _settle(future: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+
 class OutputRouter:
     def __init__(self, driver: Any) -> None:
         self.driver = driver
@@ -154,6 +228,8 @@ class OutputRouter:
         self._opening: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stream: Any = None  # the driver's subscription (an ObjectRefGenerator)
+        self._adds = AddBatcher(lambda requests: self.driver.add_requests.remote(
+            self.consumer_id, requests))
 
     def open_now(self) -> None:
         """Open the channel from synchronous code (blocks until the driver has it).
@@ -239,7 +315,7 @@ class OutputRouter:
         named = [dataclasses.replace(r, request_id=rid, stream=stream)
                  for rid, r in zip(ids, requests)]
         try:
-            added_or_errors = await self.driver.add_requests.remote(self.consumer_id, named)
+            added_or_errors = await self._adds.submit(named)
         except BaseException:
             sink.abort()
             sink.forget()

@@ -91,3 +91,28 @@ def test_aborting_a_sink_ends_only_its_unfinished_requests(client):
     assert ended_since(client, before) == {"abort": 3, "length": 3, "stop": 0}
     # nobody reads an aborted sink: the engine's abort outputs were dropped, not queued
     assert not [out for _, out in sink.next_batch(timeout=SETTLE_S) if out.finished]
+
+
+def test_concurrent_callers_share_add_calls_and_each_gets_its_own_output(client):
+    """Callers of one consumer who add at the same moment: their adds leave in fewer driver
+    calls than requests (one in flight at a time), and each caller gets its own prompt's
+    greedy tokens (those of the same prompt run alone)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    params = {"max_tokens": 6, "ignore_eos": True, "temperature": 0.0}
+    prompts = [f"caller {k} says {'hello ' * (k % 4)}" for k in range(24)]
+    alone = {p: client.generate(p, params).token_ids for p in prompts[:6]}
+    calls_before = client.stats()["add_requests_calls"]
+    start = threading.Barrier(len(prompts))
+
+    def call(prompt: str) -> list[int]:
+        start.wait(timeout=SETTLE_S)
+        return client.generate(prompt, params).token_ids
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = dict(zip(prompts, pool.map(call, prompts)))
+    calls = client.stats()["add_requests_calls"] - calls_before
+    assert calls < len(prompts)
+    assert {p: together[p] for p in alone} == alone
+    assert all(len(tokens) == 6 for tokens in together.values())
