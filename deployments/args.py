@@ -80,6 +80,11 @@ class AppArgs(BaseModel):
                                                             "beyond max_ongoing_requests; one more "
                                                             "gets an immediate 503 (OpenAI error "
                                                             "JSON); -1: no limit")
+    stream_chunks_per_s: float = Field(2000, ge=0, description="SSE chunks a replica writes per "
+                                       "second over all its open streams at most: with many "
+                                       "streams, each one's tokens merge into fewer, larger "
+                                       "chunks (a stream's first tokens and its end are never "
+                                       "held); 0: every engine step's tokens at once")
     api_key: str | None = Field(None, description="if set, /v1 requests need 'Authorization: "
                                                   "Bearer <key>' (env NVRAY_API_KEY also works)")
     request_timeout_s: float = Field(600.0, gt=0, description="a request running longer is "

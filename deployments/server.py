@@ -62,6 +62,7 @@ api.add_middleware(BodySizeLimit)
 api.add_middleware(ClientLeft)  # outermost: Serve's cancellation of a request is its disconnect
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_MIN_HOLD_S = 0.002  # a stream's pause between writes below this is not worth a timer
 
 
 def usage_so_far(sink: RequestSink, index: int, counts: list[int]) -> dict[str, int]:
@@ -93,6 +94,8 @@ class NvrayServer:
         self.model_name = self.args.name_to_serve()
         self.api_key = self.args.resolved_api_key()
         self.timeout = self.args.request_timeout_s
+        self.chunks_per_s = self.args.stream_chunks_per_s
+        self.open_streams = 0  # SSE bodies being written (they share the chunk budget)
         self.reasoning = reasoning_parser_for(self.args.reasoning_parser)
         self.engines = LocalEngine(self.args) if engines is None else LeasedEngines(engines)
         self.created = int(time.time())
@@ -169,6 +172,15 @@ class NvrayServer:
             if isinstance(result, BaseException):
                 raise result
         return results  # type: ignore[return-value]
+
+    def _next_write_at(self) -> float | None:
+        """When a stream that has just written may write again (the event loop's clock): the
+        replica's ``stream_chunks_per_s`` shared by its open streams, so that under many
+        streams each writes fewer, larger chunks and Serve's proxy relays fewer messages."""
+        if not self.chunks_per_s:
+            return None
+        pause = self.open_streams / self.chunks_per_s
+        return asyncio.get_running_loop().time() + pause if pause >= _MIN_HOLD_S else None
 
     # ---------------------------------------------------------------- routes
     @api.get("/health")
@@ -260,13 +272,15 @@ class NvrayServer:
                         lease: Lease) -> AsyncIterator[str]:
         counts = [0] * len(sink.request_ids)  # completion tokens so far, per choice
         deadline = time.monotonic() + self.timeout
+        not_before = None  # the first tokens are never held
+        self.open_streams += 1
         try:
             if first := fmt.first_chunks(len(counts)):  # chat: the role, before any token
                 yield "".join(sse(with_usage(chunk, usage_so_far(sink, i, counts)
                                              if continuous_usage else None))
                               for i, chunk in enumerate(first))
             # all that arrived since the last write goes out as one write
-            while batch := await sink.next_batch(deadline - time.monotonic()):
+            while batch := await sink.next_batch(deadline - time.monotonic(), not_before):
                 events = []
                 for index, out in batch:
                     counts[index] += len(out.delta_token_ids)
@@ -275,11 +289,13 @@ class NvrayServer:
                         events.append(sse(chunk))
                 if events:
                     yield "".join(events)
+                    not_before = self._next_write_at()
             if include_usage:
                 yield sse(fmt.usage_chunk(sink.finals))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - after the 200 header: an SSE error event
             yield to_openai_error(e).sse()
         finally:
+            self.open_streams -= 1
             _end_stream(sink, lease)  # disconnect or failure: free the blocks of what still runs
         yield DONE
 

@@ -55,6 +55,7 @@ class RequestSink:
         self.num_prompt_tokens = [0] * len(request_ids)
         self.num_open = len(request_ids)
         self.aborted = False
+        self.holding = False  # next_batch waits out not_before: only an end wakes it
         self.open_slots: dict[str, int] = {}  # request_id -> its slots still open
         for rid in request_ids:
             self.open_slots[rid] = self.open_slots.get(rid, 0) + 1
@@ -73,7 +74,8 @@ class RequestSink:
                 return
             self.finals[index] = out
         self.pending.append((index, out))
-        self.ready.set()
+        if out.finished or not self.holding:
+            self.ready.set()
 
     def fail(self, index: int, error: BaseException) -> None:
         if self.finals[index] is None and self.errors[index] is None:
@@ -97,18 +99,37 @@ class RequestSink:
     def done(self) -> bool:
         return self.num_open == 0
 
-    async def next_batch(self, timeout: float | None = None) -> list[tuple[int, RequestOutput]]:
+    async def next_batch(self, timeout: float | None = None, not_before: float | None = None
+                         ) -> list[tuple[int, RequestOutput]]:
         """Everything that arrived since the last call, coalesced per request (waits for at
         least one output, TimeoutError after ``timeout`` s with nothing taken); [] once every
-        request has ended and all was read. Raises the first request error."""
+        request has ended and all was read. Raises the first request error.
+
+        ``not_before`` (the event loop's clock): outputs that come earlier wait, merged, until
+        then; an end (a final output, an error, every request done) is never held."""
         async with asyncio.timeout(timeout):
             while not self.pending and not self.done and not any(self.errors):
                 self.ready.clear()
                 await self.ready.wait()
+            if not_before is not None:
+                await self._hold_until(not_before)
         if any(self.errors):
             raise next(e for e in self.errors if e is not None)
         batch, self.pending = self.pending, []
         return coalesce_by_index(batch)
+
+    async def _hold_until(self, when: float) -> None:
+        if self.done or any(self.errors) or any(out.finished for _, out in self.pending):
+            return
+        self.holding = True
+        self.ready.clear()
+        try:
+            async with asyncio.timeout_at(when):
+                await self.ready.wait()
+        except TimeoutError:
+            pass
+        finally:
+            self.holding = False
 
     async def results(self, timeout: float | None = None) -> list[RequestOutput | BaseException]:
         """Per request, its final output or the error it ended with (waits for all)."""
