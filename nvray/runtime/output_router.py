@@ -299,7 +299,7 @@ class OutputRouter:
                     self._dispatch(from_wire(item))
             reason: BaseException = EngineDeadError("the engine closed its output channel")
         except asyncio.CancelledError:
-            reason = EngineDeadError("the output channel was closed")
+            reason = _channel_closed()
         except Exception as e:  # noqa: BLE001 - the driver died or the channel broke
             reason = e if isinstance(e, EngineDeadError) else EngineDeadError(
                 f"the engine's driver is gone ({type(e).__name__})")
