@@ -154,9 +154,9 @@ def grammar_compiler(model_path: str, vocab_size: int) -> GrammarCompiler:
 
 @functools.lru_cache(maxsize=4)
 def _new_grammar_compiler(model_path: str, vocab_size: int) -> GrammarCompiler:
-    from nvray.tokenizer import eos_token_ids, load_tokenizer  # noqa: PLC0415
+    from nvray.tokenizer import eos_token_ids, load_hf_tokenizer  # noqa: PLC0415
 
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_hf_tokenizer(model_path)  # xgrammar reads transformers' tokenizers
     timeout = float(os.environ.get("NVRAY_GRAMMAR_TIMEOUT_S", DEFAULT_COMPILE_TIMEOUT_S))
     return GrammarCompiler(tokenizer, vocab_size, eos_token_ids(model_path, tokenizer),
                            timeout_s=timeout)

@@ -34,6 +34,7 @@ class LLM:
         self.engine = None
         self.client = None
         self._tokenizer = None
+        self._lean_tokenizer = None
         self._ids = itertools.count()
         if self.config.runtime == "inprocess":
             start, phases = time.perf_counter(), StartupPhases()
@@ -42,19 +43,31 @@ class LLM:
                 from nvray.worker.executor import InProcessExecutor  # noqa: PLC0415
 
             self.engine = create_engine(self.config, InProcessExecutor, phases, start)
-            self._tokenizer = self.engine.tokenizer
         else:
             self.client = _start_on_ray(self.config)
             atexit.register(self.shutdown)
 
     @property
     def tokenizer(self) -> Any:
+        """The model's tokenizer as transformers loads it (``AutoTokenizer``), on first use; the
+        engine itself reads the same files without transformers (``nvray.lean_tokenizer``)."""
         if self._tokenizer is None:
+            from nvray.tokenizer import load_hf_tokenizer  # noqa: PLC0415
+            from nvray.models.tiny import resolve_model  # noqa: PLC0415
+
+            self._tokenizer = load_hf_tokenizer(resolve_model(self.config.model))
+        return self._tokenizer
+
+    def _engine_tokenizer(self) -> Any:
+        """The tokenizer the engine runs (``nvray.tokenizer.load_tokenizer``'s)."""
+        if self.engine is not None:
+            return self.engine.tokenizer
+        if self._lean_tokenizer is None:
             from nvray.tokenizer import load_tokenizer  # noqa: PLC0415
             from nvray.models.tiny import resolve_model  # noqa: PLC0415
 
-            self._tokenizer = load_tokenizer(resolve_model(self.config.model))
-        return self._tokenizer
+            self._lean_tokenizer = load_tokenizer(resolve_model(self.config.model))
+        return self._lean_tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -81,8 +94,8 @@ class LLM:
         """The token ids the engine runs for ``conversation`` (the same path as the driver's)."""
         from nvray.chat_template import ChatPrompt, render_chat  # noqa: PLC0415
 
-        return render_chat(self.tokenizer, ChatPrompt(list(conversation),
-                                                      dict(chat_template_kwargs or {})))
+        return render_chat(self._engine_tokenizer(), ChatPrompt(list(conversation),
+                                                                dict(chat_template_kwargs or {})))
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[list[RequestOutput]]:

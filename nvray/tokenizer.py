@@ -1,8 +1,12 @@
 """A model's tokenizer and its end-of-sequence ids, read from the checkpoint directory.
 
-The one place nvray loads a tokenizer (transformers' ``AutoTokenizer``, imported when called):
-the engine's driver, the offline ``LLM`` and a Serve replica that formats log-probabilities all
-load the same one. Nothing here touches the engine or Ray.
+The one place nvray loads a tokenizer. ``load_tokenizer`` is the engine's: a
+``nvray.lean_tokenizer.LeanTokenizer`` over ``tokenizer.json`` (a fraction of a second, no
+transformers import), or transformers' ``AutoTokenizer`` for a checkpoint that has no
+``tokenizer.json``. ``load_hf_tokenizer`` is always transformers' (what ``LLM.tokenizer`` gives
+users, and what xgrammar reads a vocabulary from). The engine's driver, the offline ``LLM`` and a
+Serve replica that formats log-probabilities load the same files. Nothing here touches the engine
+or Ray.
 """
 
 from __future__ import annotations
@@ -13,6 +17,14 @@ from typing import Any
 
 
 def load_tokenizer(model_path: str) -> Any:
+    if os.path.exists(os.path.join(model_path, "tokenizer.json")):
+        from nvray.lean_tokenizer import LeanTokenizer  # noqa: PLC0415
+
+        return LeanTokenizer(model_path)
+    return load_hf_tokenizer(model_path)
+
+
+def load_hf_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     return AutoTokenizer.from_pretrained(model_path)

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from nvray.cache_dirs import cache_dir
+
 TINY_NAME = "tiny"
 _TINY_VERSION = "tiny-qwen3-v3"  # bump when the weights' recipe changes
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -197,10 +199,6 @@ def build_checkpoint(path: str, shape: dict[str, Any] | None = None, seed: int =
                for k, t in _random_weights(cfg, seed, std).items()}
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-def cache_dir() -> str:
-    return os.environ.get("NVRAY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nvray")
 
 
 def tiny_cache_name() -> str:

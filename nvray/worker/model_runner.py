@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.tp import tp_rank, tp_size
@@ -62,6 +63,7 @@ class Forwarded(NamedTuple):
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
+        point_compiler_caches()  # before the first Triton compile (the kernel warm-up)
         self.config = config
         self.device = torch_device(config.device)
         self.memory_baseline = 0  # in use on the device before this rank's work (memory.py)

@@ -237,12 +237,12 @@ def scripted_thinker(tmp_path_factory) -> str:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from nvray.tokenizer import load_tokenizer
+    from nvray.tokenizer import load_hf_tokenizer
     from nvray.models.tiny import build_checkpoint
 
     path = build_checkpoint(str(tmp_path_factory.mktemp("scripted-thinker")),
                             {"tie_word_embeddings": False, "max_position_embeddings": LONG})
-    tok = load_tokenizer(path)
+    tok = load_hf_tokenizer(path)
     prompt = tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
                         add_special_tokens=False)
     ids = tok.convert_tokens_to_ids
