@@ -293,19 +293,20 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _decode_config(head_dim: int, kv_itemsize: int, num_programs: int, n_sm: int
-                   ) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel for a grid of ``num_programs``.
+def _decode_config(head_dim: int, kv_itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel.
 
-    An e4m3 cache moves half the bytes a tile: with programs enough to fill the GPU many times
-    over, one warp on 32-token tiles keeps the most bytes in flight (H100, Qwen3-0.6B heads,
-    batch 256 x 1000 tokens: 215 us, 2.44 TB/s, against 235 us on two warps and 64-token tiles
-    and 283 us on four); with fewer programs that leaves SMs idle, and two warps on 64-token
-    tiles serve better. bf16 keeps 64-token tiles on four warps (2.7-2.9 TB/s there)."""
+    An e4m3 cache moves half the bytes a tile, so it needs deeper pipelines to keep as many
+    bytes in flight: one warp on 32-token tiles, six stages. Swept on both GPUs (Qwen3-0.6B and
+    8B heads, batch 32-256, 512-1500 tokens): on an H200 2.92-3.41 TB/s at batch 256 against
+    2.56-2.75 with three stages, and 3.2 against 2.26 at batch 128; on an H100 the same as three
+    stages at batch 128-256 (2.2-2.6 TB/s) and better below (1.12 against 0.65 at batch 32).
+    Eight or ten stages, two warps or 64-token tiles were no better on either. bf16 keeps
+    64-token tiles on four warps (2.7-2.9 TB/s on an H100, 3.8-4.3 on an H200)."""
     if _INTERPRET:
         return 32, 4, 1
     if kv_itemsize == 1:
-        return (32, 1, 3) if num_programs >= 12 * n_sm else (64, 2, 3)
+        return 32, 1, 6
     return (64 if head_dim <= 128 else 32), 4, 3
 
 
@@ -353,8 +354,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
     n_sm = _num_sms(q.device)
-    block_n, num_warps, num_stages = _decode_config(head_dim, k_cache.element_size(),
-                                                    batch * num_kv_heads, n_sm)
+    block_n, num_warps, num_stages = _decode_config(head_dim, k_cache.element_size())
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     n_splits, tokens_per_split = _choose_splits(
         batch, num_kv_heads, max_ctx, block_n, n_sm, num_splits
