@@ -9,13 +9,12 @@ exactly the same tokens for the same conversation.
 
 Bad input raises ``ChatTemplateError`` (a ValueError whose ``param`` names the request field):
 a message without string role/content, a template variable that is really an argument of
-``apply_chat_template`` (``tokenize``, ``chat_template``, ...), or a template that raises.
+``apply_chat_template`` (``tokenize``, ``chat_template``, ``messages``, ...:
+``RESERVED_TEMPLATE_NAMES``), or a template that raises.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,15 +50,16 @@ def as_chat_prompt(prompt: ChatPrompt | list[Message]) -> ChatPrompt:
     return prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(list(prompt))
 
 
-@functools.lru_cache(maxsize=8)
-def _reserved_names(tokenizer_class: type) -> frozenset[str]:
-    """Arguments of ``apply_chat_template`` itself: not template variables."""
-    params = inspect.signature(tokenizer_class.apply_chat_template).parameters
-    return frozenset(name for name, p in params.items()
-                     if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD)
+# arguments of transformers' apply_chat_template (and the conversation itself), whichever
+# tokenizer renders: not template variables
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
 
 
-def check_chat_prompt(prompt: ChatPrompt, tokenizer: Any) -> None:
+def check_chat_prompt(prompt: ChatPrompt) -> None:
     if not prompt.messages:
         raise ChatTemplateError("messages must not be empty", "messages")
     for i, m in enumerate(prompt.messages):
@@ -69,7 +69,7 @@ def check_chat_prompt(prompt: ChatPrompt, tokenizer: Any) -> None:
                                     "messages")
     if not isinstance(prompt.chat_template_kwargs, dict):
         raise ChatTemplateError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    reserved = sorted(set(prompt.chat_template_kwargs) & _reserved_names(type(tokenizer)))
+    reserved = sorted(set(prompt.chat_template_kwargs) & RESERVED_TEMPLATE_NAMES)
     if reserved:
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}: only "
                                 "template variables (e.g. enable_thinking) are allowed",
@@ -82,7 +82,7 @@ def render_chat(tokenizer: Any, prompt: ChatPrompt | list[Message]) -> list[int]
     import jinja2  # noqa: PLC0415 - transformers' own dependency
 
     prompt = as_chat_prompt(prompt)
-    check_chat_prompt(prompt, tokenizer)
+    check_chat_prompt(prompt)
     try:
         text = tokenizer.apply_chat_template(
             prompt.messages, tools=prompt.tools, tokenize=False,

@@ -10,11 +10,13 @@ Loading it takes a fraction of a second; importing transformers (and the torch i
 took 10-12 s of an engine driver's start on an H100 host.
 
 What transformers' tokenizer (the oracle in the tests) and this one agree on, for the same
-files: ``encode(text, add_special_tokens=...)``, ``decode(ids, skip_special_tokens=...)``,
-``apply_chat_template(messages, tools=..., add_generation_prompt=..., tokenize=..., **vars)``,
-``eos_token_id``, ``all_special_ids``, ``special_tokens_map``. A checkpoint without
-``tokenizer.json`` (a "slow" tokenizer only) is not this class's: ``nvray.tokenizer`` loads it
-through transformers instead.
+files (transformers 5's rules): ``encode(text, add_special_tokens=...)``,
+``decode(ids, skip_special_tokens=...)``, ``apply_chat_template(messages, tools=...,
+add_generation_prompt=..., tokenize=..., **vars)``, ``eos_token_id``, ``all_special_ids``,
+``special_tokens_map``. It covers byte-level BPE tokenizers (``byte_level``: Qwen's, Llama 3's,
+GPT-2's), which transformers runs from tokenizer.json as they stand; ``nvray.tokenizer`` loads
+any other (Llama 2's SentencePiece-derived ones, which transformers rebuilds from its own classes,
+or a checkpoint without tokenizer.json) through transformers.
 """
 
 from __future__ import annotations
@@ -28,10 +30,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-# the named special tokens of tokenizer_config.json; extras go under these two keys
-_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                         "cls_token", "mask_token")
-_EXTRA_SPECIAL_TOKENS = ("extra_special_tokens", "additional_special_tokens")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning
 
 
@@ -59,17 +57,19 @@ class LeanTokenizer:
         backend.no_truncation()  # a saved truncation or padding would apply to every encode
         backend.no_padding()
         config = _read_json(os.path.join(model_path, "tokenizer_config.json"))
-        config = {**_read_json(os.path.join(model_path, "special_tokens_map.json")), **config}
+        if "added_tokens_decoder" not in config:  # older layouts: special_tokens_map.json wins
+            config.update(_read_json(os.path.join(model_path, "special_tokens_map.json")))
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         self.backend_tokenizer = backend
-        self.special_tokens_map = {name: text for name in _NAMED_SPECIAL_TOKENS
-                                   if (text := _token_text(config.get(name))) is not None}
+        self.byte_level = _is_byte_level(backend)
+        self.special_tokens_map = _named_special_tokens(config)
         specials = [*self.special_tokens_map.values(), *_extra_special_tokens(config)]
+        _mark_special(backend, specials)
         ids = (backend.token_to_id(t) for t in dict.fromkeys(specials))
         self.all_special_ids = [i for i in ids if i is not None]
         eos = self.special_tokens_map.get("eos_token")
         self.eos_token_id = self.backend_tokenizer.token_to_id(eos) if eos else None
-        self.chat_templates = _chat_templates(model_path, config.get("chat_template"))
+        self.chat_template = _chat_template(model_path, config.get("chat_template"))
         # transformers skips this clean-up for BPE models (Qwen's, Llama's), whose text it corrupts
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) \
             and type(backend.model).__name__ != "BPE"
@@ -106,28 +106,67 @@ class LeanTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _template_source(self, chat_template: str | None, tools: Any) -> str:
-        if chat_template is not None:
-            return self.chat_templates.get(chat_template, chat_template)
-        if tools is not None and "tool_use" in self.chat_templates:
-            return self.chat_templates["tool_use"]
-        if "default" in self.chat_templates:
-            return self.chat_templates["default"]
-        if self.chat_templates:
+        """The template to render: ``chat_template`` itself, or the model's (by name when it
+        has several: "tool_use" with tools, else "default")."""
+        templates = self.chat_template
+        if isinstance(templates, dict):
+            if chat_template is not None:
+                return templates.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in templates:
+                return templates["tool_use"]
+            if "default" in templates:
+                return templates["default"]
             raise ValueError("the model has several chat templates and none named 'default': "
-                             f"pass one of {sorted(self.chat_templates)} as chat_template")
-        raise ValueError("the model has no chat template (chat_template.jinja or "
-                         "tokenizer_config.json's chat_template)")
+                             f"pass one of {sorted(templates)} as chat_template")
+        if chat_template is not None:
+            return chat_template
+        if templates is None:
+            raise ValueError("the model has no chat template (chat_template.jinja or "
+                             "tokenizer_config.json's chat_template)")
+        return templates
 
+
+def _named_special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The named special tokens, as transformers 5 names them: the standard ones, any other
+    ``*_token`` key (a model's own, e.g. ``image_token``) and a dict ``extra_special_tokens``."""
+    named = {key: text for key, value in config.items()
+             if key.endswith("_token") and (text := _token_text(value)) is not None}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        named.update({key: text for key, value in extra.items()
+                      if (text := _token_text(value)) is not None})
+    return named
 
 
 def _extra_special_tokens(config: dict[str, Any]) -> list[str]:
-    """``extra_special_tokens`` (transformers 5: a list, or a dict by name) and
+    """The unnamed special tokens: ``extra_special_tokens`` as a list (transformers 5), else
     ``additional_special_tokens`` (older files)."""
-    tokens: list[Any] = []
-    for key in _EXTRA_SPECIAL_TOKENS:
-        value = config.get(key) or ()
-        tokens.extend(value.values() if isinstance(value, dict) else value)
+    tokens = config.get("extra_special_tokens")
+    if not isinstance(tokens, (list, tuple)):
+        tokens = config.get("additional_special_tokens") or ()
     return [text for t in tokens if (text := _token_text(t))]
+
+
+def _mark_special(backend: Any, specials: list[str]) -> None:
+    """Flag the config's special tokens special in the backend too (``skip_special_tokens``
+    drops them), as transformers does, keeping how each one matches text."""
+    from tokenizers import AddedToken  # noqa: PLC0415
+
+    added = {t.content: t for t in backend.get_added_tokens_decoder().values()}
+    unflagged = [t for t in dict.fromkeys(specials) if backend.token_to_id(t) is not None
+                 and not (t in added and added[t].special)]
+    backend.add_special_tokens([
+        AddedToken(t, single_word=added[t].single_word, lstrip=added[t].lstrip,
+                   rstrip=added[t].rstrip, normalized=added[t].normalized, special=True)
+        if t in added else AddedToken(t, normalized=False, special=True) for t in unflagged])
+
+
+def _is_byte_level(backend: Any) -> bool:
+    """Whether the tokenizer maps bytes through a ByteLevel pre-tokenizer (GPT-2's scheme: Qwen,
+    Llama 3). transformers rebuilds some other tokenizers (Llama 2's SentencePiece-derived ones)
+    from its own classes instead of using tokenizer.json as it stands."""
+    component = backend.pre_tokenizer
+    return component is not None and b'"ByteLevel"' in component.__getstate__()
 
 
 # what transformers' clean_up_tokenization removes, in its order: the space a word-piece decoder
@@ -142,36 +181,48 @@ def _clean_up_spaces(text: str) -> str:
     return text
 
 
-def _chat_templates(model_path: str, configured: Any) -> dict[str, str]:
-    """The model's templates by name ("default" for the main one): tokenizer_config.json's
-    ``chat_template`` (a string, or a list of {name, template}), then chat_template.jinja and
-    additional_chat_templates/*.jinja, which take precedence as in transformers."""
-    templates: dict[str, str] = {}
-    if isinstance(configured, str):
-        templates["default"] = configured
-    elif isinstance(configured, list):
-        templates.update({t["name"]: t["template"] for t in configured})
+def _chat_template(model_path: str, configured: Any) -> str | dict[str, str] | None:
+    """The model's template, or its templates by name: chat_template.jinja (the main one,
+    "default" when there are others) and additional_chat_templates/*.jinja; without those files,
+    tokenizer_config.json's ``chat_template`` (a string, or a list of {name, template})."""
     main = os.path.join(model_path, "chat_template.jinja")
     named = sorted(glob.glob(os.path.join(model_path, "additional_chat_templates", "*.jinja")))
-    for path, name in [(main, "default"), *((p, os.path.basename(p)[:-6]) for p in named)]:
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                templates[name] = f.read()
-    return templates
+    if named:
+        files = [(main, "default")] if os.path.exists(main) else []
+        return {name: _read_text(path) for path, name in
+                files + [(p, os.path.basename(p)[:-len(".jinja")]) for p in named]}
+    if os.path.exists(main):
+        return _read_text(main)
+    if isinstance(configured, list):
+        return {t["name"]: t["template"] for t in configured}
+    return configured if isinstance(configured, str) else None
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def _plain(value: Any) -> Any:
-    """What a template may see: plain JSON-like data (dicts, lists, str, numbers, bools, None);
-    pydantic models and dataclasses become dicts, anything else a placeholder naming its type."""
+    """What a template may see: plain JSON-like data (dicts, lists, tuples, str, numbers, bools,
+    None); subclasses (enums, named tuples, numpy scalars) lose their methods, pydantic models
+    and dataclasses become dicts, anything else a placeholder naming its type."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for base in (bool, str, int, float):  # subclasses (enums, numpy scalars) lose their methods
-        if isinstance(value, base):
-            return base(value)
+    if isinstance(value, str):
+        return str.__str__(value)  # a str enum's value, not its name
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
+        return _plain(value.item())  # a numpy scalar (np.bool_(False) must stay falsy)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):
@@ -200,6 +251,10 @@ def _jinja_environment() -> Any:
     import jinja2  # noqa: PLC0415
     import jinja2.ext  # noqa: PLC0415
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+    if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
+        raise ImportError(f"chat templates need jinja2>=3.1.6 (older sandboxes can be escaped); "
+                          f"this is {jinja2.__version__}")
 
     class GenerationTag(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` marks the assistant's text for training

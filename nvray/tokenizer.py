@@ -1,9 +1,8 @@
 """A model's tokenizer and its end-of-sequence ids, read from the checkpoint directory.
 
 The one place nvray loads a tokenizer. ``load_tokenizer`` is the engine's: a
-``nvray.lean_tokenizer.LeanTokenizer`` over ``tokenizer.json`` (a fraction of a second, no
-transformers import), or transformers' ``AutoTokenizer`` for a checkpoint that has no
-``tokenizer.json``. ``load_hf_tokenizer`` is always transformers' (what ``LLM.tokenizer`` gives
+``nvray.lean_tokenizer.LeanTokenizer`` over a byte-level BPE ``tokenizer.json`` (Qwen's, Llama
+3's: a fraction of a second, no transformers import), else transformers' ``AutoTokenizer``. ``load_hf_tokenizer`` is always transformers' (what ``LLM.tokenizer`` gives
 users, and what xgrammar reads a vocabulary from). The engine's driver, the offline ``LLM`` and a
 Serve replica that formats log-probabilities load the same files. Nothing here touches the engine
 or Ray.
@@ -20,7 +19,9 @@ def load_tokenizer(model_path: str) -> Any:
     if os.path.exists(os.path.join(model_path, "tokenizer.json")):
         from nvray.lean_tokenizer import LeanTokenizer  # noqa: PLC0415
 
-        return LeanTokenizer(model_path)
+        tokenizer = LeanTokenizer(model_path)
+        if tokenizer.byte_level:
+            return tokenizer
     return load_hf_tokenizer(model_path)
 
 

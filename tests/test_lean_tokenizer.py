@@ -10,13 +10,16 @@ for transformers' space clean-up on decode.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import random
 import subprocess
 import sys
+import typing
 
 import jinja2
+import numpy
 import pytest
 
 from nvray.lean_tokenizer import LeanTokenizer
@@ -104,7 +107,8 @@ def qwen_style_dir(tmp_path_factory) -> str:
               "chat_template": CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
               "eos_token": "<|im_end|>", "errors": "replace", "model_max_length": 131072,
               "pad_token": "<|endoftext|>", "split_special_tokens": False,
-              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+              "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+              "tool_start_token": "<tool_call>"}  # a model's own named token (transformers 5)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
     return path
@@ -116,12 +120,13 @@ def wordpiece_dir(tmp_path_factory) -> str:
     from tokenizers import decoders, normalizers, pre_tokenizers
 
     path = str(tmp_path_factory.mktemp("wordpiece"))
-    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]"]
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[IMG]"]
     tok = _train("wordpiece", normalizers.BertNormalizer(lowercase=True),
                  pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(), specials)
     tok.save(os.path.join(path, "tokenizer.json"))
     config = {"clean_up_tokenization_spaces": True, "unk_token": "[UNK]", "cls_token": "[CLS]",
               "sep_token": "[SEP]", "pad_token": "[PAD]", "tokenizer_class": "TokenizersBackend",
+              "extra_special_tokens": {"image_token": "[IMG]"},  # named, as a dict
               "chat_template": [{"name": "default", "template": "{{ messages[0].content }}"},
                                 {"name": "tool_use", "template": "tools:{{ tools | length }}"}]}
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
@@ -202,6 +207,38 @@ def test_template_features_match_transformers():
                 hf.apply_chat_template(msgs, **kwargs)
 
 
+class Role(str, enum.Enum):
+    USER = "user"
+
+
+class Point(typing.NamedTuple):
+    x: int
+    y: int
+
+
+def test_template_sees_plain_data_as_transformers_gives_it():
+    """A str enum's value (not its name), a named tuple as a tuple, a numpy scalar's value."""
+    path = tiny_model_path()
+    lean, hf = LeanTokenizer(path), _hf(path)
+    template = ("{% for m in messages %}{{ m.role }}{% if m.role == 'user' %}=user{% endif %}"
+                "{{ m.point }}{{ m.point.x }}{% if not m.flag %}!{% endif %}{{ m.n + 1 }}"
+                "{{ m.flag | tojson }}{% endfor %}{{ chosen }}")
+    msgs = [{"role": Role.USER, "content": "hi", "point": Point(1, 2),
+             "flag": numpy.bool_(False), "n": numpy.int64(4)}]
+    kwargs = dict(chat_template=template, tokenize=False, chosen=Role.USER)
+    rendered = lean.apply_chat_template(msgs, **kwargs)
+    assert rendered == hf.apply_chat_template(msgs, **kwargs)
+    assert rendered.startswith("user=user")
+
+
+def test_template_given_by_text_on_a_one_template_model():
+    """``chat_template`` that is not one of the model's names is the template itself."""
+    lean, hf = LeanTokenizer(tiny_model_path()), _hf(tiny_model_path())
+    for text in ("default", "{{ messages | length }}"):
+        assert lean.apply_chat_template(MESSAGES, chat_template=text, tokenize=False) == \
+            hf.apply_chat_template(MESSAGES, chat_template=text, tokenize=False)
+
+
 def test_named_templates_are_chosen_as_transformers_chooses(wordpiece_dir):
     lean, hf = LeanTokenizer(wordpiece_dir), _hf(wordpiece_dir)
     for tools in (None, TOOLS):
@@ -245,6 +282,15 @@ def test_engine_tokenizer_loads_without_transformers_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["LeanTokenizer", "True", "[]"]
+
+
+def test_engine_loads_byte_level_tokenizers_lean_and_others_through_transformers(
+        qwen_style_dir, wordpiece_dir):
+    """transformers runs a byte-level tokenizer.json as it stands, but rebuilds some others
+    (Llama 2's SentencePiece-derived ones) from its own classes: those stay transformers'."""
+    assert type(load_tokenizer(qwen_style_dir)).__name__ == "LeanTokenizer"
+    assert type(load_tokenizer(tiny_model_path())).__name__ == "LeanTokenizer"
+    assert type(load_tokenizer(wordpiece_dir)).__module__.startswith("transformers.")
 
 
 def test_checkpoint_without_tokenizer_json_loads_through_transformers(tmp_path,
