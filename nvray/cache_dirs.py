@@ -20,14 +20,11 @@ def cache_dir() -> str:
                                                              "nvray")
 
 
-def point_compiler_caches() -> dict[str, str]:
+def point_compiler_caches() -> None:
     """Send this process's Triton and Inductor caches under ``NVRAY_CACHE_DIR`` (when it is set
-    and the compiler's own variable is not); call before the first compile. Returns the
-    variables it set."""
+    and the compiler's own variable is not); call before the first compile."""
     root = os.environ.get("NVRAY_CACHE_DIR")
-    if not root:
-        return {}
-    chosen = {var: os.path.join(root, sub) for var, sub in COMPILER_CACHE_VARS.items()
-              if not os.environ.get(var)}
-    os.environ.update(chosen)
-    return chosen
+    if root:
+        for var, sub in COMPILER_CACHE_VARS.items():
+            if not os.environ.get(var):
+                os.environ[var] = os.path.join(root, sub)

@@ -68,7 +68,7 @@ class LeanTokenizer:
         ids = (backend.token_to_id(t) for t in dict.fromkeys(specials))
         self.all_special_ids = [i for i in ids if i is not None]
         eos = self.special_tokens_map.get("eos_token")
-        self.eos_token_id = self.backend_tokenizer.token_to_id(eos) if eos else None
+        self.eos_token_id = backend.token_to_id(eos) if eos else None
         self.chat_template = _chat_template(model_path, config.get("chat_template"))
         # transformers skips this clean-up for BPE models (Qwen's, Llama's), whose text it corrupts
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) \

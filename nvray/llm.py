@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import importlib
 import itertools
 import time
@@ -33,8 +34,6 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model, **engine_kwargs)
         self.engine = None
         self.client = None
-        self._tokenizer = None
-        self._lean_tokenizer = None
         self._ids = itertools.count()
         if self.config.runtime == "inprocess":
             start, phases = time.perf_counter(), StartupPhases()
@@ -47,27 +46,27 @@ class LLM:
             self.client = _start_on_ray(self.config)
             atexit.register(self.shutdown)
 
-    @property
+    @functools.cached_property
     def tokenizer(self) -> Any:
         """The model's tokenizer as transformers loads it (``AutoTokenizer``), on first use; the
         engine itself reads the same files without transformers (``nvray.lean_tokenizer``)."""
-        if self._tokenizer is None:
-            from nvray.tokenizer import load_hf_tokenizer  # noqa: PLC0415
-            from nvray.models.tiny import resolve_model  # noqa: PLC0415
+        from nvray.tokenizer import load_hf_tokenizer  # noqa: PLC0415
 
-            self._tokenizer = load_hf_tokenizer(resolve_model(self.config.model))
-        return self._tokenizer
+        return load_hf_tokenizer(self._model_path())
 
+    @functools.cached_property
     def _engine_tokenizer(self) -> Any:
         """The tokenizer the engine runs (``nvray.tokenizer.load_tokenizer``'s)."""
         if self.engine is not None:
             return self.engine.tokenizer
-        if self._lean_tokenizer is None:
-            from nvray.tokenizer import load_tokenizer  # noqa: PLC0415
-            from nvray.models.tiny import resolve_model  # noqa: PLC0415
+        from nvray.tokenizer import load_tokenizer  # noqa: PLC0415
 
-            self._lean_tokenizer = load_tokenizer(resolve_model(self.config.model))
-        return self._lean_tokenizer
+        return load_tokenizer(self._model_path())
+
+    def _model_path(self) -> str:
+        from nvray.models.tiny import resolve_model  # noqa: PLC0415
+
+        return resolve_model(self.config.model)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -94,7 +93,7 @@ class LLM:
         """The token ids the engine runs for ``conversation`` (the same path as the driver's)."""
         from nvray.chat_template import ChatPrompt, render_chat  # noqa: PLC0415
 
-        return render_chat(self._engine_tokenizer(), ChatPrompt(list(conversation),
+        return render_chat(self._engine_tokenizer, ChatPrompt(list(conversation),
                                                                 dict(chat_template_kwargs or {})))
 
     def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,

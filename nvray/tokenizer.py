@@ -2,10 +2,10 @@
 
 The one place nvray loads a tokenizer. ``load_tokenizer`` is the engine's: a
 ``nvray.lean_tokenizer.LeanTokenizer`` over a byte-level BPE ``tokenizer.json`` (Qwen's, Llama
-3's: a fraction of a second, no transformers import), else transformers' ``AutoTokenizer``. ``load_hf_tokenizer`` is always transformers' (what ``LLM.tokenizer`` gives
-users, and what xgrammar reads a vocabulary from). The engine's driver, the offline ``LLM`` and a
-Serve replica that formats log-probabilities load the same files. Nothing here touches the engine
-or Ray.
+3's: a fraction of a second, no transformers import), else transformers' ``AutoTokenizer``.
+``load_hf_tokenizer`` is always transformers' (what ``LLM.tokenizer`` gives users, and what
+xgrammar reads a vocabulary from). The engine's driver, the offline ``LLM`` and a Serve replica
+that formats log-probabilities load the same files. Nothing here touches the engine or Ray.
 """
 
 from __future__ import annotations
