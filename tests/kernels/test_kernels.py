@@ -211,6 +211,11 @@ def test_choose_splits():
                 assert n * tps >= max_ctx and (n - 1) * tps < max_ctx  # covers, no empty split
     assert _dec._choose_splits(256, 8, 1024, 64, 132, None)[0] == 1  # big batch: no split
     assert _dec._choose_splits(1, 8, 32768, 64, 132, None)[0] > 8  # long single sequence: split
+    # a small batch under a CUDA graph's bound (max_model_len 4096): a 1,000-token context is
+    # still worked on by several programs, not by one split sized for the bound
+    for block_n in (32, 64):
+        n, tps = _dec._choose_splits(32, 8, 4096, block_n, 132, None)
+        assert n >= 4 and tps <= 512
 
 
 # ----------------------------------------------------------------------------
