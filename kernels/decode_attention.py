@@ -3,7 +3,7 @@
 Contract
 --------
 ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-*, num_splits=None, max_seq_len=None) -> out``
+*, num_splits=None, max_seq_len=None, order=None) -> out``
 
 * ``q``: ``[batch, num_heads, head_dim]`` fp16 / bf16 / fp32; dims 0/1 may be
   strided, the last dim must be contiguous. It is the newest token of each
@@ -20,10 +20,15 @@ Contract
 * ``seq_lens``: ``[batch]`` int32, context length including the new token.
   A sequence with ``seq_len <= 0`` (e.g. CUDA-graph padding) gets zeros.
 * ``scale``: softmax scale (usually ``head_dim ** -0.5``).
+* ``order``: optional ``[batch]`` int32 on q's device, a permutation of
+  ``range(batch)``: the order in which programs take the sequences. Longest
+  first (nvray's ``AttentionMetadata.decode_order``) keeps a ragged batch's long sequences from finishing
+  alone at the end of the grid. It changes no result; None takes row order.
 * returns ``[batch, num_heads, head_dim]`` contiguous, dtype of ``q``; softmax
   and accumulation in fp32.
 
-Algorithm: grid ``(batch, num_kv_heads, num_splits)``. Each program owns one KV
+Algorithm: grid ``(num_kv_heads, batch, num_splits)`` (the hardware starts
+programs with dim 0 fastest, so the sequences start in ``order``). Each program owns one KV
 head of one sequence and one contiguous range of ``tokens_per_split`` context
 positions; it loads the ``group = num_heads // num_kv_heads`` q heads that share
 that KV head as the rows of one ``tl.dot`` tile (padded to >= 16 rows), so each
@@ -82,6 +87,7 @@ def _decode_split_kernel(
     v_cache_ptr,  # [NB, BS, Hkv, D] contiguous
     block_tables_ptr,  # [B, MAXB] int32
     seq_lens_ptr,  # [B] int32
+    order_ptr,  # [B] int32, sequence of each program row (when ORDERED)
     out_ptr,  # [B, H, D]              (written when SINGLE_SPLIT)
     part_o_ptr,  # [B, H, S, D] fp32    (written otherwise)
     part_ml_ptr,  # [B, H, S, 2] fp32   (running max (log2 domain), running sum)
@@ -106,9 +112,12 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
     FP8_AS_F16: tl.constexpr,  # an e4m3 cache with 16-bit q: both dots in fp16 (one cvt a pair)
+    ORDERED: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    if ORDERED:
+        b = tl.load(order_ptr + b)
     sp = tl.program_id(2)
     b64 = b.to(tl.int64)
 
@@ -353,12 +362,17 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,  # override the split heuristic
     max_seq_len: int | None = None,  # host-side bound on max(seq_lens); default MAXB * BS
+    order: torch.Tensor | None = None,  # [B] int32 permutation: programs take sequences in it
 ) -> torch.Tensor:  # [B, H, D], dtype of q
     """Attention of one new query token per sequence over its paged KV cache."""
     batch = q.shape[0] if q.dim() == 3 else -1
     num_heads, num_kv_heads, head_dim, block_size = _validate_q_cache_tables(
         q, k_cache, v_cache, block_tables, seq_lens, batch
     )
+    if order is not None:
+        _check_int_vector("order", order, batch, q.device)
+        if batch > 1 and order.stride(0) != 1:
+            raise ValueError(f"order: expected a contiguous tensor, got stride {order.stride(0)}")
     _check_kernel_device("q", q)
     if num_splits is not None and int(num_splits) < 1:
         raise ValueError(f"num_splits: expected None or an int >= 1, got {num_splits}")
@@ -383,8 +397,9 @@ def paged_decode_attention(
         part_o = torch.empty((batch, num_heads, n_splits, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((batch, num_heads, n_splits, 2), dtype=torch.float32, device=q.device)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(batch, num_kv_heads, n_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
+    _decode_split_kernel[(num_kv_heads, batch, n_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
+        out, part_o, part_ml,
         float(scale) * _LOG2E, tokens_per_split, n_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -399,6 +414,7 @@ def paged_decode_attention(
         SINGLE_SPLIT=single,
         DOT_PRECISION=dot_precision,
         FP8_AS_F16=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        ORDERED=order is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -172,6 +172,22 @@ def test_decode_splits(dtype, num_splits):
     _assert_close(out2, ref, dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_order_changes_no_result(num_splits):
+    # programs taking the sequences in another order still write each sequence's own row
+    head_dim, block_size, num_heads, num_kv_heads = 32, 16, 4, 2
+    seq_lens = [7, 130, 1, 64, 33]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed=21)
+    q = _randn((len(seq_lens), num_heads, head_dim), torch.float32, _gen(22))
+    sl = _i32(seq_lens)
+    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.17)
+    longest_first = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    for order in (longest_first, [4, 3, 2, 1, 0]):
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.17, num_splits=num_splits,
+                                             order=_i32(order))
+        _assert_close(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("head_dim", [16, 128])
 def test_decode_head_dims_and_strided_q(head_dim):
     dtype, block_size, num_heads, num_kv_heads = torch.float16, 32, 4, 2
@@ -331,6 +347,12 @@ def test_decode_validation(index, bad, name):
     args[index] = bad(args)
     with pytest.raises(ValueError, match=name):
         kernels.paged_decode_attention(*args)
+
+
+@pytest.mark.parametrize("order", [_i32([0]), _i32([1, 0]).long(), _i32([1, 0, 2, 3])[::2]])
+def test_decode_order_validation(order):
+    with pytest.raises(ValueError, match="order"):
+        kernels.paged_decode_attention(*_small_decode_args(), order=order)
 
 
 def test_prefill_and_store_validation():
