@@ -232,6 +232,8 @@ def test_choose_splits():
     for block_n in (32, 64):
         n, tps = _dec._choose_splits(32, 8, 4096, block_n, 132, None)
         assert n >= 4 and tps <= 512
+    # Qwen3's own 40,960-token bound: pieces stay small (the 64-split cap sizes them)
+    assert _dec._choose_splits(32, 8, 40960, 32, 132, None)[1] <= 640
 
 
 # ----------------------------------------------------------------------------
