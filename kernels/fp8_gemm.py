@@ -21,8 +21,11 @@ Contract
 
 ``fp8_linear(x, w, w_scale, block, bias) -> y`` is a whole layer on ``x`` of any leading shape:
 per-channel weights (``block=None``, ``w_scale [N, 1]``) go through ``torch._scaled_mm`` with
-per-token activation scales; block weights through ``block_fp8_mm``. The ``*_ref`` functions
-are the pure-torch references with the same signatures.
+per-token activation scales; block weights through ``block_fp8_mm``. ``x`` may instead be an
+``Fp8Activation`` (``[T, K]``, quantized by the kernel that produced it, e.g.
+``rms_norm_fp8``): its scales must be the ones the layer's GEMM takes (one per row, or one per
+``block[1]`` columns), and the output has its ``dtype``. The ``*_ref`` functions are the
+pure-torch references with the same signatures.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize, linear_ref,
+from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
+                                         check_activation_groups, dequantize, linear_ref,
                                          quantize_activation)
 
 __all__ = ["quantize_fp8_act", "quantize_fp8_act_ref", "block_fp8_mm", "block_fp8_mm_ref",
@@ -160,21 +164,25 @@ def block_fp8_mm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
     return (a_deq @ dequantize(w, w_scale, block).t()).to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_fp8_act(rows, None if block is None else block[1])
+    if isinstance(x, Fp8Activation):
+        check_activation_groups(x, w.shape[1], block)
+        (q, scale, dtype), lead = x, x.q.shape[:-1]
+    else:
+        q, scale = quantize_fp8_act(x.reshape(-1, x.shape[-1]), None if block is None else block[1])
+        dtype, lead = x.dtype, x.shape[:-1]
     if block is None:
         # row-wise scales give bf16 on every torch/cuBLAS build; other dtypes only on some
         y = torch._scaled_mm(q, w.t(), scale_a=scale, scale_b=w_scale.view(1, -1),
-                             out_dtype=torch.bfloat16).to(x.dtype)
+                             out_dtype=torch.bfloat16).to(dtype)
     else:
-        y = block_fp8_mm(q, scale, w, w_scale, block, x.dtype)
+        y = block_fp8_mm(q, scale, w, w_scale, block, dtype)
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], w.shape[0])
+    return y.view(*lead, w.shape[0])
 
 
-def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_linear_ref(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.Tensor,
                    block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
     return linear_ref(x, w, w_scale, block, bias)

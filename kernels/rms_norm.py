@@ -20,6 +20,16 @@ Why a hand-written kernel: on eager steps (prefill; CUDA graphs replay the decod
 16k-token prefill step of a 28-layer model spent more time launching than the GPU spent
 computing. One program per token; ``hidden`` up to 16384.
 ``rms_norm_ref`` is the pure-torch reference with the same signature.
+
+``rms_norm_fp8(x, weight, eps, residual=None, group=None) -> act`` or ``(act, new_residual)``
+
+* the same norm, its output quantized for the FP8 linear layer it feeds, in the same program:
+  ``act`` is an ``Fp8Activation`` whose ``q`` / ``scale`` equal ``quantize_fp8_act(out, group)``
+  of the ``out`` above (the norm rounded to x's dtype first, so fused and unfused layers compute
+  the same values) and whose ``dtype`` is x's. ``group``: one scale per ``group`` columns, a
+  power of two dividing ``hidden``, or None for one per row. Saves the 16-bit output's write and
+  read and one launch per layer input.
+``rms_norm_fp8_ref`` is its reference: ``rms_norm_ref`` then ``quantize_activation``.
 """
 
 from __future__ import annotations
@@ -28,17 +38,22 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rms_norm_ref"]
+from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
+                                         quantize_activation)
+
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fp8", "rms_norm_fp8_ref"]
 
 _MAX_HIDDEN = 16384
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     stride_x, stride_res, hidden, eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT_GROUP: tl.constexpr,  # 0: a 16/32-bit output; else e4m3 with a scale per group
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -51,7 +66,17 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * hidden + offs, (xf * r * w).to(dtype), mask=mask)
+    out = (xf * r * w).to(dtype)
+    if QUANT_GROUP == 0:
+        tl.store(out_ptr + t * hidden + offs, out, mask=mask)
+    else:  # the 16-bit values quantized as quantize_fp8_act would (masked columns are 0)
+        groups = tl.reshape(out.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
+        scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_MAX, MIN_SCALE)
+        q = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), (BLOCK,))
+        tl.store(out_ptr + t * hidden + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+        g = tl.arange(0, BLOCK // QUANT_GROUP)
+        num_groups = tl.cdiv(hidden, QUANT_GROUP)  # per row: one group of BLOCK >= hidden
+        tl.store(scale_ptr + t * num_groups + g, scale, mask=g < num_groups)
 
 
 _INTERPRET = not isinstance(_rms_norm_kernel, triton.runtime.jit.JITFunction)
@@ -75,25 +100,59 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | No
                          f"{tuple(residual.shape)} on {residual.device}")
 
 
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+            out: torch.Tensor, scale: torch.Tensor, quant_group: int) -> torch.Tensor:
+    """Runs the kernel into ``out`` (and ``scale``); returns the new residual (or ``out``)."""
+    if x.device.type != "cuda" and not _INTERPRET:
+        raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
+                         "TRITON_INTERPRET=1 set before triton kernels are imported)")
+    num_tokens, hidden = x.shape
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) \
+        if residual is not None else out
+    if num_tokens:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(num_tokens,)](
+            x, residual if residual is not None else x, weight, out, new_residual, scale,
+            x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT_GROUP=quant_group,
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=min(max(block // 256, 1), 8))
+    return new_residual
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * x / rms(x)``; with ``residual``, of ``x + residual``, returned with it."""
     _validate(x, weight, residual)
-    if x.device.type != "cuda" and not _INTERPRET:
-        raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
-                         "TRITON_INTERPRET=1 set before triton kernels are imported)")
-    num_tokens, hidden = x.shape
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty_like(out) if residual is not None else out
-    if num_tokens:
-        block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(num_tokens,)](
-            x, residual if residual is not None else x, weight, out, new_residual,
-            x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 256, 1), 8))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = _launch(x, weight, eps, residual, out, out, 0)
     return out if residual is None else (out, new_residual)
+
+
+def _check_group(hidden: int, group: int | None) -> int:
+    """The kernel's group: ``group`` (a power of two dividing ``hidden``), or for one scale per
+    row the whole padded row."""
+    if group is None:
+        return triton.next_power_of_2(hidden)
+    if group < 1 or group & (group - 1) or hidden % group:
+        raise ValueError(f"group: expected a power of two dividing hidden={hidden} or None, got {group}")
+    return group
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None, group: int | None = None
+                 ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
+    """:func:`rms_norm` with its output quantized to e4m3, a scale per ``group`` columns
+    (None: per row)."""
+    _validate(x, weight, residual)
+    num_tokens, hidden = x.shape
+    kernel_group = _check_group(hidden, group)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(num_tokens, -(-hidden // kernel_group), dtype=torch.float32,
+                        device=x.device)
+    new_residual = _launch(x, weight, eps, residual, q, scale, kernel_group)
+    act = Fp8Activation(q, scale, x.dtype)
+    return act if residual is None else (act, new_residual)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -105,3 +164,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     vf = v.float()
     out = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return out if residual is None else (out, v)
+
+
+def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None = None, group: int | None = None
+                     ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
+    """Pure-torch reference of :func:`rms_norm_fp8` (same contract)."""
+    _check_group(x.shape[1], group)
+    normed = rms_norm_ref(x, weight, eps, residual)
+    out = normed if residual is None else normed[0]
+    act = Fp8Activation(*quantize_activation(out, group), x.dtype)
+    return act if residual is None else (act, normed[1])

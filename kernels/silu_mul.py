@@ -12,6 +12,17 @@ Contract
 Why: see ``rms_norm.py`` — on eager steps a Triton launch costs a fraction of the host time of
 a ``torch.compile``d call. Grid ``(num_tokens, cdiv(inter, BLOCK))``.
 ``silu_and_mul_ref`` is the pure-torch reference.
+
+``silu_and_mul_fp8(x, group=None) -> act``
+
+* the same activation, quantized for the FP8 layer it feeds (``down_proj``) in the same kernel:
+  an ``Fp8Activation`` whose ``q`` / ``scale`` equal ``quantize_fp8_act(silu_and_mul(x),
+  group)`` (the product rounded to x's dtype first, so fused and unfused layers compute the same
+  values), ``dtype`` x's. ``group``: a power of two dividing ``inter`` (grid ``(num_tokens,
+  cdiv(inter, BLOCK))``, BLOCK a multiple of it), or None for one scale per row (one program a
+  row: the whole row at once up to 16,384 columns, else two passes over it, the amax, then the
+  quantized values).
+``silu_and_mul_fp8_ref`` is its reference.
 """
 
 from __future__ import annotations
@@ -20,9 +31,24 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
+                                         quantize_activation)
+
+__all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_and_mul_fp8", "silu_and_mul_fp8_ref"]
 
 _BLOCK = 1024
+_ROW_ONE_PASS = 16384  # a per-row FP8 program holds rows up to this long (padded) at once
+_ROW_CHUNK = 2048  # and walks longer ones twice in pieces of this many columns
+
+
+@triton.jit
+def _silu_mul(row, offs, mask, inter):
+    """silu(gate) * up for the columns ``offs`` of one row, in float32, rounded to x's dtype."""
+    gate = tl.load(row + offs, mask=mask, other=0.0)
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    up = tl.load(row + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(dtype)
 
 
 @triton.jit
@@ -30,13 +56,48 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
+    tl.store(out_ptr + t * inter + offs, _silu_mul(x_ptr + t * stride_x, offs, mask, inter),
+             mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, inter, BLOCK: tl.constexpr,
+                             GROUP: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr,
+                             MIN_SCALE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
     row = x_ptr + t * stride_x
-    gate = tl.load(row + offs, mask=mask, other=0.0)
-    dtype = gate.dtype
-    gate = gate.to(tl.float32)
-    up = tl.load(row + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + t * inter + offs, out.to(dtype), mask=mask)
+    if GROUP == 0 and ONE_PASS:  # one scale per row, the whole row in one block
+        offs = tl.arange(0, BLOCK)
+        mask = offs < inter
+        y = _silu_mul(row, offs, mask, inter).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
+        q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + t * inter + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + t, scale)
+    elif GROUP == 0:  # one scale per row, longer than a block: its amax first, then the values
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(0, inter, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            y = _silu_mul(row, offs, offs < inter, inter).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        for c in range(0, inter, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            mask = offs < inter
+            y = _silu_mul(row, offs, mask, inter).to(tl.float32)
+            q = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + t * inter + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + t, scale)
+    else:  # BLOCK // GROUP whole groups (inter is a multiple of GROUP)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < inter
+        y = _silu_mul(row, offs, mask, inter).to(tl.float32)
+        groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
+        scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_MAX, MIN_SCALE)
+        q = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), (BLOCK,))
+        tl.store(q_ptr + t * inter + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        g = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+        tl.store(scale_ptr + t * (inter // GROUP) + g, scale, mask=g < inter // GROUP)
 
 
 _INTERPRET = not isinstance(_silu_and_mul_kernel, triton.runtime.jit.JITFunction)
@@ -68,3 +129,40 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     _validate(x)
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def _check_group(inter: int, group: int | None) -> None:
+    if group is not None and (group < 1 or group & (group - 1) or inter % group):
+        raise ValueError(f"group: expected a power of two dividing inter={inter} or None, got {group}")
+
+
+def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> Fp8Activation:
+    """:func:`silu_and_mul` quantized to e4m3, a scale per ``group`` columns (None: per row)."""
+    _validate(x)
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    _check_group(inter, group)
+    if x.device.type != "cuda" and not _INTERPRET:
+        raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
+                         "TRITON_INTERPRET=1 set before triton kernels are imported)")
+    q = torch.empty(num_tokens, inter, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(num_tokens, 1 if group is None else inter // group, dtype=torch.float32,
+                        device=x.device)
+    if num_tokens and inter:
+        padded, warps = triton.next_power_of_2(inter), 4
+        one_pass = group is None and padded <= _ROW_ONE_PASS
+        if group is not None:
+            block, grid = max(_BLOCK, group), (num_tokens, triton.cdiv(inter, max(_BLOCK, group)))
+        elif one_pass:  # ~32 values a thread
+            block, grid, warps = padded, (num_tokens,), min(max(padded // 1024, 4), 16)
+        else:
+            block, grid = _ROW_CHUNK, (num_tokens,)
+        _silu_and_mul_fp8_kernel[grid](x, q, scale, x.stride(0), inter, BLOCK=block,
+                                       GROUP=group or 0, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
+                                       MIN_SCALE=MIN_SCALE, num_warps=warps)
+    return Fp8Activation(q, scale, x.dtype)
+
+
+def silu_and_mul_fp8_ref(x: torch.Tensor, group: int | None = None) -> Fp8Activation:
+    """Pure-torch reference of :func:`silu_and_mul_fp8` (same contract)."""
+    _check_group(x.shape[1] // 2, group)
+    return Fp8Activation(*quantize_activation(silu_and_mul_ref(x), group), x.dtype)

@@ -4,7 +4,9 @@ On the GPU the model runner calls ``enable_torch_compile()``: the norm then runs
 ``torch.compile``d functions (one fused kernel instead of ~7), shared by every RMSNorm; then,
 where Triton is installed, ``use_triton_kernels()``: one hand-written kernel
 (``kernels/rms_norm.py``), as fast on the GPU and ~0.1 ms cheaper per call to launch on eager
-steps.
+steps. A norm built with ``quantize_for`` (the FP8 layer its output feeds) then returns its
+output already quantized for that layer (an ``Fp8Activation``, from ``rms_norm_fp8``): one
+kernel instead of two, the same values.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from nvray.layers.compiled import compiled
+from nvray.quantization import Fp8LinearMethod
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,20 +32,28 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 quantize_for: Fp8LinearMethod | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.quantize_for = quantize_for
         self._norm, self._add_norm = rms_norm, add_rms_norm
 
     def enable_torch_compile(self) -> None:
         self._norm, self._add_norm = compiled(rms_norm), compiled(add_rms_norm)
 
     def use_triton_kernels(self) -> None:
-        from kernels import rms_norm as kernel  # noqa: PLC0415 - GPU-only import
+        import kernels  # noqa: PLC0415 - GPU-only import
 
-        self._norm = kernel
-        self._add_norm = lambda x, residual, weight, eps: kernel(x, weight, eps, residual)
+        fused, group = self.quantize_for.fused_input_group() if self.quantize_for else (False, None)
+        if fused:
+            self._norm = lambda x, weight, eps: kernels.rms_norm_fp8(x, weight, eps, None, group)
+            self._add_norm = lambda x, residual, weight, eps: kernels.rms_norm_fp8(
+                x, weight, eps, residual, group)
+            return
+        self._norm = kernels.rms_norm
+        self._add_norm = lambda x, residual, weight, eps: kernels.rms_norm(x, weight, eps, residual)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

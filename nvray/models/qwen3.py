@@ -4,9 +4,10 @@
 parameters. ``forward`` returns hidden states of every token; ``compute_logits`` takes the rows
 to sample and returns their full-vocabulary logits on rank 0 (None elsewhere). On the GPU the
 model runner calls ``use_triton_kernels()`` on the modules that have it: the attention's q/k norms,
-rotary and KV-cache store then run as one fused kernel. With an ``Fp8Config`` each linear layer
-is FP8 unless the config leaves the checkpoint modules it fuses unquantized (layers are named by
-their checkpoint prefix, e.g. ``model.layers.0.self_attn.q_proj``).
+rotary and KV-cache store then run as one fused kernel, and the norms and activation before FP8
+projections quantize their outputs for them. With an ``Fp8Config`` each linear layer is FP8
+unless the config leaves the checkpoint modules it fuses unquantized (layers are named by their
+checkpoint prefix, e.g. ``model.layers.0.self_attn.q_proj``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class Qwen3MLP(nn.Module):
             quant=_quant(quant, prefix, ["gate_proj", "up_proj"]))
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
                                            quant=_quant(quant, prefix, ["down_proj"]))
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(quantize_for=self.down_proj.quant_method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -99,8 +100,11 @@ class Qwen3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, qk_norm, qkv_bias, quant, f"{prefix}.self_attn")
         self.mlp = Qwen3MLP(cfg, quant, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # with FP8 projections, the norms' kernels quantize their outputs for them (GPU)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                       quantize_for=self.self_attn.qkv_proj.quant_method)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                quantize_for=self.mlp.gate_up_proj.quant_method)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,9 @@ along the same axis. ``apply`` runs the layer:
   column group), then ``torch._scaled_mm`` (per-channel weights, per-token activations) or the
   Triton block-scaled GEMM (``kernels/fp8_gemm.py``);
 - otherwise: ``fp8_math.linear_ref`` (dequantize, compute in the activations' dtype).
+
+Both take the input as a tensor or as an ``Fp8Activation`` that the kernel before the layer
+quantized (``fused_input_group``: whether one may, and with how many columns per scale).
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ class Fp8LinearMethod:
         self.config = config
         self.block = config.block
         self.gpu_linear: Callable[..., torch.Tensor] | None = None  # set by use_triton_kernels
+
+    def fused_input_group(self) -> tuple[bool, int | None]:
+        """(whether the kernel producing this layer's input may quantize it, columns per scale:
+        None for one per token). The fused norm and activation kernels take power-of-two groups;
+        a block of another width keeps the layer's own quantization."""
+        if self.block is None:
+            return True, None
+        group = self.block[1]
+        return group & (group - 1) == 0, group
 
     def use_triton_kernels(self) -> None:
         """The CUDA path (Triton activation quantization, FP8 GEMMs), chosen once on the GPU."""

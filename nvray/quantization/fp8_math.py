@@ -11,10 +11,13 @@ An FP8 KV cache (``to_cache_dtype``) stores keys and values as they are (scale 1
 
 Activations are quantized dynamically, per token (a row) or per token and group of ``group``
 columns, with ``scale = amax / 448``. ``linear_ref`` is the whole FP8 linear layer: quantize the
-input as the GPU path does, dequantize both operands to the compute dtype, multiply.
+input as the GPU path does (or take an ``Fp8Activation`` a fused kernel already quantized),
+dequantize both operands to the compute dtype, multiply.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +82,24 @@ def quantize_activation(x: torch.Tensor, group: int | None) -> tuple[torch.Tenso
     return to_fp8(grouped / scale).view(t, k), scale.view(t, k // group)
 
 
+class Fp8Activation(NamedTuple):
+    """A linear layer's input, quantized by the kernel that produced it (the RMSNorm or the
+    gated activation before an FP8 layer): ``q`` ``[T, K]`` e4m3 and ``scale`` ``[T, K / group]``
+    float32 as ``quantize_activation`` makes them; ``dtype`` is the compute dtype it stands for
+    (the layer's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantize(self) -> torch.Tensor:
+        """``q * scale`` in ``dtype``: what the FP8 GEMM sees of the activation."""
+        t, k = self.q.shape
+        groups = self.scale.shape[1]
+        back = self.q.float().view(t, groups, k // groups) * self.scale.unsqueeze(-1)
+        return back.view(t, k).to(self.dtype)
+
+
 def fake_quantize_activation(x: torch.Tensor, group: int | None) -> torch.Tensor:
     """``x`` after an FP8 round trip, in ``x``'s dtype: what the FP8 GEMM sees of it."""
     q, scale = quantize_activation(x.reshape(-1, x.shape[-1]), group)
@@ -87,10 +108,24 @@ def fake_quantize_activation(x: torch.Tensor, group: int | None) -> torch.Tensor
     return back.view(x.shape).to(x.dtype)
 
 
-def linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def check_activation_groups(x: Fp8Activation, in_features: int, block: tuple[int, int] | None) -> None:
+    """A pre-quantized input must carry the scales the layer's GEMM expects: one per row for
+    per-channel weights, one per ``block[1]`` columns for block weights."""
+    want = 1 if block is None else in_features // block[1]
+    if x.q.dim() != 2 or x.q.shape[1] != in_features or tuple(x.scale.shape) != (x.q.shape[0], want):
+        raise ValueError(f"a quantized activation q {tuple(x.q.shape)}, scale {tuple(x.scale.shape)} "
+                         f"does not fit a layer of {in_features} inputs with weight block {block} "
+                         f"(expected scales [T, {want}])")
+
+
+def linear_ref(x: torch.Tensor | Fp8Activation, q: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The FP8 linear layer in ``x``'s dtype: activations quantized per token (per channel
-    weights) or per token and ``block[1]`` columns (block weights)."""
+    weights) or per token and ``block[1]`` columns (block weights); an ``Fp8Activation`` comes
+    quantized already."""
+    if isinstance(x, Fp8Activation):
+        check_activation_groups(x, q.shape[1], block)
+        return F.linear(x.dequantize(), dequantize(q, scale, block, x.dtype), bias)
     group = None if block is None else block[1]
     w = dequantize(q, scale, block, x.dtype)
     return F.linear(fake_quantize_activation(x, group), w, bias)

@@ -76,3 +76,25 @@ def test_fp8_linear_matches_reference_at_real_shapes(m, n, k, block):
     ref = kernels.fp8_linear_ref(x.float(), wq, ws, block, None)
     # both multiply the same FP8 values; the difference is bf16 output rounding and fp32 order
     torch.testing.assert_close(out, ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("block", [None, BLOCK])
+def test_fp8_linear_takes_an_activation_quantized_before_it(block):
+    """A layer given the Fp8Activation a fused norm or activation kernel made computes what it
+    computes quantizing the same input itself; scales of another grouping are refused."""
+    from nvray.quantization.fp8_math import Fp8Activation
+
+    x, w = _operands(6, 256, 256, seed=3)
+    wq, ws = quantize_per_channel(w.cpu()) if block is None else quantize_per_block(w.cpu(), block)
+    wq, ws = wq.to(DEVICE), ws.to(DEVICE)
+    group = None if block is None else block[1]
+    act = Fp8Activation(*kernels.quantize_fp8_act(x, group), x.dtype)
+    torch.testing.assert_close(kernels.fp8_linear(act, wq, ws, block, None),
+                               kernels.fp8_linear(x, wq, ws, block, None), atol=0, rtol=0)
+    act_ref = Fp8Activation(*kernels.quantize_fp8_act_ref(x, group), x.dtype)  # rounds to e4m3
+    torch.testing.assert_close(kernels.fp8_linear_ref(act_ref, wq, ws, block, None),
+                               kernels.fp8_linear_ref(x, wq, ws, block, None), atol=1e-5, rtol=1e-5)
+    other = Fp8Activation(*kernels.quantize_fp8_act(x, 128 if block is None else None), x.dtype)
+    for linear in (kernels.fp8_linear, kernels.fp8_linear_ref):
+        with pytest.raises(ValueError, match="does not fit"):
+            linear(other, wq, ws, block, None)

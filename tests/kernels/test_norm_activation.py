@@ -110,3 +110,80 @@ def test_validation_names_the_argument():
     for bad in (x[:, :63], x[0], x.to(torch.int32)):
         with pytest.raises(ValueError, match="x"):
             kernels.silu_and_mul(bad)
+
+
+# --- FP8 outputs: the kernels quantizing for the FP8 layer they feed ---------------------------
+# The oracle is the unfused pair the layers ran before: the 16/32-bit kernel, then the
+# activation quantization kernel. Fused, the values must be the same (both quantize the output
+# rounded to x's dtype): identical under the interpreter; compiled, the two kernels may sum a
+# row's squares in another order, so a scale may move by an ulp of x's dtype and a value by one
+# e4m3 step, rarely. Against the pure-torch references the scales must agree (the interpreter
+# does not round to e4m3, so the quantized values are compared to the unfused kernels only).
+
+FP8_GROUPS = [None, 128, 32]
+
+
+def _assert_same_quantization(fused, q: torch.Tensor, scale: torch.Tensor) -> None:
+    if INTERPRET:
+        assert torch.equal(fused.scale, scale) and torch.equal(fused.q.float(), q.float())
+        return
+    ulp = torch.finfo(fused.dtype).eps
+    torch.testing.assert_close(fused.scale, scale, atol=0, rtol=4 * ulp)
+    group = q.shape[1] // scale.shape[1]
+    got = fused.q.float() * fused.scale.repeat_interleave(group, dim=1)
+    want = q.float() * scale.repeat_interleave(group, dim=1)
+    step = torch.maximum(want.abs() / 8, scale.repeat_interleave(group, dim=1) / 512)
+    assert ((got - want).abs() <= step * 1.01 + want.abs() * 4 * ulp).all(), "one e4m3 step at most"
+    assert (fused.q.float() != q.float()).float().mean() <= 0.01, "values off by a step are rare"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(7, 1024), (3, 96), (2, 2560)])
+@pytest.mark.parametrize("group", FP8_GROUPS)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_fp8_equals_the_norm_then_quantization(dtype, num_tokens, hidden, group,
+                                                        with_residual):
+    if group is not None and hidden % group:
+        pytest.skip("groups divide the row")
+    x = _rows(num_tokens, hidden, dtype, seed=hidden + 3, extra_cols=24)
+    residual = _rows(num_tokens, hidden, dtype, seed=hidden, extra_cols=8) if with_residual else None
+    g = torch.Generator().manual_seed(2)
+    weight = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype=dtype, device=DEVICE)
+    fused = kernels.rms_norm_fp8(x, weight, 1e-6, residual, group)
+    plain = kernels.rms_norm(x, weight, 1e-6, residual)
+    ref = kernels.rms_norm_fp8_ref(x, weight, 1e-6, residual, group)
+    if with_residual:
+        (fused, new_residual), (plain, want_residual), ref = fused, plain, ref[0]
+        assert torch.equal(new_residual, want_residual)
+    q, scale = kernels.quantize_fp8_act(plain, group)
+    assert fused.q.dtype == torch.float8_e4m3fn and fused.dtype == dtype
+    _assert_same_quantization(fused, q, scale)
+    torch.testing.assert_close(fused.scale, ref.scale, atol=0, rtol=2e-2 if dtype != torch.float32 else 1e-5)
+    assert fused.scale.shape == (num_tokens, 1 if group is None else hidden // group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,inter,group", [(5, 3072, None), (5, 3072, 128), (3, 5000, None),
+                                                    (2, 20000, None), (2, 100, None), (1, 1, None),
+                                                    (4, 96, 32)])
+def test_silu_and_mul_fp8_equals_the_activation_then_quantization(dtype, num_tokens, inter, group):
+    x = _rows(num_tokens, 2 * inter, dtype, seed=inter + 1, extra_cols=16)
+    fused = kernels.silu_and_mul_fp8(x, group)
+    q, scale = kernels.quantize_fp8_act(kernels.silu_and_mul(x), group)
+    assert fused.q.dtype == torch.float8_e4m3fn and fused.dtype == dtype
+    _assert_same_quantization(fused, q, scale)
+    ref = kernels.silu_and_mul_fp8_ref(x, group)
+    torch.testing.assert_close(fused.scale, ref.scale, atol=0, rtol=2e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_fp8_outputs_refuse_groups_that_do_not_fit():
+    x = _rows(2, 96, torch.float32, seed=4)
+    weight = torch.ones(96, device=DEVICE)
+    for bad in (64, 48, 0):
+        with pytest.raises(ValueError, match="group"):
+            kernels.rms_norm_fp8(x, weight, 1e-6, None, bad)
+        with pytest.raises(ValueError, match="group"):
+            kernels.silu_and_mul_fp8(_rows(2, 192, torch.float32, seed=5), bad)
+    empty = kernels.rms_norm_fp8(x[:0], weight, 1e-6, None, 32)
+    assert empty.q.shape == (0, 96) and empty.scale.shape == (0, 3)
+    assert kernels.silu_and_mul_fp8(x[:0]).q.shape == (0, 48)
