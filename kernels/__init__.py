@@ -4,7 +4,7 @@ hidden-state RMSNorm (with the residual add), the MLP's gated activation (both o
 quantizing their output for the FP8 layer they feed), the sampler's
 greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds, grammar token
 masks applied to chosen logits rows, and FP8 linear layers (activation quantization, the
-block-scaled GEMM).
+per-channel and block-scaled GEMMs).
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -52,8 +52,9 @@ def _patch_interpreter_for_numpy_2_4() -> None:
 
 _patch_interpreter_for_numpy_2_4()
 
-from .fp8_gemm import (block_fp8_mm, block_fp8_mm_ref, fp8_linear, fp8_linear_ref,  # noqa: E402
-                       quantize_fp8_act, quantize_fp8_act_ref)
+from .fp8_gemm import (block_fp8_mm, block_fp8_mm_ref, channel_fp8_mm,  # noqa: E402
+                       channel_fp8_mm_ref, fp8_linear, fp8_linear_ref, quantize_fp8_act,
+                       quantize_fp8_act_ref)
 from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
@@ -68,6 +69,8 @@ from .store_kv import store_kvcache, store_kvcache_ref  # noqa: E402
 __all__ = [
     "block_fp8_mm",
     "block_fp8_mm_ref",
+    "channel_fp8_mm",
+    "channel_fp8_mm_ref",
     "fp8_linear",
     "fp8_linear_ref",
     "quantize_fp8_act",

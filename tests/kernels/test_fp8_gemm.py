@@ -64,10 +64,24 @@ def test_block_fp8_gemm_rejects_mismatched_scales():
         kernels.block_fp8_mm(aq, a_scale[:, :1], wq.to(DEVICE), ws.to(DEVICE), BLOCK, torch.float32)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 200, 256), (5, 200, 512), (70, 96, 272), (130, 300, 128)])
+def test_channel_fp8_gemm_matches_reference(m, n, k):
+    """Per-channel weights, per-token activations; K a multiple of 256, of 16 only, and one tile;
+    rows and columns off the tile grid."""
+    x, w = _operands(m, n, k, seed=m + k)
+    wq, ws = quantize_per_channel(w.cpu())
+    aq, a_scale = kernels.quantize_fp8_act_ref(x, None)
+    out = kernels.channel_fp8_mm(aq, a_scale, wq.to(DEVICE), ws.to(DEVICE), torch.float32)
+    ref = kernels.channel_fp8_mm_ref(aq, a_scale, wq.to(DEVICE), ws.to(DEVICE), torch.float32)
+    torch.testing.assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
+    with pytest.raises(ValueError, match="scales"):
+        kernels.channel_fp8_mm(aq, a_scale.repeat(1, 2), wq.to(DEVICE), ws.to(DEVICE), torch.float32)
+
+
 @pytest.mark.skipif(INTERPRET, reason="torch._scaled_mm and the real shapes: compiled only")
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 @pytest.mark.parametrize("block", [None, BLOCK])
-@pytest.mark.parametrize("m", [1, 37, 256])
+@pytest.mark.parametrize("m", [1, 37, 256, 1100])
 def test_fp8_linear_matches_reference_at_real_shapes(m, n, k, block):
     x, w = _operands(m, n, k, seed=n + m)
     x = x.to(torch.bfloat16)
