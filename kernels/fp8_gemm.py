@@ -108,18 +108,31 @@ def quantize_fp8_act_ref(x: torch.Tensor, group: int | None) -> tuple[torch.Tens
 
 
 @triton.jit
+def _tile(a_ptr, w_ptr, M, N, stride_am, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """This program's output tile: its rows and columns, their masks, and the first K step's
+    pointers into ``a`` (rows) and ``w`` (columns, as the dot's right operand)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    return offs_m, offs_n, offs_k, offs_m < M, offs_n < N, a_rows, w_cols
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_om):
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def _block_fp8_mm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
                          stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
                          BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    offs_m, offs_n, offs_k, mask_m, mask_n, a_rows, w_cols = _tile(
+        a_ptr, w_ptr, M, N, stride_am, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     as_rows = as_ptr + offs_m.to(tl.int64) * stride_asm
     ws_rows = ws_ptr + (offs_n // BN_SCALE).to(tl.int64) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -129,8 +142,7 @@ def _block_fp8_mm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
         a_s = tl.load(as_rows + k0 // BK_SCALE, mask=mask_m, other=0.0)
         w_s = tl.load(ws_rows + k0 // BK_SCALE, mask=mask_n, other=0.0)
         acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_om)
 
 
 def _check_block_args(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
@@ -190,14 +202,8 @@ def _channel_fp8_mm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
                            stride_am, stride_wn, stride_om,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            EVEN_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn
+    offs_m, offs_n, offs_k, mask_m, mask_n, a_rows, w_cols = _tile(
+        a_ptr, w_ptr, M, N, stride_am, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k < K) | EVEN_K
@@ -209,8 +215,7 @@ def _channel_fp8_mm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
     w_s = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     acc = acc * a_s[:, None] * w_s[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_tile(out_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_om)
 
 
 def _check_channel_args(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
