@@ -23,15 +23,15 @@ Contract
 
 * per-channel weights and per-token activations: ``a`` ``[M, K]`` fp8 with ``a_scale``
   ``[M, 1]``, ``w`` ``[N, K]`` fp8 with ``w_scale`` ``[N, 1]`` (float32); K a multiple of 16.
-* ``out[m, n] = a_scale[m] * w_scale[n] * Σ_k a[m, k] * w[n, k]`` (fp32 accumulation), in
-  ``out_dtype``. Tiles of 64 rows, 256 (or 128) columns of K, and as many output columns as
+* ``out[m, n] = a_scale[m] * w_scale[n] * Σ_k a[m, k] * w[n, k]`` (fp32 accumulation: on
+  Hopper, partial sums promoted to fp32 every 128 products), in ``out_dtype``. Tiles of 64 rows, 256 (or 128) columns of K, and as many output columns as
   keep ~128 programs in the grid: at decode's row counts this beats cuBLAS's FP8 GEMM
   (``torch._scaled_mm`` picks 128x128 tiles, a few dozen programs for Qwen3-0.6B's layers).
 
 ``fp8_linear(x, w, w_scale, block, bias) -> y`` is a whole layer on ``x`` of any leading shape:
 per-channel weights (``block=None``, ``w_scale [N, 1]``) go through ``channel_fp8_mm`` for
-few rows or little work (``use_channel_triton``) and ``torch._scaled_mm`` beyond, with per-token
-activation scales; block weights through ``block_fp8_mm``. ``x`` may instead be an
+few rows or little work on an sm90 GPU (``use_channel_triton``) and ``torch._scaled_mm``
+otherwise, with per-token activation scales; block weights through ``block_fp8_mm``. ``x`` may instead be an
 ``Fp8Activation`` (``[T, K]``, quantized by the kernel that produced it, e.g.
 ``rms_norm_fp8``): its scales must be the ones the layer's GEMM takes (one per row, or one per
 ``block[1]`` columns), and the output has its ``dtype``. The ``*_ref`` functions are the
@@ -39,6 +39,8 @@ pure-torch references with the same signatures.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -51,16 +53,28 @@ from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activ
 __all__ = ["quantize_fp8_act", "quantize_fp8_act_ref", "block_fp8_mm", "block_fp8_mm_ref",
            "channel_fp8_mm", "channel_fp8_mm_ref", "fp8_linear", "fp8_linear_ref"]
 
-# per-channel layers go to channel_fp8_mm up to this many rows, or this much work (M * N * K);
-# beyond, to cuBLAS. H100, per layer against torch._scaled_mm: Qwen3-0.6B's shapes 0.61x at 16
-# rows, 0.74x at 256, 0.89x at 512, 1.23x at 1,024; Qwen3-8B's 0.70x at 16, 0.91x at 128, 1.07x
-# at 256.
+# per-channel layers go to channel_fp8_mm up to this many rows, or below this much work
+# (M * N * K), on the GPU it was measured on (compute capability 9.0, whose 228 KB of shared
+# memory per SM the 4-stage tiles need); elsewhere, and beyond, to cuBLAS. H100, per layer
+# against torch._scaled_mm: Qwen3-0.6B's shapes 0.61x at 16 rows, 0.74x at 256, 0.89x at 512,
+# 1.23x at 1,024; Qwen3-8B's 0.70x at 16, 0.91x at 128, 1.07x at 256 (timed before the fp32
+# promotion every 128 products; not re-timed since).
 CHANNEL_TRITON_MAX_ROWS = 128
-CHANNEL_TRITON_MAX_WORK = 2**32
+CHANNEL_TRITON_MAX_WORK = 2**31
+_CHANNEL_TRITON_CAPABILITY = (9, 0)
 
 
-def use_channel_triton(m: int, n: int, k: int) -> bool:
-    return m <= CHANNEL_TRITON_MAX_ROWS or m * n * k <= CHANNEL_TRITON_MAX_WORK
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def use_channel_triton(a: torch.Tensor, n: int) -> bool:
+    """Whether ``channel_fp8_mm`` takes ``a`` ``[M, K]`` times an ``[N, K]`` weight."""
+    m, k = a.shape
+    if a.device.type == "cuda" and _capability(a.device.index or 0) != _CHANNEL_TRITON_CAPABILITY:
+        return False
+    return m <= CHANNEL_TRITON_MAX_ROWS or m * n * k < CHANNEL_TRITON_MAX_WORK
 
 
 @triton.jit
@@ -211,7 +225,9 @@ def _channel_fp8_mm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
                     other=0.0)
         w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=mask_n[None, :] & k_mask[:, None],
                     other=0.0)
-        acc = tl.dot(a, w, acc)
+        # Hopper's FP8 tensor cores add in less than fp32: promote into fp32 every 128 products
+        # (as cuBLAS does unless asked for fast accumulation, and the block kernel per K block)
+        acc = tl.dot(a, w, acc, max_num_imprecise_acc=128)
     a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
     w_s = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     acc = acc * a_s[:, None] * w_s[None, :]
@@ -270,7 +286,7 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.
     else:
         q, scale = quantize_fp8_act(x.reshape(-1, x.shape[-1]), None if block is None else block[1])
         dtype, lead = x.dtype, x.shape[:-1]
-    if block is None and use_channel_triton(q.shape[0], w.shape[0], w.shape[1]):
+    if block is None and use_channel_triton(q, w.shape[0]):
         y = channel_fp8_mm(q, scale, w, w_scale, dtype)
     elif block is None:
         # row-wise scales give bf16 on every torch/cuBLAS build; other dtypes only on some

@@ -24,9 +24,10 @@ computing. One program per token; ``hidden`` up to 16384.
 ``rms_norm_fp8(x, weight, eps, residual=None, group=None) -> act`` or ``(act, new_residual)``
 
 * the same norm, its output quantized for the FP8 linear layer it feeds, in the same program:
-  ``act`` is an ``Fp8Activation`` whose ``q`` / ``scale`` equal ``quantize_fp8_act(out, group)``
-  of the ``out`` above (the norm rounded to x's dtype first, so fused and unfused layers compute
-  the same values) and whose ``dtype`` is x's. ``group``: one scale per ``group`` columns, a
+  ``act`` is an ``Fp8Activation`` whose ``q`` / ``scale`` are ``quantize_fp8_act(out, group)``
+  of the ``out`` above (the norm rounded to x's dtype first, then quantized the same way; two
+  compiled kernels may still differ by the order of a row's sum: a scale by an ulp, a value by
+  one e4m3 step now and then) and whose ``dtype`` is x's. ``group``: one scale per ``group`` columns, a
   power of two dividing ``hidden``, or None for one per row. Saves the 16-bit output's write and
   read and one launch per layer input.
 ``rms_norm_fp8_ref`` is its reference: ``rms_norm_ref`` then ``quantize_activation``.

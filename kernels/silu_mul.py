@@ -16,9 +16,8 @@ a ``torch.compile``d call. Grid ``(num_tokens, cdiv(inter, BLOCK))``.
 ``silu_and_mul_fp8(x, group=None) -> act``
 
 * the same activation, quantized for the FP8 layer it feeds (``down_proj``) in the same kernel:
-  an ``Fp8Activation`` whose ``q`` / ``scale`` equal ``quantize_fp8_act(silu_and_mul(x),
-  group)`` (the product rounded to x's dtype first, so fused and unfused layers compute the same
-  values), ``dtype`` x's. ``group``: a power of two dividing ``inter`` (grid ``(num_tokens,
+  an ``Fp8Activation`` whose ``q`` / ``scale`` are ``quantize_fp8_act(silu_and_mul(x),
+  group)`` (the product rounded to x's dtype first, then quantized the same way), ``dtype`` x's. ``group``: a power of two dividing ``inter`` (grid ``(num_tokens,
   cdiv(inter, BLOCK))``, BLOCK a multiple of it), or None for one scale per row (one program a
   row: the whole row at once up to 16,384 columns, else two passes over it, the amax, then the
   quantized values).
@@ -147,6 +146,8 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> Fp8Activation
     q = torch.empty(num_tokens, inter, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(num_tokens, 1 if group is None else inter // group, dtype=torch.float32,
                         device=x.device)
+    if not inter:
+        scale.fill_(MIN_SCALE)  # an empty row's scale
     if num_tokens and inter:
         padded, warps = triton.next_power_of_2(inter), 4
         one_pass = group is None and padded <= _ROW_ONE_PASS

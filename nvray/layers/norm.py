@@ -5,8 +5,9 @@ On the GPU the model runner calls ``enable_torch_compile()``: the norm then runs
 where Triton is installed, ``use_triton_kernels()``: one hand-written kernel
 (``kernels/rms_norm.py``), as fast on the GPU and ~0.1 ms cheaper per call to launch on eager
 steps. A norm built with ``quantize_for`` (the FP8 layer its output feeds) then returns its
-output already quantized for that layer (an ``Fp8Activation``, from ``rms_norm_fp8``): one
-kernel instead of two, the same values.
+output already quantized for that layer (an ``Fp8Activation``, from ``rms_norm_fp8``) where the
+layer's activation groups are a power of two wide (``fused_input_group``): one kernel instead
+of two, quantizing the same rounded values.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ along the same axis. ``apply`` runs the layer:
 
 - on CUDA, once the model runner has called ``use_triton_kernels`` (as for every layer with
   Triton kernels): activations quantized by one Triton kernel (per token, or per token and block
-  column group), then ``torch._scaled_mm`` (per-channel weights, per-token activations) or the
-  Triton block-scaled GEMM (``kernels/fp8_gemm.py``);
+  column group) unless the kernel before the layer did, then for per-channel weights the Triton
+  GEMM at few rows on sm90 or ``torch._scaled_mm``, for block weights the Triton block-scaled
+  GEMM (``kernels/fp8_gemm.py``);
 - otherwise: ``fp8_math.linear_ref`` (dequantize, compute in the activations' dtype).
 
 Both take the input as a tensor or as an ``Fp8Activation`` that the kernel before the layer

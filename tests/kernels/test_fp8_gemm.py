@@ -92,13 +92,14 @@ def test_fp8_linear_matches_reference_at_real_shapes(m, n, k, block):
     torch.testing.assert_close(out, ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
 
 
-@pytest.mark.parametrize("block", [None, BLOCK])
-def test_fp8_linear_takes_an_activation_quantized_before_it(block):
+@pytest.mark.parametrize("block,m,n,k", [(None, 6, 256, 256), (BLOCK, 6, 256, 256),
+                                         (None, 140, 16384, 1024)])  # the last on cuBLAS
+def test_fp8_linear_takes_an_activation_quantized_before_it(block, m, n, k):
     """A layer given the Fp8Activation a fused norm or activation kernel made computes what it
     computes quantizing the same input itself; scales of another grouping are refused."""
     from nvray.quantization.fp8_math import Fp8Activation
 
-    x, w = _operands(6, 256, 256, seed=3)
+    x, w = _operands(m, n, k, seed=3)
     wq, ws = quantize_per_channel(w.cpu()) if block is None else quantize_per_block(w.cpu(), block)
     wq, ws = wq.to(DEVICE), ws.to(DEVICE)
     group = None if block is None else block[1]

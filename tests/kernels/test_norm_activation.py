@@ -165,7 +165,7 @@ def test_rms_norm_fp8_equals_the_norm_then_quantization(dtype, num_tokens, hidde
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,inter,group", [(5, 3072, None), (5, 3072, 128), (3, 5000, None),
                                                     (2, 20000, None), (2, 100, None), (1, 1, None),
-                                                    (4, 96, 32)])
+                                                    (4, 96, 32), (3, 1152, 128)])
 def test_silu_and_mul_fp8_equals_the_activation_then_quantization(dtype, num_tokens, inter, group):
     x = _rows(num_tokens, 2 * inter, dtype, seed=inter + 1, extra_cols=16)
     fused = kernels.silu_and_mul_fp8(x, group)
@@ -187,3 +187,22 @@ def test_fp8_outputs_refuse_groups_that_do_not_fit():
     empty = kernels.rms_norm_fp8(x[:0], weight, 1e-6, None, 32)
     assert empty.q.shape == (0, 96) and empty.scale.shape == (0, 3)
     assert kernels.silu_and_mul_fp8(x[:0]).q.shape == (0, 48)
+
+
+def test_layers_fuse_only_groups_the_kernels_take():
+    """A norm before an FP8 layer hands it an Fp8Activation where the layer's activation groups
+    are a power of two wide (or per token); a 384-column block keeps the layer's own
+    quantization (the norm's output stays a 16/32-bit tensor)."""
+    from nvray.quantization import Fp8Config, Fp8LinearMethod
+    from nvray.layers.norm import RMSNorm
+    from nvray.quantization.fp8_math import Fp8Activation
+
+    x = _rows(3, 768, torch.float32, seed=6)
+    for block, fused in [(None, True), ((128, 128), True), ((128, 384), False)]:
+        method = Fp8LinearMethod(Fp8Config(block=block, scale_name="weight_scale", source="test"))
+        norm = RMSNorm(768, 1e-6, quantize_for=method).to(DEVICE)
+        norm.use_triton_kernels()
+        out = norm(x)
+        assert isinstance(out, Fp8Activation) == fused, block
+        if fused:
+            assert out.scale.shape == (3, 1 if block is None else 768 // block[1])
