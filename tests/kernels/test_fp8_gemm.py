@@ -113,3 +113,21 @@ def test_fp8_linear_takes_an_activation_quantized_before_it(block, m, n, k):
     for linear in (kernels.fp8_linear, kernels.fp8_linear_ref):
         with pytest.raises(ValueError, match="does not fit"):
             linear(other, wq, ws, block, None)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Hopper's FP8 accumulation precision: compiled only")
+@pytest.mark.parametrize("m", [16, 128])
+def test_channel_fp8_gemm_accumulates_in_fp32_over_long_k(m):
+    """Qwen3-8B's down_proj has K = 12,288. Positive operands make every partial sum grow, so an
+    accumulator kept in the tensor cores' reduced precision over the whole K loop (Triton's
+    default on sm90) falls visibly short of the exact sum; promoted to fp32 every 128
+    products it stays within a few 1e-4 of it."""
+    k, n = 12288, 256
+    g = torch.Generator().manual_seed(m)
+    x = (torch.rand(m, k, generator=g) + 0.5).to(DEVICE)
+    w = (torch.rand(n, k, generator=g) + 0.5).to(DEVICE)
+    wq, ws = quantize_per_channel(w)
+    aq, a_scale = kernels.quantize_fp8_act(x, None)
+    exact = (aq.double() * a_scale.double()) @ (wq.double() * ws.double()).t()
+    ours = kernels.channel_fp8_mm(aq, a_scale, wq, ws, torch.float32).double()
+    assert float(((ours - exact).abs() / exact.abs()).max()) < 2e-3
