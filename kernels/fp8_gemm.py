@@ -24,17 +24,18 @@ Contract
 * per-channel weights and per-token activations: ``a`` ``[M, K]`` fp8 with ``a_scale``
   ``[M, 1]``, ``w`` ``[N, K]`` fp8 with ``w_scale`` ``[N, 1]`` (float32); K a multiple of 16.
 * ``out[m, n] = a_scale[m] * w_scale[n] * Σ_k a[m, k] * w[n, k]`` (fp32 accumulation: on
-  Hopper, partial sums promoted to fp32 every 128 products), in ``out_dtype``. Tiles of 64 rows, 256 (or 128) columns of K, and as many output columns as
-  keep ~128 programs in the grid: at decode's row counts this beats cuBLAS's FP8 GEMM
-  (``torch._scaled_mm`` picks 128x128 tiles, a few dozen programs for Qwen3-0.6B's layers).
+  Hopper, partial sums promoted to fp32 every 128 products), in ``out_dtype``. Tiles of 64
+  rows, 256 (or 128) columns of K, and as many output columns as keep ~128 programs in the
+  grid: at decode's row counts this beats cuBLAS's FP8 GEMM (``torch._scaled_mm`` picks
+  128x128 tiles, a few dozen programs for Qwen3-0.6B's layers).
 
 ``fp8_linear(x, w, w_scale, block, bias) -> y`` is a whole layer on ``x`` of any leading shape:
 per-channel weights (``block=None``, ``w_scale [N, 1]``) go through ``channel_fp8_mm`` for
 few rows or little work on an sm90 GPU (``use_channel_triton``) and ``torch._scaled_mm``
-otherwise, with per-token activation scales; block weights through ``block_fp8_mm``. ``x`` may instead be an
-``Fp8Activation`` (``[T, K]``, quantized by the kernel that produced it, e.g.
-``rms_norm_fp8``): its scales must be the ones the layer's GEMM takes (one per row, or one per
-``block[1]`` columns), and the output has its ``dtype``. The ``*_ref`` functions are the
+otherwise, with per-token activation scales; block weights through ``block_fp8_mm``. ``x``
+may instead be an ``Fp8Activation`` (``[T, K]``, quantized by the kernel that produced it,
+e.g. ``rms_norm_fp8``): its scales must be the ones the layer's GEMM takes (one per row, or
+one per ``block[1]`` columns), and the output has its ``dtype``. The ``*_ref`` functions are the
 pure-torch references with the same signatures.
 """
 

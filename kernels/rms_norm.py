@@ -27,9 +27,9 @@ computing. One program per token; ``hidden`` up to 16384.
   ``act`` is an ``Fp8Activation`` whose ``q`` / ``scale`` are ``quantize_fp8_act(out, group)``
   of the ``out`` above (the norm rounded to x's dtype first, then quantized the same way; two
   compiled kernels may still differ by the order of a row's sum: a scale by an ulp, a value by
-  one e4m3 step now and then) and whose ``dtype`` is x's. ``group``: one scale per ``group`` columns, a
-  power of two dividing ``hidden``, or None for one per row. Saves the 16-bit output's write and
-  read and one launch per layer input.
+  one e4m3 step now and then) and whose ``dtype`` is x's. ``group``: one scale per ``group``
+  columns, a power of two dividing ``hidden``, or None for one per row. Saves the 16-bit
+  output's write and read and one launch per layer input.
 ``rms_norm_fp8_ref`` is its reference: ``rms_norm_ref`` then ``quantize_activation``.
 """
 
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
-                                         quantize_activation)
+                                         check_group, quantize_activation)
 
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fp8", "rms_norm_fp8_ref"]
 
@@ -130,14 +130,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, new_residual)
 
 
-def _check_group(hidden: int, group: int | None) -> int:
-    """The kernel's group: ``group`` (a power of two dividing ``hidden``), or for one scale per
-    row the whole padded row."""
-    if group is None:
-        return triton.next_power_of_2(hidden)
-    if group < 1 or group & (group - 1) or hidden % group:
-        raise ValueError(f"group: expected a power of two dividing hidden={hidden} or None, got {group}")
-    return group
+def _kernel_group(hidden: int, group: int | None) -> int:
+    """The kernel's group: ``group``, or for one scale per row the whole padded row."""
+    check_group(hidden, group)
+    return group or triton.next_power_of_2(hidden)
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -147,7 +143,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     (None: per row)."""
     _validate(x, weight, residual)
     num_tokens, hidden = x.shape
-    kernel_group = _check_group(hidden, group)
+    kernel_group = _kernel_group(hidden, group)
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(num_tokens, -(-hidden // kernel_group), dtype=torch.float32,
                         device=x.device)
@@ -171,7 +167,7 @@ def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                      residual: torch.Tensor | None = None, group: int | None = None
                      ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
     """Pure-torch reference of :func:`rms_norm_fp8` (same contract)."""
-    _check_group(x.shape[1], group)
+    check_group(x.shape[1], group)
     normed = rms_norm_ref(x, weight, eps, residual)
     out = normed if residual is None else normed[0]
     act = Fp8Activation(*quantize_activation(out, group), x.dtype)

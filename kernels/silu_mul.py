@@ -17,9 +17,10 @@ a ``torch.compile``d call. Grid ``(num_tokens, cdiv(inter, BLOCK))``.
 
 * the same activation, quantized for the FP8 layer it feeds (``down_proj``) in the same kernel:
   an ``Fp8Activation`` whose ``q`` / ``scale`` are ``quantize_fp8_act(silu_and_mul(x),
-  group)`` (the product rounded to x's dtype first, then quantized the same way), ``dtype`` x's. ``group``: a power of two dividing ``inter`` (grid ``(num_tokens,
-  cdiv(inter, BLOCK))``, BLOCK a multiple of it), or None for one scale per row (one program a
-  row: the whole row at once up to 16,384 columns, else two passes over it, the amax, then the
+  group)`` (the product rounded to x's dtype first, then quantized the same way), ``dtype``
+  x's. ``group``: a power of two dividing ``inter`` (grid ``(num_tokens, cdiv(inter,
+  BLOCK))``, BLOCK a multiple of it), or None for one scale per row (one program a row: the
+  whole row at once up to 16,384 columns, else two passes over it, the amax, then the
   quantized values).
 ``silu_and_mul_fp8_ref`` is its reference.
 """
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
-                                         quantize_activation)
+                                         check_group, quantize_activation)
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_and_mul_fp8", "silu_and_mul_fp8_ref"]
 
@@ -102,6 +103,12 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, inter, BLOCK: tl
 _INTERPRET = not isinstance(_silu_and_mul_kernel, triton.runtime.jit.JITFunction)
 
 
+def _validate_device(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and not _INTERPRET:
+        raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
+                         "TRITON_INTERPRET=1 set before triton kernels are imported)")
+
+
 def _validate(x: torch.Tensor) -> None:
     if (x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1
             or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
@@ -112,9 +119,7 @@ def _validate(x: torch.Tensor) -> None:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :inter]) * x[:, inter:]``."""
     _validate(x)
-    if x.device.type != "cuda" and not _INTERPRET:
-        raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
-                         "TRITON_INTERPRET=1 set before triton kernels are imported)")
+    _validate_device(x)
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     if num_tokens and inter:
@@ -130,19 +135,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
-def _check_group(inter: int, group: int | None) -> None:
-    if group is not None and (group < 1 or group & (group - 1) or inter % group):
-        raise ValueError(f"group: expected a power of two dividing inter={inter} or None, got {group}")
-
-
 def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> Fp8Activation:
     """:func:`silu_and_mul` quantized to e4m3, a scale per ``group`` columns (None: per row)."""
     _validate(x)
     num_tokens, inter = x.shape[0], x.shape[1] // 2
-    _check_group(inter, group)
-    if x.device.type != "cuda" and not _INTERPRET:
-        raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
-                         "TRITON_INTERPRET=1 set before triton kernels are imported)")
+    check_group(inter, group)
+    _validate_device(x)
     q = torch.empty(num_tokens, inter, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(num_tokens, 1 if group is None else inter // group, dtype=torch.float32,
                         device=x.device)
@@ -152,7 +150,8 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> Fp8Activation
         padded, warps = triton.next_power_of_2(inter), 4
         one_pass = group is None and padded <= _ROW_ONE_PASS
         if group is not None:
-            block, grid = max(_BLOCK, group), (num_tokens, triton.cdiv(inter, max(_BLOCK, group)))
+            block = max(_BLOCK, group)
+            grid = (num_tokens, triton.cdiv(inter, block))
         elif one_pass:  # ~32 values a thread
             block, grid, warps = padded, (num_tokens,), min(max(padded // 1024, 4), 16)
         else:
@@ -165,5 +164,5 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> Fp8Activation
 
 def silu_and_mul_fp8_ref(x: torch.Tensor, group: int | None = None) -> Fp8Activation:
     """Pure-torch reference of :func:`silu_and_mul_fp8` (same contract)."""
-    _check_group(x.shape[1] // 2, group)
+    check_group(x.shape[1] // 2, group)
     return Fp8Activation(*quantize_activation(silu_and_mul_ref(x), group), x.dtype)

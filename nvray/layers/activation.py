@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvray.layers.compiled import compiled
-from nvray.quantization import Fp8LinearMethod
+from nvray.quantization import Fp8LinearMethod, fused_input_group
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
@@ -34,7 +34,7 @@ class SiluAndMul(nn.Module):
     def use_triton_kernels(self) -> None:
         import kernels  # noqa: PLC0415 - GPU-only import
 
-        fused, group = self.quantize_for.fused_input_group() if self.quantize_for else (False, None)
+        fused, group = fused_input_group(self.quantize_for)
         self._fn = (lambda x: kernels.silu_and_mul_fp8(x, group)) if fused else kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from nvray.layers.compiled import compiled
-from nvray.quantization import Fp8LinearMethod
+from nvray.quantization import Fp8LinearMethod, fused_input_group
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
     def use_triton_kernels(self) -> None:
         import kernels  # noqa: PLC0415 - GPU-only import
 
-        fused, group = self.quantize_for.fused_input_group() if self.quantize_for else (False, None)
+        fused, group = fused_input_group(self.quantize_for)
         if fused:
             self._norm = lambda x, weight, eps: kernels.rms_norm_fp8(x, weight, eps, None, group)
             self._add_norm = lambda x, residual, weight, eps: kernels.rms_norm_fp8(

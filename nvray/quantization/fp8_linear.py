@@ -47,15 +47,6 @@ class Fp8LinearMethod:
         self.block = config.block
         self.gpu_linear: Callable[..., torch.Tensor] | None = None  # set by use_triton_kernels
 
-    def fused_input_group(self) -> tuple[bool, int | None]:
-        """(whether the kernel producing this layer's input may quantize it, columns per scale:
-        None for one per token). The fused norm and activation kernels take power-of-two groups;
-        a block of another width keeps the layer's own quantization."""
-        if self.block is None:
-            return True, None
-        group = self.block[1]
-        return group & (group - 1) == 0, group
-
     def use_triton_kernels(self) -> None:
         """The CUDA path (Triton activation quantization, FP8 GEMMs), chosen once on the GPU."""
         from kernels.fp8_gemm import fp8_linear  # noqa: PLC0415 - GPU-only import
@@ -85,3 +76,16 @@ class Fp8LinearMethod:
         scale = getattr(layer, self.config.scale_name)
         linear = self.gpu_linear or linear_ref
         return linear(x, layer.weight, scale, self.block, bias)
+
+
+def fused_input_group(consumer: Fp8LinearMethod | None) -> tuple[bool, int | None]:
+    """(whether the kernel producing ``consumer``'s input may quantize it, columns per scale:
+    None for one per token). Not for a layer that is not FP8; the fused norm and activation
+    kernels take power-of-two groups, and a block of another width keeps the layer's own
+    quantization."""
+    if consumer is None:
+        return False, None
+    if consumer.block is None:
+        return True, None
+    group = consumer.block[1]
+    return group & (group - 1) == 0, group

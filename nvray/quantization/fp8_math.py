@@ -100,6 +100,14 @@ class Fp8Activation(NamedTuple):
         return back.view(t, k).to(self.dtype)
 
 
+def check_group(columns: int, group: int | None) -> None:
+    """A fused kernel's activation group: None (one scale per row) or a power of two dividing
+    the row (``ValueError`` naming ``group`` otherwise)."""
+    if group is not None and (group < 1 or group & (group - 1) or columns % group):
+        raise ValueError(f"group: expected a power of two dividing the {columns} columns or None, "
+                         f"got {group}")
+
+
 def fake_quantize_activation(x: torch.Tensor, group: int | None) -> torch.Tensor:
     """``x`` after an FP8 round trip, in ``x``'s dtype: what the FP8 GEMM sees of it."""
     q, scale = quantize_activation(x.reshape(-1, x.shape[-1]), group)
