@@ -120,6 +120,7 @@ class Node:
     proc: subprocess.Popen
     temp_dir: str
     log: Path
+    gcs_address: str = ""
 
     def stop(self) -> None:
         """Stop only this node's processes."""
@@ -180,8 +181,9 @@ def _start(cmd: list[str], temp_dir: str, log: Path, env: dict[str, str]) -> Nod
     return Node(proc, temp_dir, log)
 
 
-def start_head(log_dir: Path, num_cpus: int) -> Cluster:
-    """``ray start --head`` on 127.0.0.1 with a dashboard (job and state APIs)."""
+def _head_command(num_cpus: int) -> tuple[list[str], str, int, int]:
+    """``ray start --head --block`` on 127.0.0.1 with its own ports and temp dir: (command,
+    temp dir, GCS port, dashboard port)."""
     temp_dir = tempfile.mkdtemp(prefix="nvh-", dir="/tmp")  # short: Unix socket paths
     gcs, dash, client, agent, agent_grpc, metrics, node, obj, rtenv = free_ports(9)
     cmd = [RAY_CLI, "start", "--head", "--block",
@@ -192,6 +194,12 @@ def start_head(log_dir: Path, num_cpus: int) -> Cluster:
            f"--object-manager-port={obj}", f"--runtime-env-agent-port={rtenv}",
            f"--num-cpus={num_cpus}", "--num-gpus=0", f"--temp-dir={temp_dir}",
            "--disable-usage-stats"]
+    return cmd, temp_dir, gcs, dash
+
+
+def start_head(log_dir: Path, num_cpus: int) -> Cluster:
+    """``ray start --head`` on 127.0.0.1 with a dashboard (job and state APIs)."""
+    cmd, temp_dir, gcs, dash = _head_command(num_cpus)
     head = _start(cmd, temp_dir, log_dir / "head.log", child_env())
     cluster = Cluster(f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", head)
     try:
@@ -200,6 +208,32 @@ def start_head(log_dir: Path, num_cpus: int) -> Cluster:
         head.stop()
         raise
     return cluster
+
+
+def default_auth_env(home: Path) -> dict[str, str]:
+    """A user's environment: Ray's authentication settings left at their defaults, ``home``
+    as the home directory (where ``ray start`` keeps the token it generates)."""
+    env = {k: v for k, v in child_env().items()
+           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env["HOME"] = str(home)
+    return env
+
+
+def start_head_with_default_auth(log_dir: Path, home: Path, num_cpus: int) -> Node:
+    """``ray start --head`` in ``default_auth_env(home)`` after a token was generated there (as
+    a first local ``ray.init()`` does, into ``home/.ray/auth_token``): Ray then turns token
+    authentication on by itself. Returns the node once it has started."""
+    subprocess.run([RAY_CLI, "get-auth-token", "--generate"], env=default_auth_env(home),
+                   capture_output=True, timeout=60, check=True)
+    cmd, temp_dir, gcs, _ = _head_command(num_cpus)
+    head = _start(cmd, temp_dir, log_dir / "head.log", default_auth_env(home))
+    head.gcs_address = f"127.0.0.1:{gcs}"
+    try:
+        _wait_until(lambda: "Ray runtime started" in head.log.read_text(), head, "the head")
+    except BaseException:
+        head.stop()
+        raise
+    return head
 
 
 def add_node(cluster: Cluster, log_dir: Path, num_cpus: int) -> Node:

@@ -3,8 +3,9 @@
 An address that was asked for (``RAY_ADDRESS``) must answer: if nothing listens there, this
 fails within seconds with a ConnectionError that says what was tried, instead of Ray's minutes
 of retries. Without one, the cluster that ``ray start`` recorded on this machine is joined if
-its head still answers; a record left by a head that was killed is reported in a warning and a
-new local single-node cluster is started instead; ``skip_a_dead_recorded_head`` makes a
+its head still answers (with the token that Ray's default authentication keeps in
+``~/.ray/auth_token``); a record left by a head that was killed is reported in a warning and
+a new local single-node cluster is started instead; ``skip_a_dead_recorded_head`` makes a
 ``ray.init()`` to come (``serve run``'s) do the same. ``resolve_device`` pins an engine's
 device 'auto' to what the cluster has.
 """
@@ -55,7 +56,9 @@ def ensure_ray() -> None:
         return
     recorded = recorded_cluster_address()
     if recorded and head_answers(recorded):
-        ray.init(address=recorded)
+        # "auto" finds the same head, and only then does Ray pick up the token that a plain
+        # `ray start --head` turns authentication on with (never for an explicit address)
+        ray.init(address="auto")
         return
     if recorded:
         _warn_dead_record(recorded)
@@ -82,13 +85,22 @@ def skip_a_dead_recorded_head() -> None:
 
 
 def cluster_has_gpus() -> bool:
-    """GPUs in the connected cluster; before connecting, whether this machine has one (the
-    local cluster that would start here)."""
+    """GPUs in the connected cluster; before connecting, whether a Ray node started on this
+    machine would report any (``serve run`` builds its app before it connects)."""
     if not ray.is_initialized():
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.is_available()
+        return local_gpu_count() > 0
     return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def local_gpu_count() -> int:
+    """The GPUs Ray gives a node started here: the CUDA_VISIBLE_DEVICES list if set, else
+    what NVML counts. Ray's own probe, so no torch import (~3 s on a GPU host)."""
+    from ray._private.accelerators import NvidiaGPUAcceleratorManager  # noqa: PLC0415
+
+    visible = NvidiaGPUAcceleratorManager.get_current_process_visible_accelerator_ids()
+    if visible is not None:
+        return len(visible)
+    return NvidiaGPUAcceleratorManager.get_current_node_num_accelerators()
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:

@@ -56,6 +56,36 @@ ray.shutdown()
     assert "its head does not answer" in proc.stderr and "starting a local cluster" in proc.stderr
 
 
+def test_a_head_started_with_ray_defaults_is_joined_with_its_token(tmp_path):
+    """Once ~/.ray/auth_token exists (a first local run writes it), a plain `ray start --head`
+    turns Ray's token authentication on; an engine started beside it (RAY_AUTH_MODE unset)
+    joins that cluster instead of failing with "Authentication token is missing"."""
+    from ray_nodes import default_auth_env, start_head_with_default_auth
+
+    home = tmp_path / "home"
+    home.mkdir()
+    head = start_head_with_default_auth(tmp_path, home, num_cpus=1)
+    try:
+        assert "Token authentication is enabled" in head.log.read_text()
+        code = f"""
+import ray
+from ray._private import services
+services.find_bootstrap_address = lambda temp_dir=None: {head.gcs_address!r}  # `ray start`'s record
+from nvray.runtime.cluster import ensure_ray
+ensure_ray()
+print("JOINED", ray.get_runtime_context().gcs_address, ray.cluster_resources().get("CPU"))
+ray.shutdown()
+"""
+        env = default_auth_env(home)
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"JOINED {head.gcs_address} 1.0" in proc.stdout
+    finally:
+        head.stop()
+
+
 def test_an_engine_the_cluster_can_never_hold_is_refused_at_once(ray_cluster):
     from nvray import EngineConfig
     from nvray.runtime import start_engine

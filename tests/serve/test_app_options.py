@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -22,17 +23,34 @@ COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
 
 def test_importing_the_app_module_builds_nothing_until_app_is_asked_for():
     """``import deployments`` resolves no device and binds no deployment; ``deployments.app``
-    (what ``serve run deployments:app`` reads) is the tiny-model app, built on first access."""
-    code = ("import deployments, ray\n"
+    (what ``serve run deployments:app`` reads) is the tiny-model app, built on first access,
+    and building it loads no torch (seconds of ``serve run``'s start on a GPU host)."""
+    code = ("import deployments, ray, sys\n"
             "assert 'app' not in vars(deployments), 'the app was built at import'\n"
             "assert not ray.is_initialized()\n"
             "from ray.serve import Application\n"
             "assert isinstance(deployments.app, Application)\n"
             "assert deployments.app is deployments.app\n"
+            "assert 'torch' not in sys.modules, 'building the app imported torch'\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("visible, device", [("0,1", "cuda"), ("", "cpu")])
+def test_device_auto_before_connecting_follows_the_gpus_ray_would_see(visible, device):
+    """Before Ray is up, device 'auto' is what a node started here would have: Ray counts the
+    GPUs in CUDA_VISIBLE_DEVICES when it is set (an empty list: none)."""
+    code = ("from nvray.config import EngineConfig\n"
+            "from nvray.runtime.cluster import resolve_device\n"
+            "print(resolve_device(EngineConfig(model='tiny')).device)")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == device
 
 
 def test_app_defaults_are_the_engines_except_the_documented_step_budget():
