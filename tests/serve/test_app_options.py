@@ -38,15 +38,20 @@ def test_importing_the_app_module_builds_nothing_until_app_is_asked_for():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("visible, device", [("0,1", "cuda"), ("", "cpu")])
-def test_device_auto_before_connecting_follows_the_gpus_ray_would_see(visible, device):
-    """Before Ray is up, device 'auto' is what a node started here would have: Ray counts the
-    GPUs in CUDA_VISIBLE_DEVICES when it is set (an empty list: none)."""
-    code = ("from nvray.config import EngineConfig\n"
+@pytest.mark.parametrize("gpus, visible, device", [
+    (4, None, "cuda"), (4, "0,1", "cuda"), (4, "", "cpu"), (0, "0,1", "cpu"), (0, None, "cpu")])
+def test_device_auto_before_connecting_counts_gpus_as_ray_would(gpus, visible, device):
+    """Before Ray is up, device 'auto' is what a node started here would have: the GPUs NVML
+    sees, at most as many as CUDA_VISIBLE_DEVICES lists. (This machine has none, so the child
+    process gives Ray's NVML probe ``gpus`` devices.)"""
+    code = ("from ray._private.accelerators import NvidiaGPUAcceleratorManager as nvidia\n"
+            f"nvidia.get_current_node_num_accelerators = staticmethod(lambda: {gpus})\n"
+            "from nvray.config import EngineConfig\n"
             "from nvray.runtime.cluster import resolve_device\n"
             "print(resolve_device(EngineConfig(model='tiny')).device)")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
-    env.pop("RAY_ADDRESS", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "CUDA_VISIBLE_DEVICES")}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
