@@ -1,4 +1,5 @@
-"""FP8 (e4m3) linear layers: dynamic activation quantization and the block-scaled GEMM.
+"""FP8 (e4m3) linear layers: dynamic activation quantization, the per-channel and the block-scaled
+GEMMs.
 
 Contract
 --------
@@ -76,6 +77,18 @@ def use_channel_triton(a: torch.Tensor, n: int) -> bool:
     if a.device.type == "cuda" and _capability(a.device.index or 0) != _CHANNEL_TRITON_CAPABILITY:
         return False
     return m <= CHANNEL_TRITON_MAX_ROWS or m * n * k < CHANNEL_TRITON_MAX_WORK
+
+
+@triton.jit
+def quantize_groups(y, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+                    MIN_SCALE: tl.constexpr):
+    """``y`` (``BLOCK`` float32 values of one row) quantized in groups of ``GROUP`` consecutive
+    values as ``quantize_fp8_act`` does: (``BLOCK`` e4m3-range values, ``BLOCK // GROUP``
+    scales). For the kernels that quantize their own output (``rms_norm_fp8``,
+    ``silu_and_mul_fp8``); padding values must be 0."""
+    groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_MAX, MIN_SCALE)
+    return tl.reshape(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), (BLOCK,)), scale
 
 
 @triton.jit

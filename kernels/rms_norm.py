@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemm import quantize_groups
 from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
                                          check_group, quantize_activation)
 
@@ -71,9 +72,7 @@ def _rms_norm_kernel(
     if QUANT_GROUP == 0:
         tl.store(out_ptr + t * hidden + offs, out, mask=mask)
     else:  # the 16-bit values quantized as quantize_fp8_act would (masked columns are 0)
-        groups = tl.reshape(out.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
-        scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_MAX, MIN_SCALE)
-        q = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), (BLOCK,))
+        q, scale = quantize_groups(out.to(tl.float32), BLOCK, QUANT_GROUP, FP8_MAX, MIN_SCALE)
         tl.store(out_ptr + t * hidden + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
         g = tl.arange(0, BLOCK // QUANT_GROUP)
         num_groups = tl.cdiv(hidden, QUANT_GROUP)  # per row: one group of BLOCK >= hidden

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemm import quantize_groups
 from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
                                          check_group, quantize_activation)
 
@@ -92,9 +93,7 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, inter, BLOCK: tl
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < inter
         y = _silu_mul(row, offs, mask, inter).to(tl.float32)
-        groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
-        scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_MAX, MIN_SCALE)
-        q = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_MAX, FP8_MAX), (BLOCK,))
+        q, scale = quantize_groups(y, BLOCK, GROUP, FP8_MAX, MIN_SCALE)
         tl.store(q_ptr + t * inter + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         g = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
         tl.store(scale_ptr + t * (inter // GROUP) + g, scale, mask=g < inter // GROUP)

@@ -110,10 +110,8 @@ def check_group(columns: int, group: int | None) -> None:
 
 def fake_quantize_activation(x: torch.Tensor, group: int | None) -> torch.Tensor:
     """``x`` after an FP8 round trip, in ``x``'s dtype: what the FP8 GEMM sees of it."""
-    q, scale = quantize_activation(x.reshape(-1, x.shape[-1]), group)
-    group = group or x.shape[-1]
-    back = q.float().view(q.shape[0], -1, group) * scale.unsqueeze(-1)
-    return back.view(x.shape).to(x.dtype)
+    act = Fp8Activation(*quantize_activation(x.reshape(-1, x.shape[-1]), group), x.dtype)
+    return act.dequantize().view(x.shape)
 
 
 def check_activation_groups(x: Fp8Activation, in_features: int, block: tuple[int, int] | None) -> None:
@@ -133,7 +131,7 @@ def linear_ref(x: torch.Tensor | Fp8Activation, q: torch.Tensor, scale: torch.Te
     quantized already."""
     if isinstance(x, Fp8Activation):
         check_activation_groups(x, q.shape[1], block)
-        return F.linear(x.dequantize(), dequantize(q, scale, block, x.dtype), bias)
-    group = None if block is None else block[1]
-    w = dequantize(q, scale, block, x.dtype)
-    return F.linear(fake_quantize_activation(x, group), w, bias)
+        seen = x.dequantize()
+    else:
+        seen = fake_quantize_activation(x, None if block is None else block[1])
+    return F.linear(seen, dequantize(q, scale, block, seen.dtype), bias)
