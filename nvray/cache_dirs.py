@@ -6,11 +6,22 @@ Under it: the tiny model's checkpoint (``nvray.models.tiny``), Triton's compiled
 with it, every cache of a node lives in one place, which can be a volume that outlives a
 container, so a replica restarted on a new container starts with its kernels compiled. A
 compiler directory set on its own (``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``) wins.
+
+``pycache/`` holds Python bytecode, for an environment that neither ships nor writes it: a
+package manager that installs without compiling (uv's default) under ``PYTHONDONTWRITEBYTECODE=1``,
+as container images often set. There every process compiles what it imports from source; a rank
+spent 2-3 s of its start compiling torch on an H100 host. ``keep_bytecode(package)``, called by a
+process nvray owns (a rank, before torch) before it imports ``package``, points the interpreter's
+bytecode at ``pycache/`` (``sys.pycache_prefix``) when the interpreter writes none and
+``package`` came without any; the next such process on the node reads it. Anywhere else it changes
+nothing; ``NVRAY_BYTECODE_CACHE=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 COMPILER_CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 
@@ -28,3 +39,20 @@ def point_compiler_caches() -> None:
         for var, sub in COMPILER_CACHE_VARS.items():
             if not os.environ.get(var):
                 os.environ[var] = os.path.join(root, sub)
+
+
+def keep_bytecode(package: str) -> str | None:
+    """Before importing ``package``: where this interpreter writes no bytecode and ``package``
+    has none beside its source, keep this process's bytecode under ``<cache_dir()>/pycache``
+    from now on. Returns that directory when it did so, else None."""
+    if (os.environ.get("NVRAY_BYTECODE_CACHE", "1") == "0" or not sys.dont_write_bytecode
+            or sys.pycache_prefix):
+        return None
+    spec = importlib.util.find_spec(package)
+    source = spec.origin if spec is not None else None
+    if not source or not source.endswith(".py") or os.path.exists(
+            importlib.util.cache_from_source(source)):
+        return None  # not found, not Python source, or installed with its bytecode
+    sys.pycache_prefix = os.path.join(cache_dir(), "pycache")
+    sys.dont_write_bytecode = False
+    return sys.pycache_prefix

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import ray
 
+from nvray.cache_dirs import keep_bytecode
 from nvray.config import EngineConfig
 from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import freeze_startup_objects, release_frozen_objects
@@ -32,6 +33,7 @@ _DIST_TIMEOUT = datetime.timedelta(seconds=120)
 
 class RankWorker:
     def __init__(self, config: EngineConfig, rank: int) -> None:
+        keep_bytecode("torch")  # where the node keeps no bytecode (cache_dirs.py)
         import torch  # noqa: PLC0415 - see the module's docstring
 
         self.config = config
