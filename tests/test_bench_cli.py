@@ -1,15 +1,17 @@
-"""``python -m nvray.bench throughput``: arguments it cannot run are refused before anything
-starts, with a message naming the problem (the benchmark's figures themselves are not tested:
-tests never time things)."""
+"""``python -m nvray.bench throughput`` and ``startup``: arguments they cannot run are refused
+before anything starts, with a message naming the problem; ``startup`` starts a real engine in a
+new process and reports it (the benchmarks' figures themselves are not tested: tests never time
+things)."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nvray.bench", "throughput", *args],
+def _bench(*args: str, cmd: str = "throughput") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nvray.bench", cmd, *args],
                           capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -25,3 +27,32 @@ def test_throughput_refuses_what_it_cannot_run(args: tuple[str, ...], message: s
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--runtimes", "inprocess,cuda"), "unknown runtime(s) cuda: choose from inprocess, ray"),
+    (("--rounds", "0"), "0: must be >= 1"),
+    (("--runtimes", ""), "nothing to start: give --runtimes or --serve"),
+    (("--cluster", "remote"), "invalid choice: 'remote'"),
+])
+def test_startup_refuses_what_it_cannot_run(args: tuple[str, ...], message: str) -> None:
+    result = _bench("--model", "tiny", *args, cmd="startup")
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_startup_reports_an_engine_started_in_a_new_process() -> None:
+    result = _bench("--model", "tiny", "--runtimes", "inprocess", "--rounds", "1",
+                    "--max-model-len", "256", cmd="startup")
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = [json.loads(line) for line in result.stdout.splitlines()
+            if line.startswith('{"startup_run"')]
+    assert [(r["startup_run"], r["cluster"]) for r in runs] == [("inprocess", "own")]
+    run = runs[0]
+    phases = run["startup"]["phases_s"]
+    assert {"imports", "model_and_weights", "kv_cache", "engine"} <= phases.keys()
+    assert 0 < sum(phases.values()) <= run["wall_s"]  # the engine's phases lie inside the wall
+    summary = json.loads(result.stdout[result.stdout.index("\n{\n") + 1:])
+    assert summary == {"startup_medians": {"inprocess": {"wall_s_median": run["wall_s"],
+                                                         "runs": 1}}}

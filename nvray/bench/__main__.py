@@ -40,6 +40,10 @@ Subcommands:
   start-up, and the requests' latency before and after (``nvray/bench/scaleup.py``).
 - ``serve``: a load generator for the HTTP app (``nvray/bench/serve.py``): concurrency sweep,
   streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
+- ``startup``: seconds from a new process to a ready engine: ``LLM()`` in-process and on Ray
+  with the engine's start-up phases, and ``serve run`` to ``/health`` 200 (``--serve``); on a
+  cluster each run starts or joins as it would, or behind ``ray start --head``
+  (``--cluster head``) (``nvray/bench/startup.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import argparse
 import json
 from typing import Any
 
-from nvray.bench import scaleup, serve, soak
+from nvray.bench import scaleup, serve, soak, startup
 from nvray.bench.checkpoints import QWEN3_SHAPES
 from nvray.bench.throughput import FEATURES, bench_throughput, resolve_placements
 from nvray.config import KV_CACHE_DTYPES
@@ -158,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     su = sub.add_parser("scaleup", parents=[common],
                         help="a burst that makes Serve add an engine replica: time to its first answer")
     scaleup.add_arguments(su)
+    st = sub.add_parser("startup", parents=[common],
+                        help="seconds from a new process to a ready engine: LLM(), serve run")
+    st.add_argument("--model", default=None,
+                    help="checkpoint (default: the --shape random checkpoint; 'tiny' on a CPU)")
+    st.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES))
+    startup.add_arguments(st)
     sk = sub.add_parser("soak", parents=[common],
                         help="streaming load with random disconnects for minutes: errors, memory")
     soak.add_arguments(sk)
@@ -170,6 +180,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return serve.run(args)
     if args.cmd == "soak":
         return soak.run(args)
+    if args.cmd == "startup":
+        if args.model is None:
+            from nvray.bench.checkpoints import default_checkpoint  # noqa: PLC0415
+
+            args.model = default_checkpoint(args.shape)
+        return startup.run(args)
     if args.cmd == "scaleup":
         return scaleup.run(args, serve.parse_app_args(args.app_args or []))
     if args.cmd == "control-plane":
