@@ -11,10 +11,13 @@ compiler directory set on its own (``TRITON_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_D
 package manager that installs without compiling (uv's default) under ``PYTHONDONTWRITEBYTECODE=1``,
 as container images often set. There every process compiles what it imports from source; a rank
 spent 2-3 s of its start compiling torch on an H100 host. ``keep_bytecode(package)``, called by a
-process nvray owns (a rank, before torch) before it imports ``package``, points the interpreter's
-bytecode at ``pycache/`` (``sys.pycache_prefix``) when the interpreter writes none and
-``package`` came without any; the next such process on the node reads it. Anywhere else it changes
-nothing; ``NVRAY_BYTECODE_CACHE=0`` turns it off.
+process nvray owns (a rank, before torch) before it imports ``package``, points that process's
+bytecode at ``pycache/`` (``sys.pycache_prefix``, which mirrors the sources' absolute paths) when
+the interpreter writes none, ``package`` came without any and the directory is writable; the next
+such process on the node reads it. From then on every import of that process uses ``pycache/``
+(a module installed with its bytecode is compiled there once). Anywhere else it changes nothing;
+``NVRAY_BYTECODE_CACHE=0`` turns it off. Without ``NVRAY_CACHE_DIR`` it lives in
+``~/.cache/nvray/pycache``.
 """
 
 from __future__ import annotations
@@ -45,14 +48,21 @@ def keep_bytecode(package: str) -> str | None:
     """Before importing ``package``: where this interpreter writes no bytecode and ``package``
     has none beside its source, keep this process's bytecode under ``<cache_dir()>/pycache``
     from now on. Returns that directory when it did so, else None."""
-    if (os.environ.get("NVRAY_BYTECODE_CACHE", "1") == "0" or not sys.dont_write_bytecode
-            or sys.pycache_prefix):
+    if (os.environ.get("NVRAY_BYTECODE_CACHE", "1").lower() in ("0", "false", "off", "no")
+            or not sys.dont_write_bytecode or sys.pycache_prefix or package in sys.modules):
         return None
     spec = importlib.util.find_spec(package)
     source = spec.origin if spec is not None else None
     if not source or not source.endswith(".py") or os.path.exists(
             importlib.util.cache_from_source(source)):
         return None  # not found, not Python source, or installed with its bytecode
-    sys.pycache_prefix = os.path.join(cache_dir(), "pycache")
+    prefix = os.path.join(os.path.abspath(os.path.expanduser(cache_dir())), "pycache")
+    try:
+        os.makedirs(prefix, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(prefix, os.W_OK):
+        return None  # unwritable: every start would compile into nowhere, shipped bytecode too
+    sys.pycache_prefix = prefix
     sys.dont_write_bytecode = False
-    return sys.pycache_prefix
+    return prefix

@@ -56,3 +56,18 @@ def test_startup_reports_an_engine_started_in_a_new_process() -> None:
     summary = json.loads(result.stdout[result.stdout.index("\n{\n") + 1:])
     assert summary == {"startup_medians": {"inprocess": {"wall_s_median": run["wall_s"],
                                                          "runs": 1}}}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--runtimes", "ray", "--cluster", "head"), "ray stop --force stops every Ray process here"),
+    (("--runtimes", "", "--serve"), "serve run would join it, and its Ctrl-C shuts Serve down"),
+])
+def test_startup_will_not_stop_or_join_a_running_ray(ray_cluster, args, message) -> None:
+    """The session's cluster runs in this process: the bench refuses instead of stopping it."""
+    import ray
+
+    result = _bench("--model", "tiny", *args, cmd="startup")
+    assert result.returncode != 0
+    assert "Ray is running on this machine" in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert ray.get(ray.put("still here"), timeout=30) == "still here"

@@ -28,6 +28,13 @@ import probe_pkg
 print(json.dumps({"kept": kept, "value": probe_pkg.VALUE, "cached": probe_pkg.part.__cached__}))
 """
 
+_IMPORTED_FIRST = """
+import json
+import probe_pkg
+from nvray.cache_dirs import keep_bytecode
+print(json.dumps({"kept": keep_bytecode("probe_pkg"), "value": probe_pkg.VALUE}))
+"""
+
 _RANK_PROBE = """
 import json, sys
 import nvray.runtime.rank_worker as rank_worker
@@ -99,6 +106,22 @@ def test_nvray_bytecode_cache_0_turns_it_off(tmp_path):
                      NVRAY_BYTECODE_CACHE="0")
     assert result["kept"] is None and result["value"] == 42
     assert _files(cache) == [] and _files(site) == []
+
+
+def test_an_unwritable_cache_dir_changes_nothing(tmp_path):
+    site = _installed_package(tmp_path, with_bytecode=False)
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    result = _python(_IMPORT_PROBE, site, not_a_dir, PYTHONDONTWRITEBYTECODE="1")
+    assert result["kept"] is None and result["value"] == 42
+    assert _files(site) == []
+
+
+def test_a_package_already_imported_is_left_alone(tmp_path):
+    site, cache = _installed_package(tmp_path, with_bytecode=False), tmp_path / "cache"
+    result = _python(_IMPORTED_FIRST, site, cache, PYTHONDONTWRITEBYTECODE="1")
+    assert result == {"kept": None, "value": 42}
+    assert _files(cache) == []
 
 
 def test_a_rank_keeps_bytecode_for_torch_before_importing_it(tmp_path):

@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("startup", parents=[common],
                         help="seconds from a new process to a ready engine: LLM(), serve run")
     st.add_argument("--model", default=None,
-                    help="checkpoint (default: the --shape random checkpoint; 'tiny' on a CPU)")
+                    help="checkpoint path or 'tiny' (default: a random checkpoint of --shape, "
+                         "built on first use: GPU-sized; give 'tiny' on a CPU)")
     st.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES))
     startup.add_arguments(st)
     sk = sub.add_parser("soak", parents=[common],
@@ -181,10 +182,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.cmd == "soak":
         return soak.run(args)
     if args.cmd == "startup":
-        if args.model is None:
-            from nvray.bench.checkpoints import default_checkpoint  # noqa: PLC0415
-
-            args.model = default_checkpoint(args.shape)
         return startup.run(args)
     if args.cmd == "scaleup":
         return scaleup.run(args, serve.parse_app_args(args.app_args or []))
