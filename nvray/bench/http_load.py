@@ -4,13 +4,15 @@
 request (completions: random token ids; chat: random ``WORDS``); ``send`` posts one and returns
 its ``RequestRecord`` (TTFT, inter-token gaps, tokens, cached prompt tokens, the streamed text;
 a failed request is recorded with its error, never raised); ``percentiles`` gives p50/p90/p99 in
-milliseconds; ``start_app`` starts the nvray app on this machine's Ray cluster.
+milliseconds; ``metric_value`` reads one sample of the app's ``/metrics`` text; ``start_app``
+starts the nvray app on this machine's Ray cluster.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -52,6 +54,12 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float | No
     ordered = sorted(values)
     pick = lambda q: round(scale * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
     return {"p50": round(scale * statistics.median(ordered), 3), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The first sample of metric ``name`` (any labels) in Prometheus text; None if absent."""
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(match.group(1)) if match else None
 
 
 def auth_headers(spec: LoadSpec) -> dict[str, str]:

@@ -16,18 +16,18 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import time
 from typing import Any
 
-from nvray.bench.http_load import LoadSpec, auth_headers, request_body, start_app
+from nvray.bench.http_load import (LoadSpec, auth_headers, metric_value, request_body,
+                                   start_app)
 
 
 async def metric(session: Any, url: str, name: str) -> float:
     async with session.get(url + "/metrics") as resp:
         text = await resp.text()
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    return float(match.group(1)) if match else float("nan")
+    value = metric_value(text, name)
+    return float("nan") if value is None else value
 
 
 async def one_stream(session: Any, spec: LoadSpec, rng: random.Random, disconnect: float,

@@ -40,6 +40,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from nvray.bench.http_load import metric_value
+
 RUNTIMES = ("inprocess", "ray")
 SERVE_HOST, SERVE_PORT = "127.0.0.1", 8000
 SERVE_URL = f"http://{SERVE_HOST}:{SERVE_PORT}"
@@ -99,6 +101,11 @@ def _ray_daemons() -> list[int]:
     return pids
 
 
+def _cli(name: str) -> str:
+    """A console script of this environment (``ray``, ``serve``)."""
+    return shutil.which(name) or os.path.join(os.path.dirname(sys.executable), name)
+
+
 def _port_open(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
@@ -107,8 +114,7 @@ def _port_open(host: str, port: int) -> bool:
 
 def check_machine(targets: list[str], cluster: str) -> None:
     """Refuse runs that would stop or replace what someone else runs on this machine."""
-    ray_runs = [t for t in targets if t != "inprocess"]
-    if (cluster == "head" and ray_runs) or "serve" in targets:
+    if (cluster == "head" and any(t != "inprocess" for t in targets)) or "serve" in targets:
         if pids := _ray_daemons():
             why = ("--cluster head stops Ray after each run (ray stop --force stops every Ray "
                    "process here)" if cluster == "head" else
@@ -147,13 +153,6 @@ def _get(url: str) -> str | None:
         return None
 
 
-def _engine_total_s(metrics: str | None) -> float | None:
-    for line in (metrics or "").splitlines():
-        if line.startswith("nvray_startup_total_seconds"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 def app_dir() -> str:
     """The directory ``serve run`` finds ``deployments`` in (without importing it)."""
     spec = importlib.util.find_spec("deployments")
@@ -164,8 +163,7 @@ def app_dir() -> str:
 
 def time_serve_run(model: str, max_model_len: int, cwd: str) -> dict[str, Any]:
     """``serve run deployments:build_app`` until ``/health`` answers 200; then it is stopped."""
-    serve = shutil.which("serve") or os.path.join(os.path.dirname(sys.executable), "serve")
-    command = [serve, "run", "deployments:build_app", f"model={model}",
+    command = [_cli("serve"), "run", "deployments:build_app", f"model={model}",
                f"max_model_len={max_model_len}"]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         t0 = time.perf_counter()
@@ -182,14 +180,15 @@ def time_serve_run(model: str, max_model_len: int, cwd: str) -> dict[str, Any]:
                 time.sleep(0.2)
             wall = time.perf_counter() - t0
             return {"wall_s": round(wall, 3),
-                    "engine_s": _engine_total_s(_get(f"{SERVE_URL}/metrics"))}
+                    "engine_s": metric_value(_get(f"{SERVE_URL}/metrics") or "",
+                                             "nvray_startup_total_seconds")}
         finally:
             _stop(process)
 
 
 def _ray(*args: str, check: bool = True) -> None:
-    ray = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
-    done = subprocess.run([ray, *args], capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run([_cli("ray"), *args], capture_output=True, text=True, timeout=300,
+                          check=False)
     if check and done.returncode != 0:
         raise RuntimeError(f"ray {' '.join(args)} failed ({done.returncode}): "
                            f"{(done.stderr or done.stdout).strip()[-2000:]}")
