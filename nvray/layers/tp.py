@@ -2,12 +2,31 @@
 
 The group is torch.distributed's default process group (NCCL on GPU, gloo on CPU), set up by
 the runtime before the model is built; without one, rank 0 of a group of one is assumed.
+Inside ``collectives_off()`` the collectives do nothing, for work whose values are thrown away
+and that each rank does on its own (compiling kernels ahead, ``worker/compile_ahead.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
+
+_collectives_on = True
+
+
+@contextlib.contextmanager
+def collectives_off() -> Iterator[None]:
+    """Inside, ``all_reduce`` and ``broadcast_from_first`` leave each rank's values as they
+    are and ``gather_last_dim`` gives rank 0 uninitialised slices of the other ranks."""
+    global _collectives_on
+    before, _collectives_on = _collectives_on, False
+    try:
+        yield
+    finally:
+        _collectives_on = before
 
 
 def tp_size() -> int:
@@ -19,8 +38,15 @@ def tp_rank() -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
+    if tp_size() > 1 and _collectives_on:
         dist.all_reduce(x)
+    return x
+
+
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Every rank gets rank 0's ``x`` (in place)."""
+    if tp_size() > 1 and _collectives_on:
+        dist.broadcast(x, src=0)
     return x
 
 
@@ -29,7 +55,8 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     if tp_size() == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(tp_size())] if tp_rank() == 0 else None
-    dist.gather(x.contiguous(), parts, dst=0)
+    if _collectives_on:
+        dist.gather(x.contiguous(), parts, dst=0)
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -104,16 +104,37 @@ class StepGraphs:
         """Capture (largest first, one shared pool); returns the seconds it took. With
         ``prefill`` the prefill graphs too (they attend over block 0 while captured)."""
         start = time.perf_counter()
-        self.slots.fill_(-1)  # capture runs the model once: write nothing, attend to nothing
-        self.seq_lens.zero_()
-        for bs in sorted(sizes or self.sizes, reverse=True):
-            self.graphs[bs] = self._capture_one(self._run, bs)
-        for q in sorted(self.prefill_sizes if prefill else [], reverse=True):
-            self.seq_lens[:1] = q  # a context of q positions (row 0 of the tables: block 0)
-            self.prefill_graphs[q] = self._capture_one(self._run_prefill, q)
-        self.seq_lens.zero_()
+        decode = sorted(sizes or self.sizes, reverse=True)
+        for kind, size in self._regions(decode, self.prefill_sizes if prefill else []):
+            if kind == "decode":
+                self.graphs[size] = self._capture_one(self._run, size)
+            else:
+                self.prefill_graphs[size] = self._capture_one(self._run_prefill, size)
         torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def rehearse(self, prefill: bool = False) -> None:
+        """Run every region ``capture`` would capture once, eagerly, capturing nothing (the
+        launches a capture makes, for ``compile_ahead.py``)."""
+        decode = sorted(self.sizes, reverse=True)
+        for kind, size in self._regions(decode, self.prefill_sizes if prefill else []):
+            (self._run if kind == "decode" else self._run_prefill)(size)
+
+    def _regions(self, decode: list[int], prefill: list[int]) -> Iterator[tuple[str, int]]:
+        """The regions in capture order, each with its static inputs set: decode batches run
+        the model once and write nothing, attend to nothing (slot -1, seq_len 0); a prefill of
+        q tokens attends over a context of q positions (row 0 of the tables: block 0)."""
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        try:
+            for bs in decode:
+                yield "decode", bs
+            for q in sorted(prefill, reverse=True):
+                self.seq_lens[:1] = q
+                yield "prefill", q
+        finally:
+            self.seq_lens.zero_()
 
     def replay(self, bs: int) -> torch.Tensor:
         """Run the graph of batch size ``bs`` on the static inputs; [bs, hidden] (a static view)."""

@@ -25,12 +25,11 @@ import logging
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
-from nvray.layers.tp import tp_rank, tp_size
+from nvray.layers.tp import broadcast_from_first, tp_rank
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
@@ -262,8 +261,8 @@ class ModelRunner:
         else:
             raw = None
             ids = torch.empty(len(specs), dtype=torch.int32, device=self.device)
-        if share_ids and tp_size() > 1 and specs:
-            dist.broadcast(ids, src=0)
+        if share_ids and specs:
+            broadcast_from_first(ids)
         logprobs, ks = self._logprobs(step, specs, raw, ids, score_hidden)
         self.last_sampled = ids
         if tp_rank() != 0:

@@ -1,7 +1,8 @@
 """Start-up work of one rank, between building the model and serving the first step.
 
 ``num_kvcache_blocks(runner)`` says how many KV blocks fit the rank's memory budget: on the GPU
-after a measured warm-up step and a trial capture of the largest and smallest CUDA graphs
+first compiling the Triton kernels all of this start-up launches, side by side
+(``compile_ahead.py``, over ``rehearse_startup``), then after a measured warm-up step and a trial capture of the largest and smallest CUDA graphs
 (``memory.py``); the control plane takes the minimum over ranks. ``prepare_kv_cache(runner, n)``
 creates the cache, then, on the GPU, compiles the kernels the first requests would need (and
 warms the GEMMs, ``gemm_warmup.py``) and captures the decode and prefill CUDA graphs
@@ -15,6 +16,7 @@ import logging
 import torch
 
 from nvray.step_protocol import SampleSpec, SeqStep, StepInput
+from nvray.worker.compile_ahead import ahead_threads, compile_ahead
 from nvray.worker.gemm_warmup import warm_gemms
 from nvray.worker.memory import (GpuMemoryReport, free_cached_memory, graph_memory_estimate,
                                  measure_used)
@@ -29,6 +31,10 @@ _WARMUP_SAMPLE = SampleSpec(temperature=0.6, top_p=0.9, top_k=50, min_p=0.05, se
 def num_kvcache_blocks(runner: ModelRunner) -> int:
     """How many KV blocks this rank can hold (before the minimum over ranks)."""
     config = runner.config
+    threads = ahead_threads(runner.device.type)
+    if threads:
+        with runner.startup.phase("compile_ahead"):
+            compile_kernels_ahead(runner, threads)
     if config.num_kvcache_blocks is not None:
         return config.num_kvcache_blocks
     if runner.device.type == "cpu":
@@ -50,6 +56,28 @@ def num_kvcache_blocks(runner: ModelRunner) -> int:
             "Raise gpu_memory_utilization/cpu_kvcache_space_gib, or lower max_model_len, "
             "max_num_batched_tokens or max_num_seqs")
     return num_blocks
+
+
+def compile_kernels_ahead(runner: ModelRunner, threads: int) -> None:
+    """The Triton kernels of this start-up compiled side by side on ``threads``, over a
+    one-block scratch cache that is dropped after (``compile_ahead.py``)."""
+    runner.allocate_kv_cache(1)
+    try:
+        compile_ahead(lambda: warmup(runner), lambda: rehearse_startup(runner), threads)
+    finally:
+        runner.allocate_kv_cache(0)
+        runner.inputs.tables.reset()
+        free_cached_memory()
+
+
+@torch.inference_mode()
+def rehearse_startup(runner: ModelRunner) -> None:
+    """The forwards of this start-up after its warm-up step, once, eagerly: the kernel
+    warm-up's steps and every CUDA graph's forward (what ``compile_ahead`` needs to see
+    launched)."""
+    warm_kernel_steps(runner)
+    if runner.graph_sizes:
+        runner.new_graphs().rehearse(prefill=True)
 
 
 def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
@@ -129,9 +157,15 @@ def warm_kernels(runner: ModelRunner) -> None:
     one query chunk at the end of a context that lives in block 0 of the unused cache.
     First the GEMMs at the row counts steps will use (``gemm_warmup.py``: a cuBLAS kernel's
     first launch waits for the device to drain)."""
-    config, block_size = runner.config, runner.block_size
+    config = runner.config
     warm_gemms(runner.model, runner.hf_config.hidden_size, config.max_num_batched_tokens,
                config.max_num_seqs)
+    warm_kernel_steps(runner)
+
+
+def warm_kernel_steps(runner: ModelRunner) -> None:
+    """``warm_kernels``' steps (each Triton specialization the first requests would launch)."""
+    block_size = runner.block_size
     wide = 16 * block_size  # a block table 16 entries wide
     for query_len in (2, 9, 17, 33):
         spec = _WARMUP_SAMPLE._replace(top_p=1.0, top_k=-1, min_p=0.0,  # the fused sampler
