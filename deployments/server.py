@@ -84,6 +84,17 @@ def _end_stream(sink: RequestSink, lease: Lease) -> None:
     lease.release()
 
 
+def end_stream_task(sink: RequestSink, lease: Lease) -> BackgroundTask:
+    """What runs when a streaming response is done, also when its client left before the body
+    began: ``_end_stream``, on the event loop (a plain function would run in a worker thread,
+    and the lease's admission slot is an ``asyncio.Semaphore``, which only its loop may
+    release)."""
+    async def on_the_loop() -> None:
+        _end_stream(sink, lease)
+
+    return BackgroundTask(on_the_loop)
+
+
 @serve.deployment
 @serve.ingress(api)
 class NvrayServer:
@@ -265,7 +276,7 @@ class NvrayServer:
             raise
         events = self._sse_body(sink, fmt, body.include_usage, body.continuous_usage, lease)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
-                                 background=BackgroundTask(_end_stream, sink, lease))
+                                 background=end_stream_task(sink, lease))
 
     async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat,
                         include_usage: bool, continuous_usage: bool,
