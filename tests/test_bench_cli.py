@@ -55,7 +55,8 @@ def test_startup_reports_an_engine_started_in_a_new_process() -> None:
     assert 0 < sum(phases.values()) <= run["wall_s"]  # the engine's phases lie inside the wall
     summary = json.loads(result.stdout[result.stdout.index("\n{\n") + 1:])
     assert summary == {"startup_medians": {"inprocess": {"wall_s_median": run["wall_s"],
-                                                         "runs": 1}}}
+                                                         "runs": 1}},
+                       "runs": [run]}  # the JSON of --out keeps each run's phases
 
 
 @pytest.mark.parametrize(("args", "message"), [

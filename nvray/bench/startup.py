@@ -213,12 +213,13 @@ def one_run(target: str, args: argparse.Namespace, cwd: str | None) -> dict[str,
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median wall time per target, and every run as it was printed (with its phases)."""
     medians: dict[str, Any] = {}
     for target in dict.fromkeys(r["startup_run"] for r in runs):
         walls = [r["wall_s"] for r in runs if r["startup_run"] == target]
         medians[target] = {"wall_s_median": round(statistics.median(walls), 3),
                            "runs": len(walls)}
-    return {"startup_medians": medians}
+    return {"startup_medians": medians, "runs": runs}
 
 
 # ------------------------------------------------------------------ arguments
