@@ -20,7 +20,8 @@ _collectives_on = True
 @contextlib.contextmanager
 def collectives_off() -> Iterator[None]:
     """Inside, ``all_reduce`` and ``broadcast_from_first`` leave each rank's values as they
-    are and ``gather_last_dim`` gives rank 0 uninitialised slices of the other ranks."""
+    are and ``gather_last_dim`` gives rank 0 its own slice and uninitialised ones for the
+    other ranks."""
     global _collectives_on
     before, _collectives_on = _collectives_on, False
     try:
@@ -57,6 +58,8 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     parts = [torch.empty_like(x) for _ in range(tp_size())] if tp_rank() == 0 else None
     if _collectives_on:
         dist.gather(x.contiguous(), parts, dst=0)
+    elif parts is not None:
+        parts[0] = x
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 

@@ -11,16 +11,20 @@ decode and prefill graph's forward, ``startup.rehearse_startup``), with Triton's
 ``jit_cache_hook`` set, so that a launch whose kernel is not yet in memory submits its compile to
 a thread pool (``triton.AsyncCompileMode``) and returns without running. Nothing of the
 rehearsal is kept: the tensors it makes hold whatever memory held before (the skipped kernels
-write nothing), its sampled ids are discarded, and it runs with the tensor-parallel collectives
-off (``layers/tp.py``), so each rank rehearses on its own. On leaving, it waits for the
+write nothing), its sampled ids are discarded, its random draws are undone (the generators'
+states restored), and it runs with the tensor-parallel collectives off (``layers/tp.py``), so
+each rank rehearses on its own. On leaving, it waits for the
 compiles; each compiled kernel lands in its function's in-memory cache (and in Triton's cache on
 disk), so the real start-up launches it at once. When the probe's compiles were all cache hits
 (Triton's cache directory did not grow), the cache is taken as warm and the rest is not
-rehearsed: a warm start pays for one rehearsed step.
+rehearsed: a warm start pays for one rehearsed step. (A cache that holds the warm-up step's
+kernels but not the others, say after a start cut short or a change to the decode kernel only,
+so compiles the others one after another, as without this module.)
 
 Contract: it changes no result (every launch after it runs normally, and a compile that failed
 ahead is retried at its real launch, which then reports the error); on the CPU, without a
-compiled Triton (``TRITON_INTERPRET``) or with ``NVRAY_COMPILE_AHEAD=0`` it does nothing.
+compiled Triton (``TRITON_INTERPRET``), where a ``jit_cache_hook`` is set already, or with
+``NVRAY_COMPILE_AHEAD=0`` it does nothing.
 ``NVRAY_COMPILE_AHEAD=<n>`` sets the threads (default: min(8, usable cores)).
 """
 
@@ -43,14 +47,15 @@ _MAX_THREADS = 8
 
 
 def compile_threads() -> int:
-    """Threads for the compiles: ``NVRAY_COMPILE_AHEAD`` (0 = off), else min(8, usable cores)."""
+    """Threads for the compiles: ``NVRAY_COMPILE_AHEAD`` (0/off/false/no: none; a number: that
+    many), else min(8, usable cores)."""
     raw = os.environ.get(_ENV, "").strip().lower()
     if raw in ("0", "false", "off", "no"):
         return 0
     if raw.isdigit():
         return int(raw)
-    if raw:
-        raise ValueError(f"{_ENV}={raw!r}: expected 0/off or a number of threads")
+    if raw not in ("", "1", "true", "on", "yes"):
+        raise ValueError(f"{_ENV}={raw!r}: expected 0/off, on, or a number of threads")
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -59,36 +64,40 @@ def compile_threads() -> int:
 
 
 def _compiled_triton() -> bool:
+    """Triton is there, compiles (not its interpreter) and can compile in a pool."""
     try:
         import triton  # noqa: PLC0415
-        from triton import knobs  # noqa: PLC0415, F401
+        from triton import knobs  # noqa: PLC0415
     except ImportError:
         return False
-    return hasattr(triton, "AsyncCompileMode") and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return hasattr(triton, "AsyncCompileMode") and not knobs.runtime.interpret
 
 
 @contextlib.contextmanager
-def launches_compile_ahead(threads: int) -> Iterator[set[str]]:
-    """Inside, a Triton launch whose kernel is not compiled yet submits the compile to a pool
-    of ``threads`` and does not run; leaving waits for every compile. Yields the set of the
-    specializations submitted (their cache keys), filled in as it goes."""
+def launches_compile_ahead(threads: int) -> Iterator[set[tuple[int, str]]]:
+    """Inside, a Triton launch from this thread whose kernel is not compiled yet submits the
+    compile to a pool of ``threads`` and does not run (launches from other threads go on as
+    usual); leaving waits for every compile. Yields the specializations submitted (kernel,
+    cache key), filled in as it goes."""
     import triton  # noqa: PLC0415
     from triton import knobs  # noqa: PLC0415
 
-    submitted: set[str] = set()
-    inside = threading.local()
+    submitted: set[tuple[int, str]] = set()
+    rehearsing = threading.get_ident()
+    preloading = False
 
     def hook(*, fn: Any, compile: dict[str, Any], **_: Any) -> bool | None:
-        if getattr(inside, "preloading", False):
-            return None  # preload's own compile: AsyncCompileMode hands it to the pool
-        if compile["key"] in submitted:
-            return True  # compiling already: skip this launch too
-        inside.preloading = True
-        try:
-            fn.jit_function.preload(compile["specialization_data"])
-        finally:
-            inside.preloading = False
-        submitted.add(compile["key"])
+        nonlocal preloading
+        if threading.get_ident() != rehearsing or preloading:
+            return None  # not the rehearsal's launch, or preload's own compile (to the pool)
+        key = (id(fn.jit_function), compile["key"])
+        if key not in submitted:
+            preloading = True
+            try:
+                fn.jit_function.preload(compile["specialization_data"])
+            finally:
+                preloading = False
+            submitted.add(key)
         return True  # skip this launch
 
     previous = knobs.runtime.jit_cache_hook
@@ -104,10 +113,12 @@ def launches_compile_ahead(threads: int) -> Iterator[set[str]]:
 
 def ahead_threads(device_type: str) -> int:
     """Threads to compile ahead with on ``device_type``; 0 where it does not apply (the CPU,
-    no compiled Triton, or turned off)."""
+    no compiled Triton, a ``jit_cache_hook`` someone else set, or turned off)."""
     if device_type != "cuda" or not _compiled_triton():
         return 0
-    return compile_threads()
+    from triton import knobs  # noqa: PLC0415
+
+    return 0 if knobs.runtime.jit_cache_hook is not None else compile_threads()
 
 
 def _cache_entries() -> int:
@@ -124,11 +135,16 @@ def compile_ahead(probe: Callable[[], None], rest: Callable[[], None], threads: 
     """Rehearse the start-up's launches with compiles going ahead on ``threads`` (see the
     module docstring): ``probe`` first; only if its compiles were not all cache hits (Triton's
     cache grew), ``rest``. A warm start so pays for one rehearsed step. Each rank decides on
-    its own, so the rehearsal runs with the collectives off. Logs what it did; a failing
-    rehearsal is logged and the start goes on (its kernels then compile at first launch)."""
+    its own, so the rehearsal runs with the collectives off; the random draws it makes are
+    undone (the CPU's and the current GPU's generators are restored). Logs what it did; a
+    failing rehearsal is logged and the start goes on (its kernels then compile at first
+    launch)."""
+    import torch  # noqa: PLC0415
+
     start = time.perf_counter()
+    gpus = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with collectives_off():
+        with collectives_off(), torch.random.fork_rng(devices=gpus):
             before = _cache_entries()
             with launches_compile_ahead(threads) as probed:
                 probe()

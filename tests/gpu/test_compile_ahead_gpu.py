@@ -2,7 +2,9 @@
 
 Each start runs in a child process with its own empty cache directory, as on a fresh machine.
 The child counts the kernels Triton compiles (``jit_post_compile_hook``), telling apart those
-compiled while the ahead-of-time pool was active from those compiled at a launch."""
+compiled while the ahead-of-time pool was active from those compiled at a launch, and generates
+greedily and at temperature 0.8 (the engine's seed: the same tokens unless a start's random
+draws differ)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ knobs.runtime.jit_post_compile_hook = count
 from nvray import LLM, SamplingParams
 llm = LLM(sys.argv[1], runtime="inprocess", max_model_len=1024, max_num_seqs=16)
 at_start = dict(compiled)
-outs = llm.generate(["The capital of France is", "1 2 3 4"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+prompts = ["The capital of France is", "1 2 3 4"]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+drawn = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=12), use_tqdm=False)
 print("RESULT " + json.dumps({"start": at_start, "ids": [o.token_ids for o in outs],
+                              "sampled": [o.token_ids for o in drawn],
                               "phases": llm.engine.startup["phases_s"]}))
 """
 
@@ -53,6 +58,7 @@ def test_a_fresh_start_compiles_its_kernels_ahead_and_generates_the_same_tokens(
     assert plain["start"]["ahead"] == 0 and plain["start"]["at_launch"] >= ahead["start"]["ahead"]
     assert "compile_ahead" in ahead["phases"] and "compile_ahead" not in plain["phases"]
     assert ahead["ids"] == plain["ids"]
+    assert ahead["sampled"] == plain["sampled"]  # the rehearsal's random draws were undone
 
 
 def test_a_warm_start_compiles_nothing_and_generates_the_same_tokens(qwen3_06b_path, tmp_path):
@@ -61,4 +67,4 @@ def test_a_warm_start_compiles_nothing_and_generates_the_same_tokens(qwen3_06b_p
     entries = sorted(os.listdir(cache / "triton"))
     second = _start(qwen3_06b_path, str(cache), "")
     assert sorted(os.listdir(cache / "triton")) == entries  # every kernel came from the cache
-    assert second["ids"] == first["ids"]
+    assert second["ids"] == first["ids"] and second["sampled"] == first["sampled"]

@@ -1,22 +1,29 @@
 """What the CPU can check of compiling Triton kernels ahead (``nvray/worker/compile_ahead.py``):
-the thread setting, and that nothing is attempted where it does not apply. The compiles
-themselves need a GPU: ``tests/gpu/test_compile_ahead_gpu.py``."""
+the thread setting, when it applies, the launch hook's choices, the probe-then-rest decision,
+and that a rehearsal leaves no trace (random generators, collectives, Triton's hook), even when
+it fails. The compiles themselves need a GPU: ``tests/gpu/test_compile_ahead_gpu.py``."""
 
 from __future__ import annotations
 
-import pytest
+import threading
 
+import pytest
+import torch
+from triton import knobs
+
+from nvray.layers import tp
 from nvray.worker import compile_ahead
 
 
-@pytest.mark.parametrize("raw, threads", [("0", 0), ("off", 0), ("false", 0), ("3", 3)])
+@pytest.mark.parametrize("raw, threads", [("0", 0), ("off", 0), ("false", 0), ("3", 3), ("1", 1)])
 def test_the_thread_setting_is_read_from_the_environment(monkeypatch, raw, threads):
     monkeypatch.setenv("NVRAY_COMPILE_AHEAD", raw)
     assert compile_ahead.compile_threads() == threads
 
 
-def test_by_default_it_uses_up_to_eight_threads(monkeypatch):
-    monkeypatch.delenv("NVRAY_COMPILE_AHEAD", raising=False)
+@pytest.mark.parametrize("raw", ["", "on", "true"])
+def test_by_default_it_uses_up_to_eight_threads(monkeypatch, raw):
+    monkeypatch.setenv("NVRAY_COMPILE_AHEAD", raw)
     assert 1 <= compile_ahead.compile_threads() <= 8
 
 
@@ -26,9 +33,77 @@ def test_a_bad_thread_setting_is_refused_by_name(monkeypatch):
         compile_ahead.compile_threads()
 
 
+def test_it_applies_to_a_gpu_with_compiled_triton_and_no_other_hook(monkeypatch):
+    monkeypatch.delenv("NVRAY_COMPILE_AHEAD", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert compile_ahead.ahead_threads("cuda") >= 1  # Triton can compile in a pool
+    assert compile_ahead.ahead_threads("cpu") == 0
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **_: None)
+    assert compile_ahead.ahead_threads("cuda") == 0  # someone else's hook is left alone
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert compile_ahead.ahead_threads("cuda") == 0
+
+
+class _Kernel:
+    """A kernel as the hook sees it (``fn.jit_function``): records what it is asked to preload."""
+
+    def __init__(self) -> None:
+        self.jit_function = self
+        self.preloaded: list[str] = []
+
+    def preload(self, data: str) -> None:
+        self.preloaded.append(data)
+
+
+def test_the_hook_skips_the_rehearsals_launches_and_compiles_each_kernel_once():
+    a, b = _Kernel(), _Kernel()
+    with compile_ahead.launches_compile_ahead(1) as submitted:
+        hook = knobs.runtime.jit_cache_hook
+        same = {"key": "k1", "specialization_data": "a1"}
+        assert hook(fn=a, compile=same) is True and hook(fn=a, compile=same) is True
+        assert hook(fn=b, compile={"key": "k1", "specialization_data": "b1"}) is True
+        elsewhere: list = []
+        other = threading.Thread(target=lambda: elsewhere.append(
+            hook(fn=a, compile={"key": "k2", "specialization_data": "a2"})))
+        other.start()
+        other.join(10)
+    assert a.preloaded == ["a1"] and b.preloaded == ["b1"]  # once per kernel and key
+    assert elsewhere == [None]  # another thread's launch is not skipped
+    assert len(submitted) == 2
+    assert knobs.runtime.jit_cache_hook is None
+
+
+@pytest.mark.parametrize("grows, rest_runs", [(False, False), (True, True)])
+def test_the_rest_is_rehearsed_only_when_the_probe_compiled(monkeypatch, grows, rest_runs):
+    entries = iter([10, 11 if grows else 10])
+    monkeypatch.setattr(compile_ahead, "_cache_entries", lambda: next(entries))
+    ran: list[str] = []
+    compile_ahead.compile_ahead(lambda: ran.append("probe"), lambda: ran.append("rest"), 1)
+    assert ran == ["probe", "rest"] if rest_runs else ran == ["probe"]
+
+
+def test_a_rehearsal_leaves_no_trace_even_when_it_fails(monkeypatch):
+    entries = iter([10, 11])
+    monkeypatch.setattr(compile_ahead, "_cache_entries", lambda: next(entries))
+    seen: list[bool] = []
+
+    def rest() -> None:
+        seen.append(tp._collectives_on)
+        torch.rand(100)
+        raise RuntimeError("a rehearsal that fails")
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    compile_ahead.compile_ahead(lambda: torch.rand(100), rest, 1)  # logs, does not raise
+    assert seen == [False]  # the collectives were off inside
+    assert tp._collectives_on and knobs.runtime.jit_cache_hook is None
+    assert torch.equal(torch.rand(4), expected)  # the random draws are undone
+
+
 def test_nothing_compiles_ahead_on_the_cpu_or_under_the_interpreter(monkeypatch):
     monkeypatch.delenv("NVRAY_COMPILE_AHEAD", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert compile_ahead.ahead_threads("cpu") == 0
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert compile_ahead.ahead_threads("cuda") == 0

@@ -26,9 +26,11 @@ def _rank(rank: int, port: int, results) -> None:
         mine = torch.tensor([float(rank + 1)])
         with tp.collectives_off():
             off = (tp.all_reduce(mine.clone()).item(), tp.broadcast_from_first(mine.clone()).item())
+            alone = tp.gather_last_dim(mine.clone())  # rank 0: its own slice, then whatever
         on = (tp.all_reduce(mine.clone()).item(), tp.broadcast_from_first(mine.clone()).item())
         gathered = tp.gather_last_dim(mine.clone())
-        results[rank] = (off, on, None if gathered is None else gathered.tolist())
+        results[rank] = (off, on, None if gathered is None else gathered.tolist(),
+                         None if alone is None else alone[:1].tolist())
     finally:
         dist.destroy_process_group()
 
@@ -38,5 +40,5 @@ def test_collectives_combine_ranks_and_do_nothing_when_off():
         results = manager.dict()
         mp.spawn(_rank, args=(_free_port(), results), nprocs=2, join=True)
         got = dict(results)
-    assert got[0] == ((1.0, 1.0), (3.0, 1.0), [1.0, 2.0])
-    assert got[1] == ((2.0, 2.0), (3.0, 1.0), None)
+    assert got[0] == ((1.0, 1.0), (3.0, 1.0), [1.0, 2.0], [1.0])
+    assert got[1] == ((2.0, 2.0), (3.0, 1.0), None, None)
