@@ -15,16 +15,20 @@ process nvray owns (a rank, before torch) before it imports ``package``, points 
 bytecode at ``pycache/`` (``sys.pycache_prefix``, which mirrors the sources' absolute paths) when
 the interpreter writes none, ``package`` came without any and the directory is writable; the next
 such process on the node reads it. From then on every import of that process uses ``pycache/``
-(a module installed with its bytecode is compiled there once). Anywhere else it changes nothing;
-``NVRAY_BYTECODE_CACHE=0`` turns it off. Without ``NVRAY_CACHE_DIR`` it lives in
-``~/.cache/nvray/pycache``.
+(a module installed with its bytecode is compiled there once). ``children_keep_bytecode(package)``
+does the same through the environment for the processes started meanwhile: ``LLM()`` starting a
+local Ray cluster gives it to Ray's daemons and, through them, to every worker. Anywhere else
+they change nothing; ``NVRAY_BYTECODE_CACHE=0`` turns both off. Without ``NVRAY_CACHE_DIR`` it
+lives in ``~/.cache/nvray/pycache``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+from typing import Iterator
 
 COMPILER_CACHE_VARS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 
@@ -44,25 +48,62 @@ def point_compiler_caches() -> None:
                 os.environ[var] = os.path.join(root, sub)
 
 
-def keep_bytecode(package: str) -> str | None:
-    """Before importing ``package``: where this interpreter writes no bytecode and ``package``
-    has none beside its source, keep this process's bytecode under ``<cache_dir()>/pycache``
-    from now on. Returns that directory when it did so, else None."""
-    if (os.environ.get("NVRAY_BYTECODE_CACHE", "1").lower() in ("0", "false", "off", "no")
-            or not sys.dont_write_bytecode or sys.pycache_prefix or package in sys.modules):
+def _bytecode_dir(package: str) -> str | None:
+    """``<cache_dir()>/pycache``, made, where bytecode may be kept for ``package``: it is not
+    turned off, the package is Python source installed without its bytecode, and the directory
+    is writable. Else None."""
+    if os.environ.get("NVRAY_BYTECODE_CACHE", "1").lower() in ("0", "false", "off", "no"):
         return None
     spec = importlib.util.find_spec(package)
     source = spec.origin if spec is not None else None
-    if not source or not source.endswith(".py") or os.path.exists(
-            importlib.util.cache_from_source(source)):
-        return None  # not found, not Python source, or installed with its bytecode
+    if not source or not source.endswith(".py"):
+        return None  # not found, or not Python source
+    folder, name = os.path.split(source)
+    beside = os.path.join(folder, "__pycache__",
+                          f"{name[:-3]}.{sys.implementation.cache_tag}.pyc")
+    if os.path.exists(beside):
+        return None  # installed with its bytecode
     prefix = os.path.join(os.path.abspath(os.path.expanduser(cache_dir())), "pycache")
     try:
         os.makedirs(prefix, exist_ok=True)
     except OSError:
         return None
-    if not os.access(prefix, os.W_OK):
-        return None  # unwritable: every start would compile into nowhere, shipped bytecode too
-    sys.pycache_prefix = prefix
-    sys.dont_write_bytecode = False
+    # unwritable: every start would compile into nowhere, shipped bytecode too
+    return prefix if os.access(prefix, os.W_OK) else None
+
+
+def keep_bytecode(package: str) -> str | None:
+    """Before importing ``package``: where this interpreter writes no bytecode and ``package``
+    has none beside its source, keep this process's bytecode under ``<cache_dir()>/pycache``
+    from now on. Returns that directory when it did so, else None."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix or package in sys.modules:
+        return None
+    prefix = _bytecode_dir(package)
+    if prefix is not None:
+        sys.pycache_prefix = prefix
+        sys.dont_write_bytecode = False
     return prefix
+
+
+@contextlib.contextmanager
+def children_keep_bytecode(package: str) -> Iterator[str | None]:
+    """While this process starts processes that inherit its environment (a local Ray cluster's
+    daemons, whose workers inherit theirs): where that environment writes no bytecode
+    (``PYTHONDONTWRITEBYTECODE``) and ``package`` has none beside its source, they keep theirs
+    under ``<cache_dir()>/pycache`` (``PYTHONPYCACHEPREFIX`` set and ``PYTHONDONTWRITEBYTECODE``
+    unset in the environment meanwhile; restored after). Yields that directory, or None where
+    it changed nothing."""
+    env = os.environ
+    prefix = None
+    if env.get("PYTHONDONTWRITEBYTECODE") and not env.get("PYTHONPYCACHEPREFIX"):
+        prefix = _bytecode_dir(package)
+    if prefix is None:
+        yield None
+        return
+    off = env.pop("PYTHONDONTWRITEBYTECODE")
+    env["PYTHONPYCACHEPREFIX"] = prefix
+    try:
+        yield prefix
+    finally:
+        env["PYTHONDONTWRITEBYTECODE"] = off
+        env.pop("PYTHONPYCACHEPREFIX", None)

@@ -127,3 +127,61 @@ def test_a_package_already_imported_is_left_alone(tmp_path):
 def test_a_rank_keeps_bytecode_for_torch_before_importing_it(tmp_path):
     result = _python(_RANK_PROBE, None, tmp_path / "cache")
     assert result == {"calls": [["torch", False]], "torch_after": True}
+
+
+_CHILDREN_PROBE = """
+import json, os, subprocess, sys
+from nvray.cache_dirs import children_keep_bytecode
+child = "import json, probe_pkg; print(json.dumps(probe_pkg.part.__cached__))"
+with children_keep_bytecode("probe_pkg") as kept:
+    cached = json.loads(subprocess.run([sys.executable, "-c", child], check=True,
+                                       capture_output=True, text=True).stdout)
+print(json.dumps({"kept": kept, "cached": cached,
+                  "after": [os.environ.get("PYTHONDONTWRITEBYTECODE"),
+                            os.environ.get("PYTHONPYCACHEPREFIX")]}))
+"""
+
+
+def test_processes_started_meanwhile_keep_bytecode_and_the_environment_is_restored(tmp_path):
+    site, cache = _installed_package(tmp_path, with_bytecode=False), tmp_path / "cache"
+    result = _python(_CHILDREN_PROBE, site, cache, PYTHONDONTWRITEBYTECODE="1")
+    assert result["kept"] == str(cache / "pycache")
+    cached = Path(result["cached"])
+    assert cached.is_relative_to(cache / "pycache") and cached.exists()  # the child wrote it
+    assert result["after"] == ["1", None] and _files(site) == []
+
+
+def test_processes_started_meanwhile_are_left_alone_where_bytecode_is_kept_or_shipped(tmp_path):
+    cache = tmp_path / "cache"
+    for case, shipped, env in (("writes", False, {}),
+                               ("off", False, {"PYTHONDONTWRITEBYTECODE": "1",
+                                               "NVRAY_BYTECODE_CACHE": "0"}),
+                               ("shipped", True, {"PYTHONDONTWRITEBYTECODE": "1"})):
+        site = _installed_package(tmp_path / case, with_bytecode=shipped)  # a fresh one each
+        result = _python(_CHILDREN_PROBE, site, cache, **env)
+        assert result["kept"] is None, case
+        assert not Path(result["cached"]).is_relative_to(cache), case
+    assert _files(cache) == []
+
+
+_LOCAL_CLUSTER_PROBE = """
+import json, os, sys
+import ray
+from nvray import cache_dirs
+from nvray.runtime import cluster
+cache_dirs._bytecode_dir = lambda package: os.path.join(os.environ["NVRAY_CACHE_DIR"], "pycache")
+cluster.start_local_cluster()  # as if Ray had come without bytecode
+try:
+    seen = ray.get(ray.remote(lambda: [os.environ.get("PYTHONPYCACHEPREFIX"), sys.pycache_prefix,
+                                       sys.dont_write_bytecode]).remote(), timeout=120)
+finally:
+    ray.shutdown()
+print(json.dumps({"worker": seen, "driver": os.environ.get("PYTHONPYCACHEPREFIX")}))
+"""
+
+
+def test_a_local_cluster_started_by_nvray_keeps_its_workers_bytecode(tmp_path):
+    cache = tmp_path / "cache"
+    result = _python(_LOCAL_CLUSTER_PROBE, None, cache, PYTHONDONTWRITEBYTECODE="1")
+    kept = str(cache / "pycache")
+    assert result == {"worker": [kept, kept, False], "driver": None}

@@ -5,7 +5,8 @@ fails within seconds with a ConnectionError that says what was tried, instead of
 of retries. Without one, the cluster that ``ray start`` recorded on this machine is joined if
 its head still answers (with the token that Ray's default authentication keeps in
 ``~/.ray/auth_token``); a record left by a head that was killed is reported in a warning and
-a new local single-node cluster is started instead; ``skip_a_dead_recorded_head`` makes a
+a new local single-node cluster is started instead (``start_local_cluster``: its processes keep
+their Python bytecode where the environment keeps none); ``skip_a_dead_recorded_head`` makes a
 ``ray.init()`` to come (``serve run``'s) do the same. ``resolve_device`` pins an engine's
 device 'auto' to what the cluster has.
 """
@@ -18,6 +19,7 @@ import socket
 
 import ray
 
+from nvray.cache_dirs import children_keep_bytecode
 from nvray.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,15 @@ def ensure_ray() -> None:
         return
     if recorded:
         _warn_dead_record(recorded)
-    ray.init(address="local", include_dashboard=False)
+    start_local_cluster()
+
+
+def start_local_cluster() -> None:
+    """A new single-node cluster of this process; where the environment keeps no Python
+    bytecode and Ray came without any, its daemons and workers keep theirs under
+    ``NVRAY_CACHE_DIR`` (``cache_dirs.children_keep_bytecode``): the next start reads it."""
+    with children_keep_bytecode("ray"):
+        ray.init(address="local", include_dashboard=False)
 
 
 def _warn_dead_record(recorded: str) -> None:
