@@ -48,19 +48,23 @@ def point_compiler_caches() -> None:
                 os.environ[var] = os.path.join(root, sub)
 
 
-def _bytecode_dir(package: str) -> str | None:
+def _bytecode_dir(package: str, optimize: int) -> str | None:
     """``<cache_dir()>/pycache``, made, where bytecode may be kept for ``package``: it is not
-    turned off, the package is Python source installed without its bytecode, and the directory
-    is writable. Else None."""
+    turned off, the package is Python source installed without its bytecode (for
+    optimization level ``optimize``), and the directory is writable. Else None."""
     if os.environ.get("NVRAY_BYTECODE_CACHE", "1").lower() in ("0", "false", "off", "no"):
         return None
-    spec = importlib.util.find_spec(package)
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
     source = spec.origin if spec is not None else None
     if not source or not source.endswith(".py"):
         return None  # not found, or not Python source
     folder, name = os.path.split(source)
+    level = f".opt-{optimize}" if optimize else ""
     beside = os.path.join(folder, "__pycache__",
-                          f"{name[:-3]}.{sys.implementation.cache_tag}.pyc")
+                          f"{name[:-3]}.{sys.implementation.cache_tag}{level}.pyc")
     if os.path.exists(beside):
         return None  # installed with its bytecode
     prefix = os.path.join(os.path.abspath(os.path.expanduser(cache_dir())), "pycache")
@@ -78,7 +82,7 @@ def keep_bytecode(package: str) -> str | None:
     from now on. Returns that directory when it did so, else None."""
     if not sys.dont_write_bytecode or sys.pycache_prefix or package in sys.modules:
         return None
-    prefix = _bytecode_dir(package)
+    prefix = _bytecode_dir(package, sys.flags.optimize)
     if prefix is not None:
         sys.pycache_prefix = prefix
         sys.dont_write_bytecode = False
@@ -92,18 +96,30 @@ def children_keep_bytecode(package: str) -> Iterator[str | None]:
     (``PYTHONDONTWRITEBYTECODE``) and ``package`` has none beside its source, they keep theirs
     under ``<cache_dir()>/pycache`` (``PYTHONPYCACHEPREFIX`` set and ``PYTHONDONTWRITEBYTECODE``
     unset in the environment meanwhile; restored after). Yields that directory, or None where
-    it changed nothing."""
+    it changed nothing. The environment is the whole process's: a process another thread starts
+    meanwhile gets it too. Those processes keep the bytecode of all they import, user code
+    included, under the directory (which mirrors the sources' absolute paths)."""
     env = os.environ
     prefix = None
     if env.get("PYTHONDONTWRITEBYTECODE") and not env.get("PYTHONPYCACHEPREFIX"):
-        prefix = _bytecode_dir(package)
+        prefix = _bytecode_dir(package, _optimize_level(env.get("PYTHONOPTIMIZE", "")))
     if prefix is None:
         yield None
         return
-    off = env.pop("PYTHONDONTWRITEBYTECODE")
+    off, before = env.pop("PYTHONDONTWRITEBYTECODE"), env.get("PYTHONPYCACHEPREFIX")
     env["PYTHONPYCACHEPREFIX"] = prefix
     try:
         yield prefix
     finally:
-        env["PYTHONDONTWRITEBYTECODE"] = off
-        env.pop("PYTHONPYCACHEPREFIX", None)
+        env.setdefault("PYTHONDONTWRITEBYTECODE", off)
+        if env.get("PYTHONPYCACHEPREFIX") == prefix:  # as set here: put back what was there
+            if before is None:
+                del env["PYTHONPYCACHEPREFIX"]
+            else:
+                env["PYTHONPYCACHEPREFIX"] = before
+
+
+def _optimize_level(value: str) -> int:
+    """The optimization level ``PYTHONOPTIMIZE=value`` gives an interpreter."""
+    value = value.strip()
+    return int(value) if value.isdigit() else (1 if value else 0)

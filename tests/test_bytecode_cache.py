@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = str(Path(__file__).parents[1])
 _OWN_VARS = ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX", "NVRAY_BYTECODE_CACHE",
              "NVRAY_CACHE_DIR", "PYTHONPATH")
@@ -169,7 +171,8 @@ import json, os, sys
 import ray
 from nvray import cache_dirs
 from nvray.runtime import cluster
-cache_dirs._bytecode_dir = lambda package: os.path.join(os.environ["NVRAY_CACHE_DIR"], "pycache")
+kept = os.path.join(os.environ["NVRAY_CACHE_DIR"], "pycache")
+cache_dirs._bytecode_dir = lambda package, optimize: kept
 cluster.start_local_cluster()  # as if Ray had come without bytecode
 try:
     seen = ray.get(ray.remote(lambda: [os.environ.get("PYTHONPYCACHEPREFIX"), sys.pycache_prefix,
@@ -185,3 +188,24 @@ def test_a_local_cluster_started_by_nvray_keeps_its_workers_bytecode(tmp_path):
     result = _python(_LOCAL_CLUSTER_PROBE, None, cache, PYTHONDONTWRITEBYTECODE="1")
     kept = str(cache / "pycache")
     assert result == {"worker": [kept, kept, False], "driver": None}
+
+
+def test_the_environment_is_restored_when_the_start_fails(monkeypatch, tmp_path):
+    from nvray import cache_dirs
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setattr(cache_dirs, "_bytecode_dir", lambda package, optimize: str(tmp_path))
+    with pytest.raises(RuntimeError, match="ray.init failed"):
+        with cache_dirs.children_keep_bytecode("ray") as kept:
+            assert os.environ.get("PYTHONPYCACHEPREFIX") == kept == str(tmp_path)
+            assert "PYTHONDONTWRITEBYTECODE" not in os.environ
+            raise RuntimeError("ray.init failed")
+    assert os.environ.get("PYTHONDONTWRITEBYTECODE") == "1"
+    assert "PYTHONPYCACHEPREFIX" not in os.environ
+
+
+def test_an_optimized_interpreter_looks_for_its_own_level_of_bytecode(tmp_path):
+    site, cache = _installed_package(tmp_path, with_bytecode=True), tmp_path / "cache"  # level 0
+    result = _python(_IMPORT_PROBE, site, cache, PYTHONDONTWRITEBYTECODE="1", PYTHONOPTIMIZE="1")
+    assert result["kept"] == str(cache / "pycache") and ".opt-1" in result["cached"]
