@@ -48,11 +48,16 @@ def point_compiler_caches() -> None:
                 os.environ[var] = os.path.join(root, sub)
 
 
+def switched_off(value: str | None) -> bool:
+    """Whether an environment switch's value turns it off (0, false, off, no)."""
+    return (value or "").strip().lower() in ("0", "false", "off", "no")
+
+
 def _bytecode_dir(package: str, optimize: int) -> str | None:
     """``<cache_dir()>/pycache``, made, where bytecode may be kept for ``package``: it is not
     turned off, the package is Python source installed without its bytecode (for
     optimization level ``optimize``), and the directory is writable. Else None."""
-    if os.environ.get("NVRAY_BYTECODE_CACHE", "1").lower() in ("0", "false", "off", "no"):
+    if switched_off(os.environ.get("NVRAY_BYTECODE_CACHE")):
         return None
     try:
         spec = importlib.util.find_spec(package)

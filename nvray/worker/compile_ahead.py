@@ -13,13 +13,13 @@ a thread pool (``triton.AsyncCompileMode``) and returns without running. Nothing
 rehearsal is kept: the tensors it makes hold whatever memory held before (the skipped kernels
 write nothing), its sampled ids are discarded, its random draws are undone (the generators'
 states restored), and it runs with the tensor-parallel collectives off (``layers/tp.py``), so
-each rank rehearses on its own. On leaving, it waits for the
-compiles; each compiled kernel lands in its function's in-memory cache (and in Triton's cache on
-disk), so the real start-up launches it at once. When the probe's compiles were all cache hits
-(Triton's cache directory did not grow), the cache is taken as warm and the rest is not
-rehearsed: a warm start pays for one rehearsed step. (A cache that holds the warm-up step's
-kernels but not the others, say after a start cut short or a change to the decode kernel only,
-so compiles the others one after another, as without this module.)
+each rank rehearses on its own. On leaving, it waits for the compiles; each compiled kernel
+lands in its function's in-memory cache (and in Triton's cache on disk), so the real start-up
+launches it at once. When the probe's compiles were all cache hits (Triton's cache directory
+did not grow), the cache is taken as warm and the rest is not rehearsed: a warm start pays for
+one rehearsed step. A cache that holds the warm-up step's kernels but not the others (a start
+cut short, a change to the decode kernel only) so compiles the others one after another, as
+without this module.
 
 Contract: it changes no result (every launch after it runs normally, and a compile that failed
 ahead is retried at its real launch, which then reports the error); on the CPU, without a
@@ -38,6 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
+from nvray.cache_dirs import switched_off
 from nvray.layers.tp import collectives_off
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def compile_threads() -> int:
     """Threads for the compiles: ``NVRAY_COMPILE_AHEAD`` (0/off/false/no: none; a number: that
     many), else min(8, usable cores)."""
     raw = os.environ.get(_ENV, "").strip().lower()
-    if raw in ("0", "false", "off", "no"):
+    if switched_off(raw):
         return 0
     if raw.isdigit():
         return int(raw)

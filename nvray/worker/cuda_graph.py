@@ -105,11 +105,8 @@ class StepGraphs:
         ``prefill`` the prefill graphs too (they attend over block 0 while captured)."""
         start = time.perf_counter()
         decode = sorted(sizes or self.sizes, reverse=True)
-        for kind, size in self._regions(decode, self.prefill_sizes if prefill else []):
-            if kind == "decode":
-                self.graphs[size] = self._capture_one(self._run, size)
-            else:
-                self.prefill_graphs[size] = self._capture_one(self._run_prefill, size)
+        for run, graphs, size in self._regions(decode, self.prefill_sizes if prefill else []):
+            graphs[size] = self._capture_one(run, size)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
@@ -118,21 +115,23 @@ class StepGraphs:
         """Run every region ``capture`` would capture once, eagerly, capturing nothing (the
         launches a capture makes, for ``compile_ahead.py``)."""
         decode = sorted(self.sizes, reverse=True)
-        for kind, size in self._regions(decode, self.prefill_sizes if prefill else []):
-            (self._run if kind == "decode" else self._run_prefill)(size)
+        for run, _, size in self._regions(decode, self.prefill_sizes if prefill else []):
+            run(size)
 
-    def _regions(self, decode: list[int], prefill: list[int]) -> Iterator[tuple[str, int]]:
-        """The regions in capture order, each with its static inputs set: decode batches run
-        the model once and write nothing, attend to nothing (slot -1, seq_len 0); a prefill of
-        q tokens attends over a context of q positions (row 0 of the tables: block 0)."""
+    def _regions(self, decode: list[int], prefill: list[int]
+                 ) -> Iterator[tuple[Callable[[int], None], dict[int, torch.cuda.CUDAGraph], int]]:
+        """The regions in capture order, as (the region's run, the graphs it goes to, size),
+        each with its static inputs set: decode batches run the model once and write nothing,
+        attend to nothing (slot -1, seq_len 0); a prefill of q tokens attends over a context of
+        q positions (row 0 of the tables: block 0)."""
         self.slots.fill_(-1)
         self.seq_lens.zero_()
         try:
             for bs in decode:
-                yield "decode", bs
+                yield self._run, self.graphs, bs
             for q in sorted(prefill, reverse=True):
                 self.seq_lens[:1] = q
-                yield "prefill", q
+                yield self._run_prefill, self.prefill_graphs, q
         finally:
             self.seq_lens.zero_()
 
