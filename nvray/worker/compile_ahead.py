@@ -9,7 +9,8 @@ compiler releases the GIL for much of its work, so compiles run well side by sid
 forwards once, eagerly (the warm-up step as the probe; then the kernel warm-up's steps and every
 decode and prefill graph's forward, ``startup.rehearse_startup``), with Triton's
 ``jit_cache_hook`` set, so that a launch whose kernel is not yet in memory submits its compile to
-a thread pool (``triton.AsyncCompileMode``) and returns without running. Nothing of the
+a thread pool (``triton.AsyncCompileMode``) and returns without running; the pool also builds
+each kernel's launcher (a C extension, built with the host's C compiler). Nothing of the
 rehearsal is kept: the tensors it makes hold whatever memory held before (the skipped kernels
 write nothing), its sampled ids are discarded, its random draws are undone (the generators'
 states restored), and it runs with the tensor-parallel collectives off (``layers/tp.py``), so
@@ -74,6 +75,27 @@ def _compiled_triton() -> bool:
     return hasattr(triton, "AsyncCompileMode") and not knobs.runtime.interpret
 
 
+class _CompileAndBuildLauncher(ThreadPoolExecutor):
+    """A pool whose every task (one of Triton's compiles) also builds the compiled kernel's
+    launcher: a C extension that Triton otherwise builds with the host's C compiler at the
+    kernel's first launch, on the launching thread. Built here, it lands in Triton's cache, where
+    that launch finds it."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        return super().submit(_with_launcher, fn, *args, **kwargs)
+
+
+def _with_launcher(compile_kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    kernel = compile_kernel(*args, **kwargs)
+    try:
+        from triton.runtime.driver import driver  # noqa: PLC0415
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - the first launch builds it (and reports a failure)
+        logger.debug("building a Triton launcher ahead failed", exc_info=True)
+    return kernel
+
+
 @contextlib.contextmanager
 def launches_compile_ahead(threads: int) -> Iterator[set[tuple[int, str]]]:
     """Inside, a Triton launch from this thread whose kernel is not compiled yet submits the
@@ -102,7 +124,7 @@ def launches_compile_ahead(threads: int) -> Iterator[set[tuple[int, str]]]:
         return True  # skip this launch
 
     previous = knobs.runtime.jit_cache_hook
-    with ThreadPoolExecutor(threads, thread_name_prefix="nvray-compile") as pool:
+    with _CompileAndBuildLauncher(threads, thread_name_prefix="nvray-compile") as pool:
         mode = triton.AsyncCompileMode(pool, ignore_errors=True)
         with mode:
             knobs.runtime.jit_cache_hook = hook

@@ -2,7 +2,8 @@
 
 Each start runs in a child process with its own empty cache directory, as on a fresh machine.
 The child counts the kernels Triton compiles (``jit_post_compile_hook``), telling apart those
-compiled while the ahead-of-time pool was active from those compiled at a launch, and generates
+compiled while the ahead-of-time pool was active from those compiled at a launch, and the
+kernel launchers Triton builds with the C compiler, in the pool or not, and generates
 greedily and at temperature 0.8 (the engine's seed: the same tokens unless a start's random
 draws differ)."""
 
@@ -27,9 +28,19 @@ compiled = {"ahead": 0, "at_launch": 0}
 def count(**kwargs):
     compiled["ahead" if _async_compile.active_mode.get() is not None else "at_launch"] += 1
 knobs.runtime.jit_post_compile_hook = count
+import threading
+from triton.runtime import build
+launchers = {"ahead": 0, "at_launch": 0}
+real_build = build._build
+def counting_build(name, *args, **kwargs):
+    if name == "__triton_launcher":
+        pooled = threading.current_thread().name.startswith("nvray-compile")
+        launchers["ahead" if pooled else "at_launch"] += 1
+    return real_build(name, *args, **kwargs)
+build._build = counting_build
 from nvray import LLM, SamplingParams
 llm = LLM(sys.argv[1], runtime="inprocess", max_model_len=1024, max_num_seqs=16)
-at_start = dict(compiled)
+at_start = {**compiled, "launchers": dict(launchers)}
 prompts = ["The capital of France is", "1 2 3 4"]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
 drawn = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=12), use_tqdm=False)
@@ -56,6 +67,10 @@ def test_a_fresh_start_compiles_its_kernels_ahead_and_generates_the_same_tokens(
     # every kernel the start launched was compiled ahead, none at its launch
     assert ahead["start"]["ahead"] > 10 and ahead["start"]["at_launch"] == 0, ahead["start"]
     assert plain["start"]["ahead"] == 0 and plain["start"]["at_launch"] >= ahead["start"]["ahead"]
+    # and every launcher (a C extension) was built in the pool, none at a launch
+    assert ahead["start"]["launchers"]["ahead"] > 0, ahead["start"]
+    assert ahead["start"]["launchers"]["at_launch"] == 0, ahead["start"]
+    assert plain["start"]["launchers"]["at_launch"] > 0, plain["start"]
     assert "compile_ahead" in ahead["phases"] and "compile_ahead" not in plain["phases"]
     assert ahead["ids"] == plain["ids"]
     assert ahead["sampled"] == plain["sampled"]  # the rehearsal's random draws were undone

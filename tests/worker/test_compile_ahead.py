@@ -1,6 +1,6 @@
 """What the CPU can check of compiling Triton kernels ahead (``nvray/worker/compile_ahead.py``):
-the thread setting, when it applies, the launch hook's choices, the probe-then-rest decision,
-and that a rehearsal leaves no trace (random generators, collectives, Triton's hook), even when
+the thread setting, when it applies, the launch hook's choices, the pool's launcher builds,
+the probe-then-rest decision, and that a rehearsal leaves no trace (random generators, collectives, Triton's hook), even when
 it fails. The compiles themselves need a GPU: ``tests/gpu/test_compile_ahead_gpu.py``."""
 
 from __future__ import annotations
@@ -72,6 +72,55 @@ def test_the_hook_skips_the_rehearsals_launches_and_compiles_each_kernel_once():
     assert elsewhere == [None]  # another thread's launch is not skipped
     assert len(submitted) == 2
     assert knobs.runtime.jit_cache_hook is None
+
+
+class _CompiledKernel:
+    """What one of Triton's compiles returns, as far as building its launcher reads it."""
+
+    src, metadata = "the kernel's source", "its metadata"
+
+
+class _LauncherBuilds:
+    """An active Triton driver's launcher class that records where and for what it was built."""
+
+    def __init__(self) -> None:
+        self.built: list[tuple[str, str, str]] = []
+
+    def launcher_cls(self, src: str, metadata: str) -> None:
+        self.built.append((src, metadata, threading.current_thread().name))
+
+
+def _compile_in_the_pool(kernel: object) -> list:
+    """Submits one compile as Triton's JIT does inside ``launches_compile_ahead``; returns what
+    its finalizer received once the context has waited for it."""
+    from triton.runtime import _async_compile
+
+    finalized: list = []
+    with compile_ahead.launches_compile_ahead(2):
+        _async_compile.active_mode.get().submit("key", lambda: kernel, finalized.append)
+    return finalized
+
+
+def test_the_pool_builds_each_compiled_kernels_launcher(monkeypatch):
+    from triton.runtime.driver import driver
+
+    builds = _LauncherBuilds()
+    monkeypatch.setattr(driver, "_active", builds)
+    kernel = _CompiledKernel()
+    assert _compile_in_the_pool(kernel) == [kernel]
+    assert [b[:2] for b in builds.built] == [(kernel.src, kernel.metadata)]
+    assert builds.built[0][2].startswith("nvray-compile")  # in the pool, not at the launch
+
+
+def test_a_launcher_that_cannot_be_built_ahead_leaves_the_compiled_kernel(monkeypatch):
+    from triton.runtime.driver import driver
+
+    def no_compiler(src: str, metadata: str) -> None:
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(driver, "_active", type("Driver", (), {"launcher_cls": no_compiler})())
+    kernel = _CompiledKernel()
+    assert _compile_in_the_pool(kernel) == [kernel]  # its first launch builds the launcher
 
 
 @pytest.mark.parametrize("grows, rest_runs", [(False, False), (True, True)])
