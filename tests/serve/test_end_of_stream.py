@@ -1,7 +1,8 @@
 """The end of a stream whose client left before its body began: Starlette runs the response's
 background task, which gives the engine back. The lease's admission slot is an
 ``asyncio.Semaphore``; releasing it from a worker thread (where Starlette runs a plain function)
-wakes a waiting request off its event loop, which asyncio's debug mode refuses."""
+wakes a waiting request off its event loop, which asyncio's debug mode refuses. Checked on the
+task itself, and on the app's streaming response as Starlette runs it when its client left."""
 
 from __future__ import annotations
 
@@ -41,6 +42,68 @@ def test_the_end_of_a_stream_gives_its_slot_back_on_the_event_loop():
     result: list = []
     run = threading.Thread(daemon=True, target=lambda: result.append(asyncio.run(
         _a_waiter_gets_the_slot_of_a_stream_that_never_began(), debug=True)))
+    run.start()
+    run.join(timeout=15)
+    assert not run.is_alive(), "the waiting request never got the slot back"
+    assert result == [(1, True)]
+
+
+class _Router:
+    """Adds a stream's requests; hands back the sink that ends them."""
+
+    def __init__(self, sink: _Sink) -> None:
+        self.sink = sink
+
+    async def add(self, requests: list, stream: bool) -> _Sink:
+        return self.sink
+
+
+class _Replica:
+    """The parts of the app's replica that a streaming response reads: its engine lease (a slot
+    of a real ``AdmissionGate``) and the SSE body, which never yields (the client leaves first)."""
+
+    def __init__(self, gate: AdmissionGate, sink: _Sink) -> None:
+        self.gate, self.sink = gate, sink
+
+    async def _lease(self, prompts: list) -> Lease:
+        ticket = await self.gate.enter(timeout_s=5)
+        return Lease(router=_Router(self.sink), _release=ticket.release)
+
+    async def _sse_body(self, *args: object):
+        await asyncio.Event().wait()
+        yield "never"
+
+
+async def _a_waiter_gets_the_slot_of_a_streaming_response_whose_client_left() -> tuple[int, bool]:
+    from types import SimpleNamespace
+
+    from deployments.server import NvrayServer
+
+    gate, sink = AdmissionGate(max_running=1, max_waiting=1), _Sink()
+    body = SimpleNamespace(priority=0, include_usage=False, continuous_usage=False)
+    stream = NvrayServer.func_or_class._streaming_response  # the class under @serve.deployment
+    response = await stream(_Replica(gate, sink), ["hi"], None, None, body)
+    waiter = asyncio.create_task(gate.enter(timeout_s=5))
+    await asyncio.sleep(0)  # the next request waits for the stream's slot
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "method": "POST", "headers": []}
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}  # the client is gone before the body begins
+
+    async def send(message: dict) -> None:
+        pass
+
+    await asyncio.wait_for(response(scope, receive, send), 5)  # Starlette runs the end task
+    second = await asyncio.wait_for(waiter, 5)
+    second.release()
+    return sink.aborted, gate.num_running == 0
+
+
+def test_a_streaming_response_whose_client_left_gives_its_slot_back_on_the_event_loop():
+    # the app's own streaming response, run by Starlette as Serve runs it, bounded as above
+    result: list = []
+    run = threading.Thread(daemon=True, target=lambda: result.append(asyncio.run(
+        _a_waiter_gets_the_slot_of_a_streaming_response_whose_client_left(), debug=True)))
     run.start()
     run.join(timeout=15)
     assert not run.is_alive(), "the waiting request never got the slot back"
