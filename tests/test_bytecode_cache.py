@@ -172,8 +172,10 @@ import ray
 from nvray import cache_dirs
 from nvray.runtime import cluster
 kept = os.path.join(os.environ["NVRAY_CACHE_DIR"], "pycache")
-cache_dirs._bytecode_dir = lambda package, optimize: kept
-cluster.start_local_cluster()  # as if Ray had come without bytecode
+os.environ.pop("RAY_ADDRESS", None)
+cache_dirs._bytecode_dir = lambda package, optimize: kept  # as if Ray had come without bytecode
+cluster.recorded_cluster_address = lambda: None  # no other cluster on this machine
+cluster.ensure_ray()  # as LLM() connects, with no cluster to join: it starts a local one
 try:
     seen = ray.get(ray.remote(lambda: [os.environ.get("PYTHONPYCACHEPREFIX"), sys.pycache_prefix,
                                        sys.dont_write_bytecode]).remote(), timeout=120)
