@@ -2,7 +2,7 @@
 compressed-tensors FP8_DYNAMIC files made from a bf16 checkpoint, and on-the-fly FP8 of it.
 The oracle is HF transformers' Qwen3 over the same files (transformers' own loaders, dequantized)
 with the FP8 activation round trip reproduced; a greedy token must be its fp32 argmax up to the
-oracle's own bf16 noise (gpu_oracle.py)."""
+oracle's own bf16 noise (gpu_oracle.py). Qwen's format also runs at TP=2 where two GPUs are."""
 
 from __future__ import annotations
 
@@ -44,10 +44,11 @@ def _oracle_logits(path: str, ids: list[int], dtype: torch.dtype) -> torch.Tenso
     return model(torch.tensor([ids], device="cuda")).logits[0].float()
 
 
-def _generate(model: str, **options) -> tuple[list[list[int]], list[list[int]], dict]:
+def _generate(model: str, runtime: str = "inprocess",
+              **options) -> tuple[list[list[int]], list[list[int]], dict]:
     used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
     prompts = random_prompts(6, 3, 300, seed=21, vocab=VOCAB)
-    llm = LLM(model, runtime="inprocess", max_model_len=1024, max_num_seqs=32,
+    llm = LLM(model, runtime=runtime, max_model_len=1024, max_num_seqs=32,
               num_kvcache_blocks=512, **options)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
@@ -75,6 +76,22 @@ def test_fp8_greedy_on_gpu_is_oracle_argmax_up_to_bf16_noise(fmt, fp8_06b, calm_
     # FP8 rounding of bf16 activations moves logits of this random model more than bf16
     # alone does, so exact fp32 argmaxes are rarer than in the bf16 tests: printed only
     print(f"{fmt}: exact fp32-argmax rate per prompt {rates}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_fp8_block_checkpoint_at_tp2_on_two_gpus_is_oracle_argmax_up_to_bf16_noise(gpu_ray,
+                                                                                   fp8_06b):
+    """Qwen's block-scaled FP8 files over two ranks (NCCL, CUDA graphs): each rank loads its
+    shard of the weights with their block scales, and its activation groups are TP=1's, so the
+    oracle is TP=1's."""
+    path = fp8_06b["qwen-fp8"]
+    prompts, outs, dtypes = _generate(path, runtime="ray", tensor_parallel_size=2)
+    assert dtypes["weights"].startswith("fp8 e4m3")
+    logits = functools.partial(_oracle_logits, path)
+    _assert_noise_discriminates(logits, prompts[0] + outs[0])
+    rates = [check_greedy_near_argmax(path, p, o, logits)["fp32_argmax_rate"]
+             for p, o in zip(prompts, outs)]
+    print(f"qwen-fp8 at TP=2: exact fp32-argmax rate per prompt {rates}")
 
 
 @torch.no_grad()
