@@ -69,10 +69,7 @@ def test_fp8_greedy_on_gpu_is_oracle_argmax_up_to_bf16_noise(fmt, fp8_06b, calm_
         prompts, outs, dtypes = _generate(fp8_06b[fmt])
         oracle_path = fp8_06b[fmt]
     assert dtypes["weights"].startswith("fp8 e4m3") and dtypes["compute"] == "bfloat16"
-    logits = functools.partial(_oracle_logits, oracle_path)
-    _assert_noise_discriminates(logits, prompts[0] + outs[0])
-    rates = [check_greedy_near_argmax(oracle_path, p, o, logits)["fp32_argmax_rate"]
-             for p, o in zip(prompts, outs)]
+    rates = _oracle_argmax_rates(oracle_path, _oracle_logits, prompts, outs)
     # FP8 rounding of bf16 activations moves logits of this random model more than bf16
     # alone does, so exact fp32 argmaxes are rarer than in the bf16 tests: printed only
     print(f"{fmt}: exact fp32-argmax rate per prompt {rates}")
@@ -87,10 +84,7 @@ def test_fp8_block_checkpoint_at_tp2_on_two_gpus_is_oracle_argmax_up_to_bf16_noi
     path = fp8_06b["qwen-fp8"]
     prompts, outs, dtypes = _generate(path, runtime="ray", tensor_parallel_size=2)
     assert dtypes["weights"].startswith("fp8 e4m3")
-    logits = functools.partial(_oracle_logits, path)
-    _assert_noise_discriminates(logits, prompts[0] + outs[0])
-    rates = [check_greedy_near_argmax(path, p, o, logits)["fp32_argmax_rate"]
-             for p, o in zip(prompts, outs)]
+    rates = _oracle_argmax_rates(path, _oracle_logits, prompts, outs)
     print(f"qwen-fp8 at TP=2: exact fp32-argmax rate per prompt {rates}")
 
 
@@ -105,11 +99,19 @@ def test_fp8_kv_cache_greedy_on_gpu_is_oracle_argmax_up_to_bf16_noise(qwen3_06b_
     and prefill kernels read them."""
     prompts, outs, dtypes = _generate(qwen3_06b_path, kv_cache_dtype="fp8")
     assert dtypes["kv_cache"].startswith("fp8 e4m3")
-    logits = functools.partial(_kv_oracle_logits, qwen3_06b_path)
-    _assert_noise_discriminates(logits, prompts[0] + outs[0])
-    rates = [check_greedy_near_argmax(qwen3_06b_path, p, o, logits)["fp32_argmax_rate"]
-             for p, o in zip(prompts, outs)]
+    rates = _oracle_argmax_rates(qwen3_06b_path, _kv_oracle_logits, prompts, outs)
     print(f"fp8 KV cache: exact fp32-argmax rate per prompt {rates}")
+
+
+def _oracle_argmax_rates(path: str, oracle_logits, prompts: list[list[int]],
+                         outs: list[list[int]]) -> list[float]:
+    """Asserts every greedy token is the oracle's argmax (``oracle_logits(path, ids, dtype)``)
+    up to its bf16 noise, once that noise is shown to tell tokens apart; returns the share of
+    exact fp32 argmaxes per prompt."""
+    logits = functools.partial(oracle_logits, path)
+    _assert_noise_discriminates(logits, prompts[0] + outs[0])
+    return [check_greedy_near_argmax(path, p, o, logits)["fp32_argmax_rate"]
+            for p, o in zip(prompts, outs)]
 
 
 def _assert_noise_discriminates(logits, ids: list[int]) -> None:

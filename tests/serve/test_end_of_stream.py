@@ -36,16 +36,22 @@ async def _a_waiter_gets_the_slot_of_a_stream_that_never_began() -> tuple[int, b
     return sink.aborted, gate.num_running == 0
 
 
-def test_the_end_of_a_stream_gives_its_slot_back_on_the_event_loop():
-    # in a thread of its own, bounded: a slot released off the loop wedges the waiting request
-    # (and with it the loop's run) instead of raising in the test
+def _run_in_debug_mode_bounded(scenario) -> list:
+    """``scenario()`` under asyncio's debug mode, in a thread of its own, bounded: a slot
+    released off the loop wedges the waiting request (and with it the loop's run) instead of
+    raising in the test."""
     result: list = []
     run = threading.Thread(daemon=True, target=lambda: result.append(asyncio.run(
-        _a_waiter_gets_the_slot_of_a_stream_that_never_began(), debug=True)))
+        scenario(), debug=True)))
     run.start()
     run.join(timeout=15)
     assert not run.is_alive(), "the waiting request never got the slot back"
-    assert result == [(1, True)]
+    return result
+
+
+def test_the_end_of_a_stream_gives_its_slot_back_on_the_event_loop():
+    assert _run_in_debug_mode_bounded(_a_waiter_gets_the_slot_of_a_stream_that_never_began) == [
+        (1, True)]
 
 
 class _Router:
@@ -100,11 +106,6 @@ async def _a_waiter_gets_the_slot_of_a_streaming_response_whose_client_left() ->
 
 
 def test_a_streaming_response_whose_client_left_gives_its_slot_back_on_the_event_loop():
-    # the app's own streaming response, run by Starlette as Serve runs it, bounded as above
-    result: list = []
-    run = threading.Thread(daemon=True, target=lambda: result.append(asyncio.run(
-        _a_waiter_gets_the_slot_of_a_streaming_response_whose_client_left(), debug=True)))
-    run.start()
-    run.join(timeout=15)
-    assert not run.is_alive(), "the waiting request never got the slot back"
-    assert result == [(1, True)]
+    # the app's own streaming response, run by Starlette as Serve runs it
+    assert _run_in_debug_mode_bounded(
+        _a_waiter_gets_the_slot_of_a_streaming_response_whose_client_left) == [(1, True)]
