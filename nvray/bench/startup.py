@@ -78,6 +78,19 @@ def _kill_group(process: subprocess.Popen) -> None:
         pass  # unkillable (uninterruptible sleep): leave it to the OS
 
 
+_CTRL_C_ENABLED = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
+def ctrl_c_enabled(command: list[str]) -> list[str]:
+    """``command`` as a terminal starts it: with SIGINT at its default disposition. A shell that
+    runs a job in the background (``&``, ``nohup``, some CI runners) starts it with SIGINT
+    ignored, which a child inherits, and a Python child then never sees Ctrl-C (the
+    KeyboardInterrupt that makes ``serve run`` shut its app down). A small Python step resets the
+    signal and execs ``command`` (no ``preexec_fn``: that is unsafe in a parent with threads)."""
+    return [sys.executable, "-S", "-c", _CTRL_C_ENABLED, *command]
+
+
 def _stop(process: subprocess.Popen) -> None:
     """Ctrl-C to the process group (``serve run`` shuts its app down); SIGKILL if it lingers."""
     try:
@@ -167,8 +180,8 @@ def time_serve_run(model: str, max_model_len: int, cwd: str) -> dict[str, Any]:
                f"max_model_len={max_model_len}"]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
         t0 = time.perf_counter()
-        process = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(ctrl_c_enabled(command), cwd=cwd, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
             while _get(f"{SERVE_URL}/health") is None:
                 if process.poll() is not None:

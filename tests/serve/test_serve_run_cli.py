@@ -18,6 +18,8 @@ import openai
 import pytest
 import requests
 
+from nvray.bench.startup import ctrl_c_enabled
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 URL = "http://127.0.0.1:8000"
 
@@ -85,8 +87,9 @@ def served(tmp_path_factory):
 
 def _serve_run(log, env: dict[str, str], dead: str):  # noqa: ANN001, ANN202 - the fixture's body
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
-    proc = subprocess.Popen([serve_bin, "run", "deployments:app"], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # Ctrl-C must reach it as from a terminal, also where this test runs with SIGINT ignored
+    proc = subprocess.Popen(ctrl_c_enabled([serve_bin, "run", "deployments:app"]), cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
@@ -118,13 +121,18 @@ def _serve_run(log, env: dict[str, str], dead: str):  # noqa: ANN001, ANN202 - t
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         try:
             proc.wait(timeout=60)
+            stopped = True
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+            stopped = False
         log.seek(before_stop)
         stopping = log.read()
         log.close()
-    # the teardown fails the module if Ctrl-C printed stack dumps or a failed shutdown
+    # the teardown fails the module if Ctrl-C did not stop it, or printed stack dumps or a
+    # failed shutdown
+    assert stopped, "serve run was still running 60 s after Ctrl-C:\n" + stopping[-3000:]
+    assert "shutting down" in stopping, stopping[-3000:]  # serve run's own Ctrl-C path ran
     alarming = [line for line in stopping.splitlines()
                 if any(word in line for word in ALARMING_ON_STOP)]
     assert not alarming, "\n".join(alarming[:20])
