@@ -86,9 +86,10 @@ def ctrl_c_enabled(command: list[str]) -> list[str]:
     """``command`` as a terminal starts it: with SIGINT at its default disposition. A shell that
     runs a job in the background (``&``, ``nohup``, some CI runners) starts it with SIGINT
     ignored, which a child inherits, and a Python child then never sees Ctrl-C (the
-    KeyboardInterrupt that makes ``serve run`` shut its app down). A small Python step resets the
-    signal and execs ``command`` (no ``preexec_fn``: that is unsafe in a parent with threads)."""
-    return [sys.executable, "-S", "-c", _CTRL_C_ENABLED, *command]
+    KeyboardInterrupt that makes ``serve run`` shut its app down). A small Python step (isolated:
+    no ``PYTHONPATH``, no working directory on its path) resets the signal and execs ``command``
+    with the environment unchanged (no ``preexec_fn``: that is unsafe in a parent with threads)."""
+    return [sys.executable, "-I", "-S", "-c", _CTRL_C_ENABLED, *command]
 
 
 def _stop(process: subprocess.Popen) -> None:

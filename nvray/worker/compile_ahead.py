@@ -145,7 +145,8 @@ def ahead_threads(device_type: str) -> int:
 
 
 def _cache_entries() -> int:
-    """Entries in Triton's cache directory (each compile that is not a cache hit adds one)."""
+    """Entries in Triton's cache directory (each compile that is not a cache hit adds one, and
+    so does each launcher built)."""
     from triton import knobs  # noqa: PLC0415
 
     try:

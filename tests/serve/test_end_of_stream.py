@@ -91,7 +91,9 @@ async def _a_waiter_gets_the_slot_of_a_streaming_response_whose_client_left() ->
     response = await stream(_Replica(gate, sink), ["hi"], None, None, body)
     waiter = asyncio.create_task(gate.enter(timeout_s=5))
     await asyncio.sleep(0)  # the next request waits for the stream's slot
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "method": "POST", "headers": []}
+    # ASGI 2.3, as uvicorn speaks and Serve passes on: Starlette listens for the disconnect
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST",
+             "headers": []}
 
     async def receive() -> dict:
         return {"type": "http.disconnect"}  # the client is gone before the body begins

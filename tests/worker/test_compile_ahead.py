@@ -113,14 +113,20 @@ def test_the_pool_builds_each_compiled_kernels_launcher(monkeypatch):
 
 
 def test_a_launcher_that_cannot_be_built_ahead_leaves_the_compiled_kernel(monkeypatch):
+    from types import SimpleNamespace
+
     from triton.runtime.driver import driver
 
+    tried: list[str] = []
+
     def no_compiler(src: str, metadata: str) -> None:
+        tried.append(src)
         raise RuntimeError("no C compiler")
 
-    monkeypatch.setattr(driver, "_active", type("Driver", (), {"launcher_cls": no_compiler})())
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=no_compiler))
     kernel = _CompiledKernel()
     assert _compile_in_the_pool(kernel) == [kernel]  # its first launch builds the launcher
+    assert tried == [kernel.src]
 
 
 @pytest.mark.parametrize("grows, rest_runs", [(False, False), (True, True)])
