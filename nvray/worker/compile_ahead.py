@@ -56,7 +56,7 @@ def compile_threads() -> int:
         return 0
     if raw.isdigit():
         return int(raw)
-    if raw not in ("", "1", "true", "on", "yes"):
+    if raw not in ("", "true", "on", "yes"):  # (a number, "1" too, was read above)
         raise ValueError(f"{_ENV}={raw!r}: expected 0/off, on, or a number of threads")
     try:
         cores = len(os.sched_getaffinity(0))
@@ -86,6 +86,7 @@ class _CompileAndBuildLauncher(ThreadPoolExecutor):
 
 
 def _with_launcher(compile_kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """One pool task: the compile, then its launcher (a failed build is left to the launch)."""
     kernel = compile_kernel(*args, **kwargs)
     try:
         from triton.runtime.driver import driver  # noqa: PLC0415
