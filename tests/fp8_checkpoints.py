@@ -12,7 +12,8 @@ weights (this module's own quantizer, not nvray's):
 
 ``hf_fp8_model(dst)`` is HF transformers' Qwen3 loaded from those files by transformers' own
 quantizers (which dequantize them on a machine without a GPU), in fp32, with each quantized
-layer's input put through the FP8 round trip the format prescribes.
+layer's input put through the FP8 round trip the format prescribes (and, for per-token
+scales, as tensor-parallel ranks apply it: ``tp_ranks``).
 """
 
 from __future__ import annotations
@@ -120,9 +121,18 @@ def _format_of(qc: dict) -> str:
     return "ct-block" if strategy == "block" else "ct-channel"
 
 
+# the layers a tensor-parallel engine splits along their input columns (row-parallel)
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
 @functools.lru_cache(maxsize=None)
-def hf_fp8_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """HF transformers' Qwen3 over the dequantized files, FP8 activations reproduced."""
+def hf_fp8_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 tp_ranks: int = 1):
+    """HF transformers' Qwen3 over the dequantized files, FP8 activations reproduced.
+
+    With per-token activation scales and ``tp_ranks`` > 1, a row-parallel layer's input is
+    quantized as that many ranks quantize it: each rank's columns of a token with their own
+    scale (block formats' groups already lie inside one rank)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 
     with open(os.path.join(path, "config.json")) as f:
@@ -133,13 +143,15 @@ def hf_fp8_model(path: str, dtype: torch.dtype = torch.float32, device: str = "c
     loader = FineGrainedFP8Config if fmt == "qwen-fp8" else CompressedTensorsConfig
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, quantization_config=loader(dequantize=True), device_map=device).eval()
-    group = None if fmt == "ct-channel" else BLOCK[1]
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
         quantized = {n[:-len(".weight")] for n in f.keys()
                      if n.endswith(".weight") and f.get_slice(n).get_dtype() == "F8_E4M3"}
     for name, module in model.named_modules():
         if name in quantized:
-            module.register_forward_pre_hook(lambda _m, args: (fake_quantize(args[0], group),))
+            group = BLOCK[1] if fmt != "ct-channel" else (
+                module.weight.shape[1] // tp_ranks if name.endswith(_ROW_PARALLEL) else None)
+            module.register_forward_pre_hook(
+                lambda _m, args, group=group: (fake_quantize(args[0], group),))
     return model
 
 

@@ -164,9 +164,10 @@ def test_fp8_block_checkpoint_tp2_equals_tp1(ray_cluster, fp8_paths, one_kv_head
 def test_channel_scales_at_tp2_follow_transformers(ray_cluster, fp8_paths, fp8_src):
     """Per-channel scales: column-parallel layers split them, row-parallel ones keep them whole;
     the row-parallel layers quantize each rank's half of a token (per-token scales over the
-    rank's columns), so TP=2 is held to the oracle's tokens, not to TP=1's."""
+    rank's columns), so TP=2 is held to an oracle that quantizes those inputs by halves too,
+    not to TP=1's tokens."""
     path = fp8_paths["ct-channel"]
-    oracle = hf_fp8_model(path)
+    oracle = hf_fp8_model(path, tp_ranks=2)
     prompts = random_prompts(3, 5, 60, seed=14)
     tol = 0.35 * _noise(oracle, hf_model(fp8_src), prompts[0])
     tp2 = LLM(path, tensor_parallel_size=2)
@@ -176,7 +177,9 @@ def test_channel_scales_at_tp2_follow_transformers(ray_cluster, fp8_paths, fp8_s
         tp2.shutdown()
     exact = [assert_near_argmax(oracle, prompt, out.token_ids, tol)
              for prompt, out in zip(prompts, outs)]
-    assert sum(exact) / len(exact) >= 0.75, f"oracle argmax rate per prompt {exact}"
+    # an oracle that quantizes those inputs whole (TP=1's) makes 0.75-0.875 of these tokens
+    # its exact argmax; this one, all of them
+    assert sum(exact) / len(exact) >= 0.9, f"oracle argmax rate per prompt {exact}"
 
 
 def _edit_quant_config(src: str, dst: str, **changes) -> str:

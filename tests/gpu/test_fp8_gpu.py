@@ -2,7 +2,8 @@
 compressed-tensors FP8_DYNAMIC files made from a bf16 checkpoint, and on-the-fly FP8 of it.
 The oracle is HF transformers' Qwen3 over the same files (transformers' own loaders, dequantized)
 with the FP8 activation round trip reproduced; a greedy token must be its fp32 argmax up to the
-oracle's own bf16 noise (gpu_oracle.py). Qwen's format also runs at TP=2 where two GPUs are."""
+oracle's own bf16 noise (gpu_oracle.py). Qwen's format and on-the-fly FP8 also run at TP=2
+where two GPUs are."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def fp8_06b(calm_06b_path, tmp_path_factory) -> dict[str, str]:
 
 
 @torch.no_grad()
-def _oracle_logits(path: str, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
-    model = hf_fp8_model(path, dtype, "cuda")
+def _oracle_logits(path: str, ids: list[int], dtype: torch.dtype,
+                   tp_ranks: int = 1) -> torch.Tensor:
+    model = hf_fp8_model(path, dtype, "cuda", tp_ranks)
     return model(torch.tensor([ids], device="cuda")).logits[0].float()
 
 
@@ -76,16 +78,24 @@ def test_fp8_greedy_on_gpu_is_oracle_argmax_up_to_bf16_noise(fmt, fp8_06b, calm_
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_fp8_block_checkpoint_at_tp2_on_two_gpus_is_oracle_argmax_up_to_bf16_noise(gpu_ray,
-                                                                                   fp8_06b):
-    """Qwen's block-scaled FP8 files over two ranks (NCCL, CUDA graphs): each rank loads its
-    shard of the weights with their block scales, and its activation groups are TP=1's, so the
-    oracle is TP=1's."""
-    path = fp8_06b["qwen-fp8"]
-    prompts, outs, dtypes = _generate(path, runtime="ray", tensor_parallel_size=2)
+@pytest.mark.parametrize("fmt", ["qwen-fp8", "on-the-fly"])
+def test_fp8_at_tp2_on_two_gpus_is_oracle_argmax_up_to_bf16_noise(gpu_ray, fmt, fp8_06b,
+                                                                  calm_06b_path):
+    """FP8 over two ranks (NCCL, CUDA graphs), each rank holding its shard of the weights and
+    scales. Qwen's block format: every activation group lies inside one rank, so the oracle is
+    TP=1's. On-the-fly (per channel, per token): the row-parallel layers quantize each rank's
+    half of a token with its own scale, and the oracle quantizes those inputs by halves too."""
+    if fmt == "on-the-fly":
+        prompts, outs, dtypes = _generate(calm_06b_path, runtime="ray", tensor_parallel_size=2,
+                                          quantization="fp8")
+        oracle_path, ranks = fp8_06b["ct-channel"], 2
+    else:
+        oracle_path, ranks = fp8_06b[fmt], 1
+        prompts, outs, dtypes = _generate(oracle_path, runtime="ray", tensor_parallel_size=2)
     assert dtypes["weights"].startswith("fp8 e4m3")
-    rates = _oracle_argmax_rates(path, _oracle_logits, prompts, outs)
-    print(f"qwen-fp8 at TP=2: exact fp32-argmax rate per prompt {rates}")
+    oracle = functools.partial(_oracle_logits, tp_ranks=ranks)
+    rates = _oracle_argmax_rates(oracle_path, oracle, prompts, outs)
+    print(f"{fmt} at TP=2: exact fp32-argmax rate per prompt {rates}")
 
 
 @torch.no_grad()
