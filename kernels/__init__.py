@@ -57,7 +57,8 @@ from .fp8_gemm import (block_fp8_mm, block_fp8_mm_ref, channel_fp8_mm,  # noqa: 
                        quantize_fp8_act_ref)
 from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
-from .decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from .decode_attention import (decode_scratch_bytes, paged_decode_attention,  # noqa: E402
+                               paged_decode_attention_ref)
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_store  # noqa: E402
 from .rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref  # noqa: E402
@@ -77,6 +78,7 @@ __all__ = [
     "quantize_fp8_act_ref",
     "store_kvcache",
     "store_kvcache_ref",
+    "decode_scratch_bytes",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -55,6 +55,8 @@ every split covers a whole number of tiles). Splits that start past a
 sequence's length exit at once and are ignored by the merge.
 
 ``paged_decode_attention_ref`` is the pure-torch reference, same signature.
+``decode_scratch_bytes`` says how much split scratch a call of given shapes allocates (for the
+CUDA-graph memory estimate).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref"]
+__all__ = ["decode_scratch_bytes", "paged_decode_attention", "paged_decode_attention_ref"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -386,11 +388,10 @@ def paged_decode_attention(
 
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
-    n_sm = _num_sms(q.device)
     block_n, num_warps, num_stages = _decode_config(head_dim, k_cache.element_size())
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     n_splits, tokens_per_split = _choose_splits(
-        batch, num_kv_heads, max_ctx, block_n, n_sm, num_splits
+        batch, num_kv_heads, max_ctx, block_n, _num_sms(q.device), num_splits
     )
     single = n_splits == 1
     if single:
@@ -431,6 +432,16 @@ def paged_decode_attention(
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out
+
+
+def decode_scratch_bytes(batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         kv_itemsize: int, max_seq_len: int, device: torch.device) -> int:
+    """Bytes of the partial outputs that :func:`paged_decode_attention` allocates for these
+    shapes (0 with one split): what a CUDA graph of a decode step holds besides activations.
+    The split heuristic grows them as the batch shrinks below the split threshold."""
+    block_n = _decode_config(head_dim, kv_itemsize)[0]
+    n_splits, _ = _choose_splits(batch, num_kv_heads, max_seq_len, block_n, _num_sms(device), None)
+    return 0 if n_splits == 1 else batch * num_heads * n_splits * (head_dim + 2) * 4
 
 
 def paged_decode_attention_ref(

@@ -15,7 +15,9 @@ the engine runs on CUDA, the KV block size is a multiple of 256 (flash-attn's pa
 requirement) and the cache is not FP8; else ``triton`` on CUDA; else ``torch``. A forced backend that cannot run is an
 error saying why (``ImportError`` for a missing package, ``ValueError`` for a bad setting).
 ``supports_cuda_graphs`` says whether a backend's decode path can be captured in a CUDA graph
-(no host syncs, no host-side per-sequence loops).
+(no host syncs, no host-side per-sequence loops). ``decode_scratch_bytes(batch, layer,
+kv_itemsize, max_seq_len, device)`` is what one layer's decode allocates besides its output at
+that batch (the CUDA-graph memory estimate captures the graph where it is largest).
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class TorchAttentionBackend:
 
     supports_cuda_graphs = False
 
+    @staticmethod
+    def decode_scratch_bytes(batch: int, layer: "Attention", kv_itemsize: int, max_seq_len: int,
+                             device: torch.device) -> int:
+        return 0  # never captured
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -121,6 +128,12 @@ class TritonAttentionBackend:
         import kernels  # noqa: PLC0415 - GPU-only import, done where it is used
         self.kernels = kernels
 
+    def decode_scratch_bytes(self, batch: int, layer: "Attention", kv_itemsize: int,
+                             max_seq_len: int, device: torch.device) -> int:
+        """The split-K partial outputs (``kernels.decode_scratch_bytes``)."""
+        return self.kernels.decode_scratch_bytes(batch, layer.num_heads, layer.num_kv_heads,
+                                                 layer.head_dim, kv_itemsize, max_seq_len, device)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -156,6 +169,11 @@ class FlashAttentionBackend:
         self.varlen = flash_attn.flash_attn_varlen_func
         self.with_kvcache = flash_attn.flash_attn_with_kvcache
         self.store = kernels.store_kvcache
+
+    @staticmethod
+    def decode_scratch_bytes(batch: int, layer: "Attention", kv_itemsize: int, max_seq_len: int,
+                             device: torch.device) -> int:
+        return 0  # flash-attn sizes its own splits: not known here, not counted
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -11,8 +11,10 @@ counted against it. Before the KV cache exists, the runner measures what else it
 - ``activations``: the peak of a warm-up step of ``max_num_batched_tokens`` tokens through the
   model, the LM head and the sampler (one row per sequence, up to ``max_num_seqs``), run on a
   one-block scratch cache (its allocator blocks are kept, not returned);
-- ``cuda_graphs``: the decode graphs' pool and per-graph memory, estimated by capturing the
-  largest and the smallest graph on the scratch cache (largest's pool + count x smallest's cost).
+- ``cuda_graphs``: the decode graphs' pool and per-graph memory, estimated by trial captures on
+  the scratch cache: the largest graph (the most activations), the one whose attention holds
+  the most split scratch (a mid-size batch below the decode kernel's split threshold) where
+  that is another, then the smallest (pool after the first ones + count x the smallest's cost).
 
 ``kv = total * utilization - used - activations - cuda_graphs``, and never more than the device
 has free less the activations and graphs (another process may hold more than the rest of the
@@ -67,16 +69,20 @@ def measure_used(device: torch.device) -> int:
     return total - free
 
 
-def graph_memory_estimate(capture_one, num_graphs: int, device: torch.device) -> int:
-    """Memory of ``num_graphs`` graphs from capturing the largest, then the smallest.
+def graph_memory_estimate(capture_one, trial_sizes: list[int], num_graphs: int,
+                          device: torch.device) -> int:
+    """Memory of ``num_graphs`` graphs sharing one pool, from trial captures.
 
-    ``capture_one(which)`` captures the ``"largest"`` or ``"smallest"`` graph into one pool.
+    ``capture_one(size)`` captures the graph of ``size`` into the shared pool. All but the last
+    of ``trial_sizes`` (the largest; the one with the most scratch) set the pool, which the
+    others reuse; the last (the smallest) costs what each graph not captured here adds.
     (Entering a capture empties the allocator's cache, so the cache is emptied first here too.)
     """
     free_cached_memory()
     before = measure_used(device)
-    capture_one("largest")
-    after_largest = measure_used(device)
-    capture_one("smallest")
-    per_graph = max(measure_used(device) - after_largest, 0)
-    return after_largest - before + (num_graphs - 1) * per_graph
+    for size in trial_sizes[:-1]:
+        capture_one(size)
+    pool = measure_used(device) - before
+    capture_one(trial_sizes[-1])
+    per_graph = max(measure_used(device) - before - pool, 0)
+    return pool + (num_graphs - len(trial_sizes) + 1) * per_graph

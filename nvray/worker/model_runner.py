@@ -133,6 +133,13 @@ class ModelRunner:
         per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
         return len(self.attention_layers) * self.block_size * per_token
 
+    def decode_scratch_bytes(self, batch: int) -> int:
+        """What one layer's decode attention allocates besides its output for ``batch``
+        sequences in a CUDA graph (contexts bounded by ``max_model_len``)."""
+        return self.backend.decode_scratch_bytes(batch, self.attention_layers[0],
+                                                 self.kv_dtype.itemsize, self.max_model_len,
+                                                 self.device)
+
     def new_graphs(self) -> StepGraphs:
         return StepGraphs(self.model, self.inputs, self.graph_sizes, self.hf_config.hidden_size,
                           self.dtype, self.max_model_len, self.prefill_sizes)

@@ -2,11 +2,13 @@
 
 ``num_kvcache_blocks(runner)`` says how many KV blocks fit the rank's memory budget: on the GPU
 first compiling the Triton kernels all of this start-up launches, side by side
-(``compile_ahead.py``, over ``rehearse_startup``), then after a measured warm-up step and a trial capture of the largest and smallest CUDA graphs
-(``memory.py``); the control plane takes the minimum over ranks. ``prepare_kv_cache(runner, n)``
-creates the cache, then, on the GPU, compiles the kernels the first requests would need (and
-warms the GEMMs, ``gemm_warmup.py``) and captures the decode and prefill CUDA graphs
-(``cuda_graph.py``; off with ``enforce_eager`` or an attention backend that cannot be captured).
+(``compile_ahead.py``, over ``rehearse_startup``), then after a measured warm-up step and trial
+captures of CUDA graphs (``trial_graph_sizes``: the largest, the one holding the most decode
+scratch, the smallest; ``memory.py``); the control plane takes the minimum over ranks.
+``prepare_kv_cache(runner, n)`` creates the cache, then, on the GPU, compiles the kernels the
+first requests would need (and warms the GEMMs, ``gemm_warmup.py``) and captures the decode and
+prefill CUDA graphs (``cuda_graph.py``; off with ``enforce_eager`` or an attention backend that
+cannot be captured).
 """
 
 from __future__ import annotations
@@ -92,12 +94,11 @@ def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
     activations = torch.cuda.max_memory_allocated(dev) - allocated - runner.kv_block_bytes
     graphs = 0
     if runner.graph_sizes:
-        def capture_one(which: str) -> None:
-            sizes = runner.graph_sizes
+        def capture_one(size: int) -> None:
             runner.graphs = runner.graphs or runner.new_graphs()
-            runner.graphs.capture([sizes[-1] if which == "largest" else sizes[0]])
+            runner.graphs.capture([size])
 
-        graphs = graph_memory_estimate(capture_one,
+        graphs = graph_memory_estimate(capture_one, trial_graph_sizes(runner),
                                        len(runner.graph_sizes) + len(runner.prefill_sizes), dev)
     runner.allocate_kv_cache(0)  # drops the trial graphs too
     free_cached_memory()
@@ -105,6 +106,16 @@ def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
     return GpuMemoryReport(total, runner.config.gpu_memory_utilization, runner.memory_baseline,
                            max(total - free - runner.memory_baseline, 0), allocated,
                            max(activations, 0), graphs, free)
+
+
+def trial_graph_sizes(runner: ModelRunner) -> list[int]:
+    """The decode graphs the memory estimate captures: the largest, the one whose attention
+    holds the most split scratch (where that is another one), the smallest last."""
+    sizes = runner.graph_sizes
+    heaviest = max(sizes, key=runner.decode_scratch_bytes)
+    middle = [heaviest] if (heaviest not in (sizes[0], sizes[-1])
+                            and runner.decode_scratch_bytes(heaviest) > 0) else []
+    return [sizes[-1], *middle, sizes[0]]
 
 
 def warmup(runner: ModelRunner) -> None:
@@ -133,6 +144,9 @@ def prepare_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
 
 
 def capture_graphs(runner: ModelRunner) -> None:
+    # entering a capture empties the allocator's cache (the warm-ups' blocks): empty it first,
+    # so that what the graphs take is measured, not less what the cache gave back
+    free_cached_memory()
     before = measure_used(runner.device)
     runner.graphs = runner.new_graphs()
     seconds = runner.graphs.capture(prefill=True)

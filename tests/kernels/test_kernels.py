@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("triton")
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
@@ -186,6 +187,46 @@ def test_decode_order_changes_no_result(num_splits):
         out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.17, num_splits=num_splits,
                                              order=_i32(order))
         _assert_close(out, ref, torch.float32)
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of every tensor a call creates with ``torch.empty`` (what the kernels allocate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.empty.memory_format:
+            self.shapes.append((tuple(out.shape), out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("batch,num_kv_heads,max_seq_len", [
+    (1, 2, 4096), (3, 2, 160), (3, 2, 1600), (64, 8, 256), (64, 8, 4096)])
+def test_decode_scratch_bytes_is_what_a_call_allocates(batch, num_kv_heads, max_seq_len,
+                                                       cache_dtype):
+    """The CUDA-graph memory estimate picks the graph with the most split scratch by this
+    figure, so it must be the kernel's own: one split allocates nothing besides the output,
+    more splits their partial outputs (here at least one case splits on any device)."""
+    head_dim, block_size, num_heads = 32, 16, 2 * num_kv_heads
+    seq_lens = [1 + (7 * i) % 40 for i in range(batch)]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim,
+                                         torch.float16, seed=23)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    q = _randn((batch, num_heads, head_dim), torch.float16, _gen(24))
+    with _Allocations() as seen:
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, _i32(seq_lens), 0.2,
+                                             max_seq_len=max_seq_len)
+    allocated = [math.prod(shape) * dtype.itemsize for shape, dtype in seen.shapes]
+    assert allocated[0] == out.numel() * out.element_size()  # the output comes first
+    expected = kernels.decode_scratch_bytes(batch, num_heads, num_kv_heads, head_dim,
+                                            k_cache.element_size(), max_seq_len, q.device)
+    assert sum(allocated[1:]) == expected, seen.shapes
+    if (batch, max_seq_len) == (1, 4096):
+        assert expected > 0  # two pairs: fewer than any GPU's (or the interpreter's 4) SMs
 
 
 @pytest.mark.parametrize("head_dim", [16, 128])
