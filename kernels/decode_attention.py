@@ -438,7 +438,8 @@ def decode_scratch_bytes(batch: int, num_heads: int, num_kv_heads: int, head_dim
                          kv_itemsize: int, max_seq_len: int, device: torch.device) -> int:
     """Bytes of the partial outputs that :func:`paged_decode_attention` allocates for these
     shapes (0 with one split): what a CUDA graph of a decode step holds besides activations.
-    The split heuristic grows them as the batch shrinks below the split threshold."""
+    Below the split threshold the split count grows as the batch shrinks (up to
+    ``_MAX_SPLITS``), so the total is largest just below the threshold."""
     block_n = _decode_config(head_dim, kv_itemsize)[0]
     n_splits, _ = _choose_splits(batch, num_kv_heads, max_seq_len, block_n, _num_sms(device), None)
     return 0 if n_splits == 1 else batch * num_heads * n_splits * (head_dim + 2) * 4

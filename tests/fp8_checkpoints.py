@@ -148,8 +148,10 @@ def hf_fp8_model(path: str, dtype: torch.dtype = torch.float32, device: str = "c
                      if n.endswith(".weight") and f.get_slice(n).get_dtype() == "F8_E4M3"}
     for name, module in model.named_modules():
         if name in quantized:
+            width = module.weight.shape[1]
+            assert width % tp_ranks == 0, f"{name}: {width} input columns on {tp_ranks} ranks"
             group = BLOCK[1] if fmt != "ct-channel" else (
-                module.weight.shape[1] // tp_ranks if name.endswith(_ROW_PARALLEL) else None)
+                width // tp_ranks if name.endswith(_ROW_PARALLEL) else None)
             module.register_forward_pre_hook(
                 lambda _m, args, group=group: (fake_quantize(args[0], group),))
     return model

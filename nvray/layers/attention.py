@@ -17,7 +17,8 @@ error saying why (``ImportError`` for a missing package, ``ValueError`` for a ba
 ``supports_cuda_graphs`` says whether a backend's decode path can be captured in a CUDA graph
 (no host syncs, no host-side per-sequence loops). ``decode_scratch_bytes(batch, layer,
 kv_itemsize, max_seq_len, device)`` is what one layer's decode allocates besides its output at
-that batch (the CUDA-graph memory estimate captures the graph where it is largest).
+that batch (0 where not known: flash-attn's own splits); the CUDA-graph memory estimate captures
+the graph where it is largest.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ counted against it. Before the KV cache exists, the runner measures what else it
 - ``activations``: the peak of a warm-up step of ``max_num_batched_tokens`` tokens through the
   model, the LM head and the sampler (one row per sequence, up to ``max_num_seqs``), run on a
   one-block scratch cache (its allocator blocks are kept, not returned);
-- ``cuda_graphs``: the decode graphs' pool and per-graph memory, estimated by trial captures on
-  the scratch cache: the largest graph (the most activations), the one whose attention holds
-  the most split scratch (a mid-size batch below the decode kernel's split threshold) where
-  that is another, then the smallest (pool after the first ones + count x the smallest's cost).
+- ``cuda_graphs``: the CUDA graphs' pool and per-graph memory, estimated by trial captures on
+  the scratch cache: the largest decode graph, the decode graph whose attention holds the most
+  split scratch (a mid-size batch below the decode kernel's split threshold) where that is
+  another, then the smallest (pool after the first ones + the smallest's cost for each other
+  graph, the prefill graphs included).
 
 ``kv = total * utilization - used - activations - cuda_graphs``, and never more than the device
 has free less the activations and graphs (another process may hold more than the rest of the
@@ -75,7 +76,8 @@ def graph_memory_estimate(capture_one, trial_sizes: list[int], num_graphs: int,
 
     ``capture_one(size)`` captures the graph of ``size`` into the shared pool. All but the last
     of ``trial_sizes`` (the largest; the one with the most scratch) set the pool, which the
-    others reuse; the last (the smallest) costs what each graph not captured here adds.
+    others reuse; the last (the smallest) costs what each graph that does not set the pool
+    adds, itself included.
     (Entering a capture empties the allocator's cache, so the cache is emptied first here too.)
     """
     free_cached_memory()

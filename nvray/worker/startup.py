@@ -110,7 +110,8 @@ def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
 
 def trial_graph_sizes(runner: ModelRunner) -> list[int]:
     """The decode graphs the memory estimate captures: the largest, the one whose attention
-    holds the most split scratch (where that is another one), the smallest last."""
+    holds the most split scratch (where that is another one), the smallest last (prefill
+    graphs are costed as the smallest)."""
     sizes = runner.graph_sizes
     heaviest = max(sizes, key=runner.decode_scratch_bytes)
     middle = [heaviest] if (heaviest not in (sizes[0], sizes[-1])

@@ -84,7 +84,9 @@ def test_fp8_at_tp2_on_two_gpus_is_oracle_argmax_up_to_bf16_noise(gpu_ray, fmt, 
     """FP8 over two ranks (NCCL, CUDA graphs), each rank holding its shard of the weights and
     scales. Qwen's block format: every activation group lies inside one rank, so the oracle is
     TP=1's. On-the-fly (per channel, per token): the row-parallel layers quantize each rank's
-    half of a token with its own scale, and the oracle quantizes those inputs by halves too."""
+    half of a token with its own scale, and the oracle quantizes those inputs by halves too.
+    (Up to bf16 noise TP=1's oracle may pass as well; the CPU test
+    ``test_channel_scales_at_tp2_follow_transformers`` is the one that tells the two apart.)"""
     if fmt == "on-the-fly":
         prompts, outs, dtypes = _generate(calm_06b_path, runtime="ray", tensor_parallel_size=2,
                                           quantization="fp8")
