@@ -70,17 +70,19 @@ class AttentionMetadata:
         return self._decode_order
 
 
+def _no_decode_scratch(batch: int, layer: "Attention", kv_itemsize: int, max_seq_len: int,
+                       device: torch.device) -> int:
+    """``decode_scratch_bytes`` of a backend that counts none."""
+    return 0
+
+
 class TorchAttentionBackend:
     """Reference backend: per-sequence SDPA over the gathered context (CPU and tests)."""
 
     name = "torch"
 
     supports_cuda_graphs = False
-
-    @staticmethod
-    def decode_scratch_bytes(batch: int, layer: "Attention", kv_itemsize: int, max_seq_len: int,
-                             device: torch.device) -> int:
-        return 0  # never captured
+    decode_scratch_bytes = staticmethod(_no_decode_scratch)  # never captured
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -171,10 +173,7 @@ class FlashAttentionBackend:
         self.with_kvcache = flash_attn.flash_attn_with_kvcache
         self.store = kernels.store_kvcache
 
-    @staticmethod
-    def decode_scratch_bytes(batch: int, layer: "Attention", kv_itemsize: int, max_seq_len: int,
-                             device: torch.device) -> int:
-        return 0  # flash-attn sizes its own splits: not known here, not counted
+    decode_scratch_bytes = staticmethod(_no_decode_scratch)  # its own splits: not known here
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

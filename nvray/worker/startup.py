@@ -113,9 +113,9 @@ def trial_graph_sizes(runner: ModelRunner) -> list[int]:
     holds the most split scratch (where that is another one), the smallest last (prefill
     graphs are costed as the smallest)."""
     sizes = runner.graph_sizes
-    heaviest = max(sizes, key=runner.decode_scratch_bytes)
-    middle = [heaviest] if (heaviest not in (sizes[0], sizes[-1])
-                            and runner.decode_scratch_bytes(heaviest) > 0) else []
+    scratch = {size: runner.decode_scratch_bytes(size) for size in sizes}
+    heaviest = max(sizes, key=scratch.__getitem__)
+    middle = [heaviest] if scratch[heaviest] > 0 and heaviest not in (sizes[0], sizes[-1]) else []
     return [sizes[-1], *middle, sizes[0]]
 
 
