@@ -79,8 +79,7 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool,
         "qwen_3", tools=template_tools(tools),
         tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
         reasoning="auto" if reasoning else "disabled", parallel_tool_calls=parallel)
-    spec = tag.model_dump(mode="json")
-    _compact_arguments(spec)
+    spec = _compact_arguments(tag.model_dump(mode="json"), xgr)
     if choice == "required":  # calls only: no free text before, between or after them
         parent, key = (spec["format"]["elements"], -1) if reasoning else (spec, "format")
         calls = parent[key]["tags"]
@@ -89,22 +88,27 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool,
     return StructuredOutputsParams(structural_tag=spec, origin="tools")
 
 
-def _compact_arguments(node: Any) -> None:
-    """At most one whitespace character between the arguments' JSON tokens (no runs of it)."""
-    if isinstance(node, dict):
-        if node.get("type") == "json_schema" and "max_whitespace_cnt" in node:
-            node["max_whitespace_cnt"] = 1
-        for value in node.values():
-            _compact_arguments(value)
-    elif isinstance(node, list):
-        for value in node:
-            _compact_arguments(value)
+def _compact_arguments(node: Any, xgr: Any) -> Any:
+    """``node`` with each call's arguments (a ``json_schema`` format) as the grammar of compact
+    JSON: ``", "`` and ``": "`` between tokens, no other whitespace, and strings without raw
+    control characters, as ``response_format`` JSON is generated. xgrammar's own JSON format
+    in a structural tag lets any whitespace character (``\\r``, ``\\n``, ``\\t``) stand
+    between tokens."""
+    if isinstance(node, list):
+        return [_compact_arguments(value, xgr) for value in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        schema = json.dumps(node["json_schema"])
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: _compact_arguments(value, xgr) for key, value in node.items()}
 
 
 def _call_of(body: str) -> dict[str, Any] | None:
     """A call's OpenAI form from a block's JSON (None when it is not a call)."""
-    try:
-        value = json.loads(body)
+    try:  # strict=False: a raw control character in a string is read, and escaped on output
+        value = json.loads(body, strict=False)
     except json.JSONDecodeError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):

@@ -63,3 +63,18 @@ def test_a_streamed_answer_split_anywhere_parses_as_the_whole_one(text):
             content += stream.finish()
             assert names(calls) == names(whole_calls), (text, cut)
             assert (content or None if calls else content) == whole_content, (text, cut)
+
+
+def test_a_raw_control_character_in_an_argument_is_read_and_escaped_not_left_as_content():
+    raw = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "q\x05z\ty"}}\n</tool_call>'
+    content, calls = parse_tool_calls(raw + "\n" + CALL_B)
+    assert content is None
+    assert names(calls) == [("get_weather", {"city": "q\x05z\ty"}), ("add", {"a": 1, "b": [2, 3]})]
+    assert "\x05" not in calls[0]["function"]["arguments"]  # escaped: strict JSON readers take it
+
+
+def test_complete_calls_before_a_cut_one_are_calls_and_only_the_cut_one_is_content():
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1'
+    content, calls = parse_tool_calls(CALL_A + "\n" + CALL_B + "\n" + cut)
+    assert names(calls) == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": [2, 3]})]
+    assert content == cut

@@ -5,7 +5,10 @@ are 400s naming the field."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import re
+from types import SimpleNamespace
 
 import jsonschema
 import openai
@@ -121,3 +124,47 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5,
                                        extra_body=extra)
     assert error.value.body["param"].startswith(param), error.value.body
+
+
+CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+MANY_SEEDS = range(100, 116)
+
+
+def _answer(client, choice, seed, stream):
+    """(content, calls, finish_reason) of one answer at temperature 1, streamed or not."""
+    kw = {"tool_choice": choice, "seed": seed, "temperature": 1.0, "max_tokens": 160}
+    if not stream:
+        reply = ask(client, **kw).choices[0]
+        return reply.message.content or "", reply.message.tool_calls or [], reply.finish_reason
+    content, calls, reason = "", {}, None
+    for chunk in ask(client, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta, reason = chunk.choices[0].delta, chunk.choices[0].finish_reason or reason
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            entry = calls.setdefault(part.index, {"name": "", "arguments": ""})
+            entry["name"] += part.function.name or ""
+            entry["arguments"] += part.function.arguments or ""
+    return content, [SimpleNamespace(type="function", id="call_", function=SimpleNamespace(**c))
+                     for _, c in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_over_many_seeds_every_complete_call_is_a_tool_call_never_content(client, choice, stream):
+    """Temperature 1 over many seeds: each complete ``<tool_call>`` block comes back in
+    ``tool_calls`` with arguments strict JSON readers accept; only a call cut by ``max_tokens``
+    stays content; ``required`` and a named function answer with calls unless cut."""
+    tool_choice = {"type": "function", "function": {"name": "add"}} if choice == "named" else choice
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda s: _answer(client, tool_choice, s, stream), MANY_SEEDS))
+    for content, calls, reason in answers:
+        assert not CALL_BLOCK.search(content), content
+        for call in calls:
+            json.loads(call.function.arguments)  # strict: no raw control characters
+        if calls:
+            assert_valid_calls(calls, names=("add",) if choice == "named" else ("get_weather", "add"))
+        if choice != "auto":
+            assert reason == "length" or (calls and reason == "tool_calls"), (content, reason)
+    assert sum(bool(calls) for _, calls, _ in answers) >= len(answers) // 2 or choice == "auto"
