@@ -1,11 +1,13 @@
 """What the CPU can check of compiling Triton kernels ahead (``nvray/worker/compile_ahead.py``):
-the thread setting, when it applies, the launch hook's choices, the pool's launcher builds,
+the thread setting, when it applies, the launch hook's choices, the pool's compiles and launcher
+builds through the installed Triton's own JIT (3.6's and 3.9's ``AsyncCompileMode`` alike),
 the probe-then-rest decision, and that a rehearsal leaves no trace (random generators, collectives, Triton's hook), even when
 it fails. The compiles themselves need a GPU: ``tests/gpu/test_compile_ahead_gpu.py``."""
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,24 +83,55 @@ class _CompiledKernel:
 
 
 class _LauncherBuilds:
-    """An active Triton driver's launcher class that records where and for what it was built."""
+    """An active Triton driver (device 0) whose launcher class records where and for what it
+    was built."""
 
     def __init__(self) -> None:
         self.built: list[tuple[str, str, str]] = []
+
+    def get_current_device(self) -> int:
+        return 0
 
     def launcher_cls(self, src: str, metadata: str) -> None:
         self.built.append((src, metadata, threading.current_thread().name))
 
 
-def _compile_in_the_pool(kernel: object) -> list:
-    """Submits one compile as Triton's JIT does inside ``launches_compile_ahead``; returns what
-    its finalizer received once the context has waited for it."""
-    from triton.runtime import _async_compile
+def _a_kernel(x_ptr):  # noqa: ANN001 - a kernel's Python body; never traced here
+    pass
 
-    finalized: list = []
+
+class _Options(SimpleNamespace):
+    """A backend's compile options, as far as Triton's JIT reads them before compiling."""
+
+
+def _compile_in_the_pool(monkeypatch, kernel: object) -> tuple[object, list, list[str]]:
+    """One launch of a kernel not compiled yet, inside ``launches_compile_ahead``, through the
+    installed Triton's own JIT (``JITFunction._do_compile``, its hook, ``preload`` and its
+    ``AsyncCompileMode``: whatever that Triton's API is), with the compiler and the device
+    replaced. Returns what the launch got (None: skipped), the kernels cached once the context
+    waited for the pool, and the threads the compiles ran on."""
+    from triton.runtime import jit
+
+    fn = jit.JITFunction(_a_kernel)
+    compiled_on: list[str] = []
+
+    def compile_kernel(src: object, target: object = None, options: object = None, **_: object):
+        compiled_on.append(threading.current_thread().name)
+        return kernel
+
+    monkeypatch.setattr(fn, "compile", compile_kernel, raising=False)
+    monkeypatch.setattr(fn, "ASTSource", lambda *args: SimpleNamespace(), raising=False)
+    monkeypatch.setattr(jit, "get_cache_key", lambda *args, **kwargs: "cache key")
+    backend = SimpleNamespace(parse_options=lambda options: _Options(**options))
+    target = SimpleNamespace(backend="cuda", arch=90, warp_size=32)
+    kernel_cache: dict = {}
+    fn.device_caches = {0: (kernel_cache, None, target, backend, None)}
+    options = _Options(num_warps=4, num_ctas=1, num_stages=3, enable_fp_fusion=True,
+                       launch_cooperative_grid=False, extern_libs=None)
     with compile_ahead.launches_compile_ahead(2):
-        _async_compile.active_mode.get().submit("key", lambda: kernel, finalized.append)
-    return finalized
+        launched = fn._do_compile("[('*fp32', 'D')]options", {"x_ptr": "*fp32"}, 0, {}, options,
+                                  {}, warmup=False)
+    return launched, list(kernel_cache.values()), compiled_on
 
 
 def test_the_pool_builds_each_compiled_kernels_launcher(monkeypatch):
@@ -107,14 +140,14 @@ def test_the_pool_builds_each_compiled_kernels_launcher(monkeypatch):
     builds = _LauncherBuilds()
     monkeypatch.setattr(driver, "_active", builds)
     kernel = _CompiledKernel()
-    assert _compile_in_the_pool(kernel) == [kernel]
+    launched, cached, compiled_on = _compile_in_the_pool(monkeypatch, kernel)
+    assert launched is None and cached == [kernel]  # the launch skipped, the kernel compiled
+    assert len(compiled_on) == 1 and compiled_on[0].startswith("nvray-compile")
     assert [b[:2] for b in builds.built] == [(kernel.src, kernel.metadata)]
     assert builds.built[0][2].startswith("nvray-compile")  # in the pool, not at the launch
 
 
 def test_a_launcher_that_cannot_be_built_ahead_leaves_the_compiled_kernel(monkeypatch):
-    from types import SimpleNamespace
-
     from triton.runtime.driver import driver
 
     tried: list[str] = []
@@ -123,9 +156,11 @@ def test_a_launcher_that_cannot_be_built_ahead_leaves_the_compiled_kernel(monkey
         tried.append(src)
         raise RuntimeError("no C compiler")
 
-    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=no_compiler))
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=no_compiler,
+                                                           get_current_device=lambda: 0))
     kernel = _CompiledKernel()
-    assert _compile_in_the_pool(kernel) == [kernel]  # its first launch builds the launcher
+    launched, cached, _ = _compile_in_the_pool(monkeypatch, kernel)
+    assert launched is None and cached == [kernel]  # its first launch builds the launcher
     assert tried == [kernel.src]
 
 
