@@ -84,10 +84,10 @@ def bench_control_plane(num_seqs: int = 256, steps: int = 200, block_size: int =
         t0 = time.perf_counter()
         out = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        launched = engine._launch_scheduled(out)  # noqa: SLF001 - step input + accounting
+        launched = engine.launch_scheduled(out)  # step input + accounting
         t2 = time.perf_counter()
         sampled = engine.executor.execute(launched.step_input)
-        engine._postprocess(launched, sampled)  # noqa: SLF001
+        engine.update_from_output(launched, sampled)
         sched_us.append((t1 - t0) * 1e6)
         input_us.append((t2 - t1) * 1e6)
     wire_us = []

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nvray.engine.scheduler import Scheduler
-from nvray.engine.sequence import Sequence, SequenceStatus
-from nvray.engine.step_builder import SeqPlan
+from nvray.engine.sequence import SeqPlan, Sequence, SequenceStatus
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 

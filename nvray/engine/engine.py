@@ -4,8 +4,11 @@ Pure Python: the model runs behind an ``Executor`` (``nvray/step_protocol.py``: 
 Ray actors), the tokenizer is passed in, the settings come from one ``EngineConfig``.
 ``add_request`` validates through ``RequestIntake`` (``intake.py``) and raises ``ValueError``
 for a request that can never run, so nothing that is accepted can stall the queue. ``step``
-returns one ``RequestOutput`` per request that produced tokens or finished in that step; what a
-sampled token does to its request (stop rules, text, outputs) is ``output_processor.py``.
+returns one ``RequestOutput`` per request that produced tokens or finished in that step: it is
+``scheduler.schedule``, ``launch_scheduled`` (the ``StepInput``; KV and sampled tokens
+accounted as launched), the executor, and ``update_from_output`` (the results applied to their
+requests), which a caller timing the pieces may call itself. What a sampled token does to its
+request (stop rules, text, outputs) is ``output_processor.py``.
 
 Overlapped steps (``overlap=True``): each ``step`` schedules and launches step N+1 before it
 post-processes step N, so the control plane works while the device computes. A sequence that
@@ -37,10 +40,10 @@ from nvray.engine.beam_search import BeamSearcher
 from nvray.engine.block_manager import BlockManager
 from nvray.engine.intake import ModelLimits, RequestIntake
 from nvray.engine.metrics import RequestMetrics
-from nvray.engine.output_processor import RequestState, append_token, complete_text, make_output
+from nvray.engine.output_processor import append_token, complete_text, make_output
 from nvray.engine.scheduler import Scheduler, SchedulerOutput
-from nvray.engine.sequence import Sequence
-from nvray.engine.step_builder import SeqPlan, build_step_input
+from nvray.engine.sequence import RequestState, SeqPlan, Sequence
+from nvray.engine.step_builder import build_step_input
 from nvray.outputs import RequestOutput
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.startup_phases import describe
@@ -197,14 +200,14 @@ class LLMEngine:
         if not self.overlap:
             if launched is None:
                 return []
-            outputs = self._postprocess(launched, self.executor.execute(launched.step_input))
+            outputs = self.update_from_output(launched, self.executor.execute(launched.step_input))
             self._account_step(launched, start)
             return outputs
         if launched is None and self.in_flight is None:
             return []
         sampled = self.executor.execute_overlapped(launched.step_input if launched else None)
         previous, self.in_flight = self.in_flight, launched
-        outputs = [] if previous is None else self._postprocess(previous, sampled or [])
+        outputs = [] if previous is None else self.update_from_output(previous, sampled or [])
         self._account_step(launched or previous, start)  # type: ignore[arg-type]
         return outputs
 
@@ -216,9 +219,12 @@ class LLMEngine:
     def _launch(self) -> LaunchedStep | None:
         """Schedule the next step and account for it as launched (KV and sampled tokens)."""
         out = self.scheduler.schedule()
-        return None if out.is_empty else self._launch_scheduled(out)
+        return None if out.is_empty else self.launch_scheduled(out)
 
-    def _launch_scheduled(self, out: SchedulerOutput) -> LaunchedStep:
+    def launch_scheduled(self, out: SchedulerOutput) -> LaunchedStep:
+        """Build the step input of a scheduled step and account for it as launched (KV and
+        sampled tokens); the caller hands its ``step_input`` to the executor, then passes the
+        result to ``update_from_output``. ``step`` does this; the control-plane bench times it."""
         num_decode = sum(1 for seq, n in out.scheduled
                          if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
@@ -249,7 +255,9 @@ class LLMEngine:
         computes_prompt = num_decode < out.num_batched_tokens
         return LaunchedStep(step_input, records, logprob_row, computes_prompt)
 
-    def _postprocess(self, launched: LaunchedStep, result: StepOutput) -> list[RequestOutput]:
+    def update_from_output(self, launched: LaunchedStep, result: StepOutput
+                           ) -> list[RequestOutput]:
+        """Apply a launched step's results: tokens to their requests, stop rules, outputs."""
         sampled = result.ids
         assert len(sampled) == launched.step_input.num_samples, "ranks returned the wrong number of tokens"
         outputs, finished = [], []

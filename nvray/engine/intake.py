@@ -16,9 +16,7 @@ from typing import Any, Callable
 
 from nvray.engine.block_manager import BlockManager
 from nvray.engine.detokenizer import IncrementalDetokenizer
-from nvray.engine.output_processor import RequestState
-from nvray.engine.sequence import Sequence
-from nvray.engine.step_builder import SeqPlan
+from nvray.engine.sequence import RequestState, SeqPlan, Sequence
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.structured_outputs import GrammarSpec
 

@@ -9,37 +9,14 @@ Text: a request that streams or has stop strings is detokenized token by token; 
 detokenized once, when it finishes (the per-token cost only where someone reads it). A
 streaming output holds back the last ``max_stop_len - 1`` characters, which a stop string
 completed later may still cut.
+
+A choice's state is its ``RequestState`` (``sequence.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from nvray.engine.detokenizer import IncrementalDetokenizer
-from nvray.engine.sequence import Sequence
-from nvray.engine.step_builder import SeqPlan
-from nvray.outputs import RequestOutput, TokenLogprobs
-
-
-@dataclass
-class RequestState:
-    """One choice of a request, from intake to its final output."""
-
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    plan: SeqPlan
-    prompt: str | None
-    prompt_token_ids: list[int]
-    stream: bool = False  # emit an output every step, not only the final one
-    text: str = ""
-    num_text_tokens: int = 0  # output tokens given to the detokenizer
-    num_emitted_chars: int = 0
-    num_emitted_tokens: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    timestamps: list[float] = field(default_factory=list)  # one per generated token
-    logprobs: list[TokenLogprobs] | None = None  # one per output token, if asked for
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (first: None)
+from nvray.engine.sequence import RequestState
+from nvray.outputs import RequestOutput
 
 
 def append_token(state: RequestState, token: int, now: float, max_model_len: int) -> None:

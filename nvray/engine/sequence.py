@@ -11,6 +11,11 @@ A sequence ``fork_of`` another (a request's choice after the first) takes that o
 KV blocks instead of prefilling them itself.
 A sequence that ``waits_for_tokens`` (what it samples next depends on its newest token on the
 host, e.g. multi-token bad words) is not scheduled while a token is pending.
+
+Beside it, the engine's state of the same sequence: its ``SeqPlan`` (what shapes its steps,
+fixed at admission, with the ``FixedSampling`` values every ``SampleSpec`` repeats; read by
+``step_builder.py``), and the ``RequestState`` of the request's choice it is (its text,
+detokenizer and outputs so far; ``output_processor.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ from __future__ import annotations
 import enum
 import itertools
 from array import array
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from nvray.engine.detokenizer import IncrementalDetokenizer
+from nvray.outputs import TokenLogprobs
 from nvray.sampling_params import SamplingParams
+from nvray.structured_outputs import GrammarSpec
 
 
 class SequenceStatus(enum.Enum):
@@ -76,11 +86,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def num_planned_output_tokens(self) -> int:
-        """Output tokens known or being sampled: the index of the next one to sample."""
-        return self.num_output_tokens + self.num_pending
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
@@ -94,3 +99,62 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+class FixedSampling(NamedTuple):
+    """The sampling values of a sequence that every one of its ``SampleSpec``s repeats."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "FixedSampling":
+        return cls(params.temperature, params.top_p, params.top_k, params.min_p, params.seed)
+
+
+@dataclass
+class SeqPlan:
+    """What shapes a sequence's steps, fixed at admission (the parts of its SampleSpecs that
+    never change are computed once), except ``num_scored``: prompt positions whose scoring was
+    launched."""
+
+    stop_ids: tuple[int, ...]  # EOS (unless ignore_eos) and stop_token_ids
+    fixed: FixedSampling
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each bad word
+    num_scored: int = 0
+    min_tokens: int = 0
+    logprobs: int = -1
+    adjusts_logits: bool = False
+    grammar: GrammarSpec | None = None  # structured outputs: the ranks keep a matcher
+    grammar_sent: bool = False  # the ranks got the grammar with an earlier sample
+
+    @classmethod
+    def of(cls, params: SamplingParams, stop_ids: tuple[int, ...],
+           bad_words: tuple[tuple[int, ...], ...] = ()) -> "SeqPlan":
+        return cls(stop_ids, FixedSampling.of(params), bad_words, min_tokens=params.min_tokens,
+                   logprobs=-1 if params.logprobs is None else params.logprobs,
+                   adjusts_logits=params.adjusts_logits)
+
+
+@dataclass
+class RequestState:
+    """One choice of a request, from intake to its final output."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    plan: SeqPlan
+    prompt: str | None
+    prompt_token_ids: list[int]
+    stream: bool = False  # emit an output every step, not only the final one
+    text: str = ""
+    num_text_tokens: int = 0  # output tokens given to the detokenizer
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    timestamps: list[float] = field(default_factory=list)  # one per generated token
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, if asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (first: None)

@@ -1,46 +1,18 @@
 """Build a step's ``StepInput`` (``nvray/step_protocol.py``) from the scheduler's decision.
 
-``SeqPlan`` holds what shapes a sequence's steps, fixed at admission; ``build_step_input``
-turns a ``SchedulerOutput`` into the rank input: the tokens each sequence computes (with a
-placeholder for a token still being sampled on the device), the block-table entries the ranks
-lack (``Sequence.ranks_table_len``), and each sampling row's ``SampleSpec``.
+``build_step_input`` turns a ``SchedulerOutput`` and each sequence's ``SeqPlan`` (what shapes
+its steps, fixed at admission: ``sequence.py``) into the rank input: the tokens each sequence
+computes (with a placeholder for a token still being sampled on the device), the block-table
+entries the ranks lack (``Sequence.ranks_table_len``), and each sampling row's ``SampleSpec``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from nvray.engine.scheduler import SchedulerOutput
-from nvray.engine.sequence import Sequence
-from nvray.sampling_params import SamplingParams
+from nvray.engine.sequence import SeqPlan, Sequence
 from nvray.step_protocol import (Penalties, PromptScore, SampleSpec, SeqStep, StepInput,
                                  placeholder_id)
 from nvray.structured_outputs import GrammarSpec
-
-
-@dataclass
-class SeqPlan:
-    """What shapes a sequence's steps, fixed at admission (the parts of its SampleSpecs that
-    never change are computed once), except ``num_scored``: prompt positions whose scoring was
-    launched."""
-
-    stop_ids: tuple[int, ...]  # EOS (unless ignore_eos) and stop_token_ids
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each bad word
-    num_scored: int = 0
-    fixed: tuple = ()  # temperature, top_p, top_k, min_p, seed
-    min_tokens: int = 0
-    logprobs: int = -1
-    adjusts_logits: bool = False
-    grammar: GrammarSpec | None = None  # structured outputs: the ranks keep a matcher
-    grammar_sent: bool = False  # the ranks got the grammar with an earlier sample
-
-    @classmethod
-    def of(cls, params: SamplingParams, stop_ids: tuple[int, ...],
-           bad_words: tuple[tuple[int, ...], ...] = ()) -> "SeqPlan":
-        p = params
-        return cls(stop_ids, bad_words, fixed=(p.temperature, p.top_p, p.top_k, p.min_p, p.seed),
-                   min_tokens=p.min_tokens, logprobs=-1 if p.logprobs is None else p.logprobs,
-                   adjusts_logits=p.adjusts_logits)
 
 
 def banned_by_words(bad_words: tuple[tuple[int, ...], ...], output_ids: list[int]) -> tuple[int, ...]:
@@ -67,9 +39,10 @@ def _sample_spec(seq: Sequence, plan: SeqPlan) -> SampleSpec:
     banned = plan.stop_ids if index < plan.min_tokens else ()
     if plan.bad_words:  # with multi-token words the output is complete here (scheduler)
         banned += banned_by_words(plan.bad_words, seq.output_token_ids)
+    f = plan.fixed
     if not plan.adjusts_logits:
-        t, p, k, m, seed = plan.fixed
-        return SampleSpec(t, p, k, m, seed, index, banned, plan.logprobs)
+        return SampleSpec(f.temperature, f.top_p, f.top_k, f.min_p, f.seed, index, banned,
+                          plan.logprobs)
     p = seq.params
     penalties = None
     if p.has_penalties:
@@ -77,7 +50,8 @@ def _sample_spec(seq: Sequence, plan: SeqPlan) -> SampleSpec:
         penalties = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                               seq.history.tobytes(), seq.num_prompt_tokens,
                               seq.pending_row if seq.num_pending else -1)
-    return SampleSpec(*plan.fixed, index, banned, plan.logprobs, penalties,
+    return SampleSpec(f.temperature, f.top_p, f.top_k, f.min_p, f.seed, index, banned,
+                      plan.logprobs, penalties,
                       tuple(p.logit_bias.items()) if p.logit_bias else (), p.allowed_token_ids)
 
 

@@ -72,12 +72,6 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
-        _check_shape(param, loaded, tuple(param.shape))
-        param.data.copy_(loaded)
-
-
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  quant: Fp8Config | None = None) -> None:

@@ -1,14 +1,13 @@
 """Driver-side sinks for request outputs: where the step loop puts each step's outputs.
 
-The step loop thread groups a step's outputs by sink and hands each sink its share in ONE
-call (``deliver``), which crosses to the driver's event loop once, whatever the number of
-requests:
+The step loop thread groups a step's outputs by sink (an ``OutputSink``) and hands each sink
+its share in ONE call (``deliver``), which crosses to the driver's event loop once, whatever the
+number of requests.
 
-- ``ConsumerChannel``: all requests of one consumer (a Serve replica, an ``LLM``, a batch actor,
-  an ``EngineClient``). Outputs wait in a buffer until the consumer's long-lived ``subscribe``
-  stream takes them; everything that arrived meanwhile leaves as one message, so a consumer
-  that falls behind gets fewer, larger messages and never one per token per request.
-- ``FinalOutput``: one request of the driver's unary ``generate``: its final output only.
+A ``ConsumerChannel`` is the sink of all requests of one consumer (a Serve replica, an ``LLM``,
+a batch actor, an ``EngineClient``). Outputs wait in a buffer until the consumer's long-lived
+``subscribe`` stream takes them; everything that arrived meanwhile leaves as one message, so a
+consumer that falls behind gets fewer, larger messages and never one per token per request.
 """
 
 from __future__ import annotations
@@ -55,20 +54,3 @@ class ConsumerChannel:
                 yield items
             if self.closed:
                 return
-
-
-class FinalOutput:
-    """The final output of one request, as an asyncio future on the driver's event loop."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.future: asyncio.Future[RequestOutput] = self.loop.create_future()
-
-    def deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if out.finished:
-                self.loop.call_soon_threadsafe(self._set, out)
-
-    def _set(self, out: RequestOutput) -> None:
-        if not self.future.done():
-            self.future.set_result(out)

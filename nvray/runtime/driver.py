@@ -15,13 +15,14 @@ channel per consumer, one message per engine step whatever the number of its req
 - ``close_channel(consumer_id)``: end the stream and abort the consumer's requests (also done
   when the subscription is cancelled).
 
-``nvray.runtime.output_router`` is the consumer side. For a single call, ``generate(...)``
-returns one request's final output. Also ``abort``, ``stats``, ``check_health``, ``shutdown``.
+``nvray.runtime.output_router`` is the consumer side. Also ``abort``, ``stats``,
+``check_health``, ``shutdown``.
 
-A request is ``(request_id, prompt, sampling_params, priority, stream)``: ``prompt`` is a string,
-a list of token ids, or a chat prompt (a list of messages, dicts with ``role`` and ``content``,
-or a ``nvray.chat_template.ChatPrompt`` that also carries ``chat_template_kwargs``), formatted
-with the model's chat template; ``sampling_params`` is a dict or a SamplingParams; ``stream``
+A request is an ``EngineRequest`` (``nvray/request.py``), named by the consumer's output router:
+``prompt`` is a string, a list of token ids, or a chat prompt (a list of messages, dicts with
+``role`` and ``content``, or a ``nvray.chat_template.ChatPrompt`` that also carries
+``chat_template_kwargs``), formatted here with the model's chat template; ``params`` is a
+SamplingParams, a dict of its fields or None (the defaults), or a BeamSearchParams; ``priority`` orders it under the ``priority`` scheduling policy; ``stream``
 asks for an output every step (else only the final one). An engine that lost a rank raises
 EngineDeadError for every in-flight and new request.
 
@@ -35,20 +36,19 @@ import asyncio
 import dataclasses
 import os
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from nvray.bootstrap import create_engine
 from nvray.chat_template import is_chat, render_chat
 from nvray.config import EngineConfig
-from nvray.outputs import RequestOutput, WireOutput
+from nvray.outputs import WireOutput
 from nvray.request import EngineRequest
-from nvray.runtime.consumer_channel import ConsumerChannel, FinalOutput, OutputSink
+from nvray.runtime.consumer_channel import ConsumerChannel, OutputSink
 from nvray.runtime.engine_loop import EngineLoop
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.ray_executor import RayExecutor
 from nvray.startup_phases import StartupPhases
-from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
+from nvray.sampling_params import BeamSearchParams, SamplingParams
 
 
 
@@ -179,28 +179,6 @@ class EngineDriver:
         self.num_add_calls += 1
         return await self._add(list(requests), channel)
 
-    async def generate(self, prompt: Any, sampling_params: Any = None,
-                       request_id: str | None = None, priority: int = 0) -> RequestOutput:
-        """One request's final output (for single calls; consumers with many use a channel,
-        as ``EngineClient.generate`` does, which also takes ``n > 1`` and beam searches)."""
-        if num_choices(sampling_params) != 1:
-            raise ValueError("n: the driver's generate returns one output; use a channel "
-                             "(EngineClient.generate) for n > 1 or a beam search")
-        sink = FinalOutput()
-        request_id = request_id or uuid.uuid4().hex
-        [added] = await self._add([EngineRequest(prompt, sampling_params, request_id, priority)],
-                                  sink)
-        if isinstance(added, ValueError):
-            raise added
-        try:
-            out = await asyncio.shield(sink.future)
-        except BaseException:
-            self._abort_quietly([request_id])  # caller went away: free the request's blocks
-            raise
-        if out.finish_reason == "error":
-            raise EngineDeadError(out.error or "engine failed")
-        return out
-
     # ---------------------------------------------------------------- channels
     async def open_channel(self, consumer_id: str) -> None:
         self._live_loop()
@@ -227,10 +205,6 @@ class EngineDriver:
         channel = self.channels.pop(consumer_id, None)
         if channel is not None and self.loop is not None and not self.loop.dead:
             self.loop.abort_sink(channel)
-
-    def _abort_quietly(self, request_ids: list[str]) -> None:
-        if self.loop is not None and not self.loop.dead:
-            self.loop.abort(request_ids)
 
     async def abort(self, request_id: str | list[str]) -> None:
         if self.loop is not None and not self.loop.dead:

@@ -11,8 +11,8 @@ import torch
 from nvray import LLM, BeamSearchParams, SamplingParams
 from nvray.engine.block_manager import BlockManager
 from nvray.engine.scheduler import SchedulerOutput
-from nvray.engine.sequence import Sequence
-from nvray.engine.step_builder import SeqPlan, build_step_input
+from nvray.engine.sequence import SeqPlan, Sequence
+from nvray.engine.step_builder import build_step_input
 from nvray.worker.block_tables import DeviceBlockTables
 from oracle import random_prompts
 
