@@ -16,17 +16,19 @@ them) and returns the bound application, in one of two shapes:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.args import AppArgs, parse_args
 from deployments.console import quiet_serve_shutdown_notice
 from deployments.engine_replica import NvrayEngine
 from deployments.server import NvrayServer
 from nvray.config import EngineConfig
-from nvray.runtime.cluster import resolve_device, skip_a_dead_recorded_head
+from nvray.runtime.cluster import (hide_token_auth_notice, resolve_device,
+                                   skip_a_dead_recorded_head)
 from nvray.runtime.placement import engine_bundles
 
 __all__ = ["AppArgs", "NvrayEngine", "NvrayServer", "app", "build_app"]
@@ -41,19 +43,32 @@ def _bundles(config: EngineConfig) -> list[dict[str, float]]:
     return bundles
 
 
+def _autoscaling_config(parsed: AppArgs) -> AutoscalingConfig:
+    """Serve's autoscaling of the engine replicas.
+
+    Ray 2.60 deprecates ``metrics_interval_s`` for two environment variables
+    (``RAY_SERVE_{REPLICA,HANDLE}_AUTOSCALING_METRIC_PUSH_INTERVAL_S``) that it does not read
+    yet: the field is still the only setting that works (Serve's default, 10 s, sees a burst
+    ~10 s late), so it is set, and its DeprecationWarning (one per app built) is not shown. An
+    instance, not a dict, goes to ``.options``: Serve keeps it without validating it again."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The `metrics_interval_s` field",
+                                category=DeprecationWarning)
+        return AutoscalingConfig(
+            min_replicas=parsed.min_replicas, max_replicas=parsed.max_replicas,
+            target_ongoing_requests=parsed.target_ongoing_requests,
+            upscale_delay_s=parsed.upscale_delay_s, downscale_delay_s=parsed.downscale_delay_s,
+            metrics_interval_s=parsed.metrics_interval_s,
+            look_back_period_s=parsed.look_back_period_s)
+
+
 def _engine_options(parsed: AppArgs, config: EngineConfig) -> dict[str, Any]:
     """Serve options of a deployment whose replicas are whole engines."""
     return {
         "ray_actor_options": {"num_cpus": REPLICA_CPUS},
         "placement_group_bundles": _bundles(config),
         "placement_group_strategy": config.placement_strategy,
-        "autoscaling_config": {"min_replicas": parsed.min_replicas,
-                               "max_replicas": parsed.max_replicas,
-                               "target_ongoing_requests": parsed.target_ongoing_requests,
-                               "upscale_delay_s": parsed.upscale_delay_s,
-                               "downscale_delay_s": parsed.downscale_delay_s,
-                               "metrics_interval_s": parsed.metrics_interval_s,
-                               "look_back_period_s": parsed.look_back_period_s},
+        "autoscaling_config": _autoscaling_config(parsed),
         # a bounded queue is kept by the replica (deployments/admission.py), refusing in JSON
         "max_ongoing_requests": parsed.serve_max_ongoing_requests(),
         "max_queued_requests": -1,
@@ -65,6 +80,7 @@ def _engine_options(parsed: AppArgs, config: EngineConfig) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     skip_a_dead_recorded_head()  # `serve run` calls ray.init() after building the app
+    hide_token_auth_notice()  # which would print Ray's notice that token auth is on
     quiet_serve_shutdown_notice()  # and prints Serve's shutdown notice after a clean Ctrl-C
     parsed = parse_args(args)
     config = resolve_device(parsed.engine_config())

@@ -29,6 +29,32 @@ def too_large_body(limit: int) -> bytes:
                                  "code": "request_too_large"}}).encode()
 
 
+class _CountedBody:
+    """One request's body, counted as the app reads it. Past the limit, reading raises
+    BodyTooLarge, and whatever the app answers to that (FastAPI turns any error while it reads
+    a body into its own 400) is dropped: the client gets the 413."""
+
+    def __init__(self, receive: Receive, send: Send, limit: int) -> None:
+        self._receive, self._send, self.limit = receive, send, limit
+        self.seen = 0
+        self.too_large = False
+        self.answered = False  # the app's response began before the body passed the limit
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        self.seen += len(message.get("body", b""))
+        if self.seen > self.limit and not self.answered:
+            self.too_large = True
+            raise BodyTooLarge()
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.too_large:
+            return
+        self.answered = True
+        await self._send(message)
+
+
 class BodySizeLimit:
     def __init__(self, app: Callable, limit: int = MAX_REQUEST_BODY_BYTES) -> None:
         self.app = app
@@ -42,22 +68,14 @@ class BodySizeLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await self._refuse(send)
             return
+        body = _CountedBody(receive, send, self.limit)
         try:
-            await self.app(scope, self._counting(receive), send)
-        except BodyTooLarge:
+            await self.app(scope, body.receive, body.send)
+        except Exception:
+            if not body.too_large:  # else: the app's failure to read the body, answered below
+                raise
+        if body.too_large and not body.answered:
             await self._refuse(send)
-
-    def _counting(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise BodyTooLarge()
-            return message
-        return counted
 
     async def _refuse(self, send: Send) -> None:
         body = too_large_body(self.limit)

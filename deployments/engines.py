@@ -6,7 +6,10 @@ takes the request and whose ``release()`` ends it; plus the engine facts, tokeni
 health and stats the routes need.
 
 - ``LocalEngine``: the engine this replica hosts in its own placement group (the app without
-  prefix routing, and every NvrayEngine replica). A lease is a slot of its AdmissionGate.
+  prefix routing, and every NvrayEngine replica). A lease is a slot of its AdmissionGate. It
+  starts in the replica's constructor, or (``in_background``) on a thread while the replica
+  already answers: ``check_health`` then raises ``EngineStarting`` (``/health``: 503) and
+  requests wait for the engine, up to their time-out.
 - ``LeasedEngines``: the engines of the app's NvrayEngine deployment, reached from the ingress
   through a DeploymentHandle whose request router is the PrefixAwareRouter. A lease is a
   streaming ``lease(routing_key=...)`` call, routed by the prompt's prefix: the chosen engine replica
@@ -21,6 +24,7 @@ health and stats the routes need.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import uuid
 from dataclasses import dataclass
@@ -32,22 +36,35 @@ from ray import serve
 from deployments import prefix_index
 from deployments.admission import AdmissionGate
 from deployments.args import AppArgs
+from nvray.models.tiny import resolve_model
 from nvray.runtime import start_engine
+from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.output_router import OutputRouter
 
 # Serve prints this logger's INFO lines on the console of `serve run` (other loggers' it drops)
 serve_logger = logging.getLogger("ray.serve")
+# How long an ingress's /health waits for an engine replica's answer: none comes while no engine
+# replica is up yet (Serve holds the call until one is), and a load balancer's probe gives up
+# after a few seconds.
+HEALTH_WAIT_S = 2.0
 
 
-def ready_line(model: str, info: dict[str, Any]) -> str:
-    """What a user wants to see once an engine is up: model, device, KV cache, graphs, start."""
+class EngineStarting(Exception):
+    """The engine is not up yet: ``/health`` answers 503 (``engine_starting``)."""
+
+
+def ready_line(model: str, path: str, info: dict[str, Any], cluster: str) -> str:
+    """What a user wants to see once an engine is up: model and its checkpoint, device, KV
+    cache, graphs, start-up time, and the Ray cluster that scripts and jobs join."""
     blocks, block_size = info["num_kvcache_blocks"], info["block_size"]
     graphs = "CUDA graphs on" if info.get("cuda_graphs") else "no CUDA graphs"
-    return (f"nvray engine ready: model {model!r} on {info.get('device')} "
+    return (f"nvray engine ready: model {model!r} from {path} on {info.get('device')} "
             f"(tensor parallel {info.get('tensor_parallel_size')}), weights "
             f"{(info.get('dtypes') or {}).get('weights')}, KV cache {blocks:,} blocks "
             f"x {block_size} tokens ({blocks * block_size:,} tokens), {graphs}, "
-            f"max_model_len {info['max_model_len']:,}, started in {info.get('startup_s')} s")
+            f"max_model_len {info['max_model_len']:,}, started in {info.get('startup_s')} s; "
+            f"Ray cluster at {cluster} (a script on this machine joins it with "
+            f"ray.init(address='auto'))")
 
 
 @dataclass
@@ -65,49 +82,117 @@ class Lease:
 
 
 class LocalEngine:
-    """The engine hosted by this replica."""
+    """The engine hosted by this replica.
 
-    def __init__(self, args: AppArgs) -> None:
+    ``in_background``: the engine starts on a thread and the constructor returns at once, so the
+    replica answers (``/health``: 503) while the engine loads; requests wait for it."""
+
+    def __init__(self, args: AppArgs, in_background: bool = False) -> None:
         self.engine_id = uuid.uuid4().hex[:12]
         self.gate = AdmissionGate(args.max_ongoing_requests, args.max_waiting())
-        self.client = start_engine(args.engine_config(),
-                                   pg=ray.util.get_current_placement_group())
-        self.driver = self.client.driver
-        self.router = OutputRouter(self.driver)
+        self.start_wait_s = args.request_timeout_s
+        self.client: Any = None  # these three are set once the engine is up
+        self.driver: Any = None
+        self.router: OutputRouter | None = None
+        pg = ray.util.get_current_placement_group()  # the replica's: read on its own thread
+        self._started: concurrent.futures.Future[None] | None = None
+        if in_background:
+            self._started = _on_a_thread(self._start, args, pg)
+            self._started.add_done_callback(_log_start_failure)
+        else:
+            self._start(args, pg)
+
+    def _start(self, args: AppArgs, pg: Any) -> None:
+        client = start_engine(args.engine_config(), pg=pg)
+        self.router = OutputRouter(client.driver)
         self.router.open_now()  # here, not in a request: see OutputRouter.open_now
-        serve_logger.info(ready_line(args.name_to_serve(), self.client.info))
+        self.client, self.driver = client, client.driver
+        serve_logger.info(ready_line(args.name_to_serve(), resolve_model(args.model),
+                                     client.info, ray.get_runtime_context().gcs_address))
+
+    def started(self) -> bool:
+        """True once the engine is up; raises its start-up error if it failed to start."""
+        if self._started is None:
+            return True
+        if not self._started.done():
+            return False
+        if error := self._started.exception():
+            raise EngineDeadError(f"the engine failed to start: {error}") from error
+        return True
+
+    async def ready(self) -> None:
+        """Returns once the engine is up, waiting for it up to the request time-out (then
+        TimeoutError); EngineDeadError if it failed to start."""
+        if self._started is not None and not self._started.done():
+            async with asyncio.timeout(self.start_wait_s):
+                await asyncio.shield(asyncio.wrap_future(self._started))
+        self.started()
 
     async def lease(self, routing_key: str, timeout: float) -> Lease:
-        ticket = await self.gate.enter(timeout)
+        ticket = await self.gate.enter(timeout)  # a full queue refuses at once, started or not
+        try:
+            await self.ready()
+        except BaseException:
+            ticket.release()
+            raise
         return Lease(self.router, ticket.release)
 
     async def info(self) -> dict[str, Any]:
+        await self.ready()
         return self.client.info
 
     async def tokenize(self, prompt: Any) -> list[int]:
+        await self.ready()
         return await self.driver.tokenize.remote(prompt)
 
     async def detokenize(self, tokens: list[int]) -> str:
+        await self.ready()
         return await self.driver.detokenize.remote(tokens)
 
     async def stats_by_engine(self) -> dict[str | None, dict[str, Any]]:
+        await self.ready()
         return {None: await self.driver.stats.remote()}
 
     async def routing_counts(self) -> None:
         return None  # no router in front of this engine
 
     async def check_health(self) -> None:
-        """Raises if the engine, one of its ranks or this replica's output channel is gone."""
+        """Raises EngineStarting while the engine starts, its start-up error if it failed to
+        start, or an error if the engine, one of its ranks or this replica's output channel is
+        gone."""
+        if not self.started():
+            raise EngineStarting("the engine is starting; retry shortly")
         if self.router.dead is not None:
             raise self.router.dead
         await self.driver.check_health.remote()
 
     async def engine_client(self) -> Any:
+        await self.ready()
         return self.client
 
     def close(self) -> None:
-        self.router.close()
-        self.client.shutdown()
+        """Shut the engine down (one still starting: once it is up)."""
+        if self._started is not None and not self._started.done():
+            self._started.add_done_callback(lambda _: self.close())
+            return
+        if self.router is not None:
+            self.router.close()
+        if self.client is not None:
+            self.client.shutdown()
+
+
+def _log_start_failure(started: concurrent.futures.Future[None]) -> None:
+    if error := started.exception():  # Serve logs it only as a failed health check
+        serve_logger.error("nvray engine failed to start", exc_info=error)
+
+
+def _on_a_thread(fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+    """``fn(*args)`` on a thread of its own; its future."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nvray-engine-start")
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends when fn returns
 
 
 class LeasedEngines:
@@ -172,7 +257,16 @@ class LeasedEngines:
         return stats
 
     async def check_health(self) -> None:
-        await self.handle.check_health.remote()
+        """Raises unless an engine replica answers its health check within HEALTH_WAIT_S
+        (EngineStarting if none answers: while the app deploys, none is up yet)."""
+        call = self.handle.check_health.remote()
+        try:
+            async with asyncio.timeout(HEALTH_WAIT_S):
+                await call
+        except TimeoutError:
+            call.cancel()
+            raise EngineStarting(f"no engine replica answered within {HEALTH_WAIT_S:g} s "
+                                 "(starting, or all busy); retry shortly") from None
 
     async def routing_counts(self) -> dict[str, int]:
         """The app's prefix-router decisions (shared by its ingress replicas)."""

@@ -1,7 +1,9 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every failure reaching a client goes through here, with a short message: validation failures
-are 400 (never 422 or 500; unknown fields too, all named in one error), a missing or wrong API key 401, an unknown model 404, an unhealthy
+are 400 (never 422 or 500; unknown fields too, all named in one error), a body not sent as
+JSON 415 (naming the Content-Type it came with), a missing or wrong API key 401, an unknown
+model 404, an unknown route 404 (listing the app's routes), an unhealthy
 or overloaded engine 503, a time-out 504; a request whose client left (Serve cancels it) is
 logged as a disconnect, not as an error, and answered 499 to nobody. Exceptions raised in Ray actors are unwrapped to their
 cause so no traceback or file path leaks into a response.
@@ -9,6 +11,7 @@ cause so no traceback or file path leaks into a response.
 
 from __future__ import annotations
 
+import email.message
 import json
 import logging
 import re
@@ -26,8 +29,8 @@ logger = logging.getLogger(__name__)
 # "top_p=2 is invalid", "logit_bias: ...", "response_format.json_schema.schema: ..."
 _PARAM_IN_MESSAGE = re.compile(r"^([\w.]+)(?:=|: )")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 503: "service_unavailable", 504: "timeout",
-          500: "internal_error"}
+          405: "invalid_request_error", 415: "invalid_request_error", 503: "service_unavailable",
+          504: "timeout", 500: "internal_error"}
 
 
 class OpenAIError(Exception):
@@ -115,7 +118,32 @@ def _unknown_fields_error(errors: list[dict[str, Any]]) -> OpenAIError | None:
                             "ignores them)", ",".join(shown), "unknown_parameter")
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
+def _declares_json(content_type: str | None) -> bool:
+    """Whether a Content-Type declares JSON (``application/json``, ``application/*+json``), as
+    FastAPI decides whether to parse a body."""
+    message = email.message.Message()
+    message["content-type"] = content_type or ""
+    subtype = message.get_content_subtype()
+    return bool(content_type) and message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json"))
+
+
+def _not_json_error(content_type: str | None) -> OpenAIError:
+    """A body that did not say it is JSON. It is not read as JSON anyway (FastAPI's strict
+    content type): a web page may send a body without a Content-Type, or as a form, to a local
+    server without the browser asking the server first, but never as application/json."""
+    sent = (f"Content-Type {_shown(content_type.split(';')[0])!r}" if content_type
+            else "no Content-Type")
+    hint = " (curl -d sends that: add -H 'Content-Type: application/json', or use curl --json)" \
+        if content_type and content_type.startswith("application/x-www-form-urlencoded") else ""
+    return OpenAIError(415, f"the request body must be JSON sent with 'Content-Type: "
+                            f"application/json'; this one came with {sent}{hint}",
+                       code="unsupported_media_type")
+
+
+def _validation_error(exc: RequestValidationError, content_type: str | None = None
+                      ) -> OpenAIError:
+    """``content_type``: the request's Content-Type header."""
     errors = exc.errors()
     if not errors:
         return OpenAIError(400, "invalid request body")
@@ -126,16 +154,39 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError(400, "request body is not valid JSON", code="json_invalid")
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = _param_of(loc)
+    if not loc and first.get("type") == "missing":
+        return OpenAIError(400, "the request has no body: send a JSON object")
     if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        if not _declares_json(content_type):
+            return _not_json_error(content_type)
         return OpenAIError(400, "request body must be a JSON object")
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid")
     return OpenAIError(400, message, param)
 
 
+def _no_such_route(request: Request, status: int) -> OpenAIError:
+    """A 404 (or 405: the path is a route, the method is not) that lists the routes the app
+    serves, as a client reaches them (under the app's route prefix)."""
+    root = request.scope.get("root_path", "").rstrip("/")
+    path = request.scope.get("path", "")
+    path = path if path.startswith(root + "/") else root + path
+    paths = request.app.openapi().get("paths", {})  # built once, then cached by FastAPI
+    routes = ", ".join(f"{method.upper()} {root}{route}" for route, methods in paths.items()
+                       for method in methods)
+    what, code = ("URL", "unknown_url") if status == 404 else ("method", "method_not_allowed")
+    return OpenAIError(status, f"Invalid {what} ({_shown(request.method)} {_shown(path)}): "
+                               f"this app serves {routes}", code=code)
+
+
+def _shown(text: str) -> str:
+    """What a client sent, cut short enough to keep an error small."""
+    return text if len(text) <= _MAX_NAME_CHARS else text[:_MAX_NAME_CHARS] + "..."
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -151,8 +202,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(exc.status_code, str(exc.detail)).response()
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):  # the router matched no route, or not this method
+            response = _no_such_route(request, exc.status_code).response()
+        else:
+            response = OpenAIError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def on_any_error(_: Request, exc: Exception) -> JSONResponse:

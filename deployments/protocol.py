@@ -28,6 +28,9 @@ from nvray.structured_outputs import ResponseFormat, StructuredOutputsParams
 from deployments.tools import NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint
 
 TokenIds = list[int]
+# OpenAI's range for temperature, which its API refuses above (vLLM's HTTP API takes any value
+# >= 0); the Python SamplingParams takes up to 100
+MAX_HTTP_TEMPERATURE = 2
 
 
 class UnsupportedParameter(ValueError):
@@ -86,6 +89,9 @@ class SamplingFields(StrictModel):
     guided_grammar: str | None = None
 
     def check_supported(self) -> None:
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_HTTP_TEMPERATURE:
+            raise UnsupportedParameter("temperature", f"temperature={self.temperature} is "
+                                       f"invalid: must be in [0, {MAX_HTTP_TEMPERATURE}]")
         if self.use_beam_search:
             self._check_beam_search()
             if self._constraint_fields():

@@ -5,17 +5,26 @@ It finds its engine one of two ways (``deployments/engines.py``):
 - without prefix routing, each replica is one whole nvray engine: the replica lives in bundle 0
   of its own placement group (``nvray.runtime.placement.engine_bundles``) beside its
   EngineDriver and rank 0, so autoscaling adds and removes whole engines, and ``check_health``
-  is the engine's, so Serve replaces a replica whose engine died;
+  is the engine's, so Serve replaces a replica whose engine died. With one replica at most
+  (``max_replicas`` 1), the engine starts in the background: the replica answers at once,
+  ``/health`` with a 503 (``engine_starting``) until the engine is up, and requests wait for it.
+  With more, the engine starts in the constructor, so that Serve routes requests only to
+  replicas whose engine is up (a replica that answers while its engine loads would be sent a
+  share of the requests that the engines already up could serve);
 - with prefix routing (``deployments.build_app``), the engines are the replicas of the app's
   NvrayEngine deployment, and each request leases one through the PrefixAwareRouter, which
   sends it where its prompt's prefix is most likely cached. Outputs still come from the
-  engine's driver straight to this replica, one message per engine step.
+  engine's driver straight to this replica, one message per engine step. ``/health`` answers
+  503 while no engine replica answers within ``HEALTH_WAIT_S`` (none is up while the app
+  deploys).
 
-``/tokenize`` and ``/detokenize`` ask an engine's driver rather than load a second tokenizer
-here: the driver holds the tokenizer the engine runs and renders chat prompts on the one code
-path (``nvray.chat_template``) that requests take, so the ids and counts a client sees are the
-engine's by construction, at the cost of one Ray call (the replica shares its node and
-placement-group bundle with the driver) and no second copy of a large tokenizer per replica.
+``/tokenize`` and ``/detokenize`` ask an engine's driver: the driver holds the tokenizer the
+engine runs and renders chat prompts on the one code path (``nvray.chat_template``) that
+requests take, so the ids and counts a client sees are the engine's by construction, at the
+cost of one Ray call (the replica shares its node and placement-group bundle with the driver).
+The replica loads the model's tokenizer itself only when a request first asks for
+log-probabilities or echoes a token-id prompt (``token_texts``): token texts are looked up per
+token, too often for a Ray call each; a replica that never serves those holds no second copy.
 
 All of the replica's requests to one engine, HTTP and handle alike, receive their outputs through
 ONE output channel to its driver (an OutputRouter): one message per engine step. Each SSE body writes
@@ -41,7 +50,7 @@ from deployments.args import AppArgs, parse_args
 from deployments.auth import bearer_key_matches
 from deployments.body_limit import BodySizeLimit
 from deployments.client_left import ClientLeft
-from deployments.engines import Lease, LeasedEngines, LocalEngine
+from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngine
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
@@ -108,7 +117,8 @@ class NvrayServer:
         self.chunks_per_s = self.args.stream_chunks_per_s
         self.open_streams = 0  # SSE bodies being written (they share the chunk budget)
         self.reasoning = reasoning_parser_for(self.args.reasoning_parser)
-        self.engines = LocalEngine(self.args) if engines is None else LeasedEngines(engines)
+        self.engines = (LocalEngine(self.args, in_background=self.args.max_replicas == 1)
+                        if engines is None else LeasedEngines(engines))
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
 
@@ -196,8 +206,11 @@ class NvrayServer:
     # ---------------------------------------------------------------- routes
     @api.get("/health")
     async def health(self) -> JSONResponse:
+        """200 once the engine is up and well; 503 while it starts or when it is not."""
         try:
             await self.engines.check_health()
+        except EngineStarting as e:
+            return OpenAIError(503, str(e), code="engine_starting").response()
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             return OpenAIError(503, "the engine is unhealthy", code="engine_unavailable").response()
         return JSONResponse({"status": "ok"})
@@ -344,9 +357,13 @@ class NvrayServer:
 
     async def check_health(self) -> None:
         """Serve's health check: raises if this replica's own engine, one of its ranks or its
-        output channel is gone (an ingress of leased engines has none: Serve checks those)."""
+        output channel is gone (an ingress of leased engines has none: Serve checks those). An
+        engine still starting passes: Serve would otherwise replace its replica mid-start."""
         if isinstance(self.engines, LocalEngine):
-            await self.engines.check_health()
+            try:
+                await self.engines.check_health()
+            except EngineStarting:
+                pass
 
     def __del__(self) -> None:
         engines = getattr(self, "engines", None)

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 
 import torch
 from safetensors import safe_open
@@ -141,8 +142,12 @@ def hf_fp8_model(path: str, dtype: torch.dtype = torch.float32, device: str = "c
     # transformers' own readers of each format, told to dequantize (on a machine without a GPU
     # they do anyway)
     loader = FineGrainedFP8Config if fmt == "qwen-fp8" else CompressedTensorsConfig
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, quantization_config=loader(dequantize=True), device_map=device).eval()
+    with warnings.catch_warnings():  # that the checkpoint's config is kept, with dequantize on
+        # top of it: what is asked
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, quantization_config=loader(dequantize=True),
+            device_map=device).eval()
     with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
         quantized = {n[:-len(".weight")] for n in f.keys()
                      if n.endswith(".weight") and f.get_slice(n).get_dtype() == "F8_E4M3"}

@@ -30,9 +30,15 @@ def _hf_greedy_cached(path: str, prompt_ids: tuple[int, ...], max_new_tokens: in
         for _ in range(max_new_tokens):
             token = int(result.logits[0, -1].argmax())
             out.append(token)
-            result = model(torch.tensor([[token]]), past_key_values=result.past_key_values,
-                           use_cache=True)
+            result = model(torch.tensor([[token]]), use_cache=True, **_kv_cache(result))
     return tuple(out)
+
+
+def _kv_cache(result) -> dict:
+    """The KV cache of a forward, as the next forward takes it: ``cache`` from transformers
+    5.2x (which warns, deprecating ``past_key_values``), ``past_key_values`` before."""
+    return {"cache": result["cache"]} if "cache" in result else {
+        "past_key_values": result["past_key_values"]}
 
 
 def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 500) -> list[list[int]]:

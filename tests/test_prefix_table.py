@@ -49,3 +49,17 @@ def test_the_table_forgets_the_least_recently_used_blocks():
     table.record(old, "A")  # routed again: remembered again, the other one forgotten
     assert table.longest_holders(old, {"A"}) == ["A"]
     assert table.longest_holders(new, {"B"}) == []
+
+
+def test_a_block_routed_again_outlives_a_newer_one_never_routed_again():
+    """LRU, not first in first out: the block recorded first but routed again since survives;
+    the one recorded after it and never routed again is the one forgotten."""
+    table = PrefixTable(capacity=2)
+    first, second, third = (prefix_hashes(c * 64) for c in "fst")
+    table.record(first, "A")
+    table.record(second, "B")
+    table.record(first, "A")  # first is routed again (same replica): the most recent now
+    table.record(third, "D")  # one block too many: the least recently routed one goes
+    assert table.longest_holders(first, {"A"}) == ["A"]
+    assert table.longest_holders(second, {"B"}) == []
+    assert table.longest_holders(third, {"D"}) == ["D"]

@@ -5,7 +5,7 @@ request (completions: random token ids; chat: random ``WORDS``); ``send`` posts 
 its ``RequestRecord`` (TTFT, inter-token gaps, tokens, cached prompt tokens, the streamed text;
 a failed request is recorded with its error, never raised); ``percentiles`` gives p50/p90/p99 in
 milliseconds; ``metric_value`` reads one sample of the app's ``/metrics`` text; ``start_app``
-starts the nvray app on this machine's Ray cluster.
+starts the nvray app on this machine's Ray cluster and returns once its ``/health`` answers 200.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import random
 import re
 import statistics
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,5 +159,24 @@ def start_app(app_args: dict[str, Any], port: int, name: str | None = None) -> s
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     prefix = f"/{name}" if name else "/"
     serve.run(build_app(app_args), name=name or "nvray-bench", route_prefix=prefix)
-    return f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+    url = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
+    wait_healthy(url)
+    return url
+
+
+def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
+    """Until the app's ``/health`` answers 200: ``serve.run`` returns once its replicas run, and
+    a replica's engine may still be starting (``deployments/server.py``), which a load's first
+    requests would otherwise wait out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+                if response.status == 200:
+                    return
+        except OSError:  # a 503 while the engine starts (HTTPError), or a refused connection
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.2)
 

@@ -7,8 +7,9 @@ its head still answers (with the token that Ray's default authentication keeps i
 ``~/.ray/auth_token``); a record left by a head that was killed is reported in a warning and
 a new local single-node cluster is started instead (``start_local_cluster``: its processes keep
 their Python bytecode where the environment keeps none); ``skip_a_dead_recorded_head`` makes a
-``ray.init()`` to come (``serve run``'s) do the same. ``resolve_device`` pins an engine's
-device 'auto' to what the cluster has.
+``ray.init()`` to come (``serve run``'s) do the same. ``hide_token_auth_notice`` keeps Ray's
+notice of its default token authentication off the console. ``resolve_device`` pins an
+engine's device 'auto' to what the cluster has.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from nvray.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 _PROBE_TIMEOUT_S = 2.0
+_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_TOKEN_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
 
 
 def head_answers(address: str, timeout: float = _PROBE_TIMEOUT_S) -> bool:
@@ -44,10 +47,27 @@ def recorded_cluster_address() -> str | None:
     return services.find_bootstrap_address(None) or next(iter(services.find_gcs_addresses()), None)
 
 
+class _NotTheTokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_TOKEN_AUTH_NOTICE)
+
+
+def hide_token_auth_notice() -> None:
+    """In this process, drop the notice Ray 2.60 logs at every ``ray.init`` that starts a local
+    cluster or joins one found on this machine ("Token authentication is enabled for this Ray
+    cluster. Set RAY_AUTH_MODE=disabled to opt out ..."): it reports Ray's default, on every
+    ``LLM()`` script and ``serve run``. Every other line of that logger still shows (its warning
+    that authentication is off among them)."""
+    auth_log = logging.getLogger(_TOKEN_AUTH_LOGGER)
+    if not any(isinstance(f, _NotTheTokenAuthNotice) for f in auth_log.filters):
+        auth_log.addFilter(_NotTheTokenAuthNotice())
+
+
 def ensure_ray() -> None:
     """``ray.init(address="auto")`` semantics, falling back to a new local cluster."""
     if ray.is_initialized():
         return
+    hide_token_auth_notice()
     asked = os.environ.get("RAY_ADDRESS")
     if asked:
         if ":" in asked and "://" not in asked and not head_answers(asked):

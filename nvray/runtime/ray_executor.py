@@ -25,9 +25,11 @@ the remaining ranks so nothing is left blocked in a collective.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -127,15 +129,11 @@ class RayExecutor:
         if self.dag is None or self.dead:
             return
         dag, self.dag = self.dag, None
-        ray_dag_log = logging.getLogger("ray.dag.compiled_dag_node")
-        level = ray_dag_log.level
-        ray_dag_log.setLevel(logging.WARNING)  # its five INFO lines per teardown, every idle spell
         try:
-            dag.teardown()
+            with _quiet_graph_teardown():
+                dag.teardown()
         except Exception as e:  # noqa: BLE001 - a rank lost while idle fails the next step
             logger.warning("tearing the idle compiled graph down failed: %s", _first_line(e))
-        finally:
-            ray_dag_log.setLevel(level)
 
     def _take_compiled_graph(self) -> None:
         """After an idle spell: start compiling a graph, or take it once it is ready."""
@@ -198,7 +196,8 @@ class RayExecutor:
                 pass
         if self.dag is not None:
             try:
-                self.dag.teardown(kill_actors=True)
+                with _quiet_graph_teardown():
+                    self.dag.teardown(kill_actors=True)
             except Exception:  # noqa: BLE001 - best effort: the actors are killed below anyway
                 pass
             self.dag = None
@@ -209,6 +208,20 @@ class RayExecutor:
         self._kill_workers()
         release_frozen_objects()
         self.dead = self.dead or "the engine was shut down"
+
+
+@contextlib.contextmanager
+def _quiet_graph_teardown() -> Iterator[None]:
+    """Without the five INFO lines Ray logs per compiled-graph teardown ("Tearing down compiled
+    DAG" ... "Teardown complete"): the driver's console shows them after every idle spell and
+    at every shutdown (each LLM script's end, each app's stop); its warnings still show."""
+    ray_dag_log = logging.getLogger("ray.dag.compiled_dag_node")
+    level = ray_dag_log.level
+    ray_dag_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        ray_dag_log.setLevel(level)
 
 
 def _first_line(e: BaseException) -> str:

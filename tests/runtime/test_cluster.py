@@ -110,3 +110,33 @@ llm.shutdown()
     proc = run_python(code, timeout=240, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "FINISHED length 4" in proc.stdout
+
+
+def test_an_llm_script_prints_no_ray_notice_at_its_start_or_end(tmp_path):
+    """A script's ``LLM()`` on a local cluster of its own, Ray's authentication at its defaults:
+    neither Ray's notice that token authentication is on (its default, at every start) nor the
+    five lines Ray logs as the engine's compiled graph is torn down (at every script's end)
+    reach the console; Ray's own start line and the script's output do."""
+    from ray_nodes import default_auth_env
+
+    code = """
+from nvray.runtime import cluster
+cluster.recorded_cluster_address = lambda: None  # none on this machine: LLM() starts its own
+from nvray import LLM, SamplingParams
+llm = LLM("tiny", max_model_len=128)
+out = llm.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+print("FINISHED", len(out.token_ids))
+"""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = default_auth_env(home)
+    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=REPO)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    assert "FINISHED 4" in proc.stdout and "Started a local Ray instance" in console
+    assert "Token authentication is enabled" not in console
+    assert "compiled DAG" not in console and "Teardown complete" not in console, console[-3000:]

@@ -9,6 +9,7 @@ from ray import serve
 
 from deployments import build_app
 from nvray import LLM
+from nvray.bench.http_load import wait_healthy
 from serve_helpers import MAX_MODEL_LEN
 
 
@@ -16,6 +17,7 @@ from serve_helpers import MAX_MODEL_LEN
 def base_url(serve_http):
     serve.run(build_app({"max_model_len": MAX_MODEL_LEN, "num_cpus_per_rank": 1}),
               name="default", route_prefix="/")
+    wait_healthy(serve_http)  # serve.run returns once the replica runs, its engine may be starting
     yield serve_http
     serve.delete("default")
 
@@ -26,6 +28,7 @@ def long_base_url(serve_http):
     chat template's tool preamble (tools, langchain)."""
     serve.run(build_app({"max_model_len": 2048, "num_cpus_per_rank": 1}), name="long",
               route_prefix="/long")
+    wait_healthy(f"{serve_http}/long")
     yield f"{serve_http}/long"
     serve.delete("long")
 

@@ -19,6 +19,8 @@ MSG = [{"role": "user", "content": "hi"}]
 CASES = [
     ("completions", {"prompt": "hello", "max_tokens": -1}, None, 400, "max_tokens"),
     ("completions", {"prompt": "hello", "temperature": "hot"}, None, 400, "temperature"),
+    ("completions", {"prompt": "hello", "temperature": 2.5}, None, 400, "temperature"),
+    ("chat/completions", {"messages": MSG, "temperature": 3}, None, 400, "temperature"),
     ("completions", {"prompt": "hello", "top_k": -5}, None, 400, "top_k"),
     ("completions", {"prompt": "hello", "min_p": 2}, None, 400, "min_p"),
     ("completions", {"prompt": "hello", "top_p": 0}, None, 400, "top_p"),
@@ -45,7 +47,9 @@ CASES = [
     ("chat/completions", {"messages": MSG, "max_completion_tokens": 0}, None, 400, None),
     ("completions", b'{"prompt": "\xff\xfe hello"}', "application/json", 400, None),
     ("completions", b'{"prompt": "truncat', "application/json", 400, None),
-    ("completions", b"prompt=hello", "application/x-www-form-urlencoded", 400, None),
+    ("completions", b"prompt=hello", "application/x-www-form-urlencoded", 415, None),
+    ("completions", b'{"prompt": "hello"}', None, 415, None),  # JSON, but not said to be
+    ("completions", b"", None, 400, None),
     ("completions", b"x" * (MAX_REQUEST_BODY_BYTES + 1), "application/json", 413, None),
     ("completions", {"prompt": "hello", "model": "not-served"}, None, 404, "model"),
 ]
@@ -72,7 +76,7 @@ def assert_engine_clean(base_url: str, canary_text: str) -> None:
 def test_bad_request_gets_a_short_openai_error_and_the_engine_stays_clean(
         base_url, canary_text, path, payload, content_type, status, param):
     url = f"{base_url}/v1/{path}"
-    if isinstance(payload, bytes):
+    if isinstance(payload, bytes):  # a None content type: no Content-Type header
         resp = requests.post(url, data=payload, headers={"Content-Type": content_type}, timeout=60)
     else:
         resp = requests.post(url, json={"model": "tiny", **payload}, timeout=60)
@@ -80,7 +84,12 @@ def test_bad_request_gets_a_short_openai_error_and_the_engine_stays_clean(
     assert len(resp.content) < 2000, "an error answer stays small whatever the input"
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and "Traceback" not in error["message"] and "/" not in error["message"]
+    assert error["message"] and "Traceback" not in error["message"]
+    if status == 415:  # it names the content type it wants and the one that came
+        assert "'Content-Type: application/json'" in error["message"]
+        assert (content_type or "no Content-Type") in error["message"]
+    else:
+        assert "/" not in error["message"]
     if param:
         assert error["param"] == param
     assert_engine_clean(base_url, canary_text)
@@ -96,3 +105,38 @@ def test_a_prompt_that_just_fits_max_model_len_is_served(base_url, offline, cana
         "prompt": ids, "max_tokens": 5, "temperature": 0})
     assert one_more.status_code == 400 and "exceeds max_model_len" in one_more.json()["error"]["message"]
     assert_engine_clean(base_url, canary_text)
+
+
+def served_routes(base_url: str) -> list[str]:
+    """"METHOD /path" of every API route, from the app's OpenAPI schema (FastAPI's)."""
+    paths = requests.get(f"{base_url}/openapi.json", timeout=30).json()["paths"]
+    return [f"{method.upper()} {path}" for path, methods in paths.items() for method in methods]
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("POST", "/v1/embeddings", 404), ("GET", "/v2/models", 404), ("GET", "/v1/completions", 405)])
+def test_an_unknown_route_is_answered_with_the_routes_the_app_serves(
+        base_url, long_base_url, method, path, status):
+    """A 404 (405 for a route's wrong method) in OpenAI's shape that lists every route the app
+    serves, as the client reaches them: under the app's route prefix too."""
+    for base, prefix in ((base_url, ""), (long_base_url, "/long")):
+        resp = requests.request(method, f"{base}{path}", json={}, timeout=60)
+        assert resp.status_code == status, resp.text[:500]
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == ("unknown_url" if status == 404 else "method_not_allowed")
+        assert f"({method} {prefix}{path})" in error["message"]
+        routes = error["message"].split("this app serves ", 1)[1].split(", ")
+        assert sorted(routes) == sorted(f"{r.split()[0]} {prefix}{r.split()[1]}"
+                                        for r in served_routes(base_url))
+        assert "POST /v1/chat/completions" in served_routes(base_url)
+        assert len(resp.content) < 2000
+    if status == 405:
+        assert resp.headers["allow"] == "POST"
+
+
+def test_openai_clients_see_an_unknown_route_as_not_found(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="POST /v1/chat/completions"):
+        client.embeddings.create(model="tiny", input="hello")

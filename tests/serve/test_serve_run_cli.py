@@ -87,9 +87,12 @@ def served(tmp_path_factory):
 
 def _serve_run(log, env: dict[str, str], dead: str):  # noqa: ANN001, ANN202 - the fixture's body
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
+    # as a user runs it: Ray's token authentication left at its default (on for the new cluster)
+    user_env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
     # Ctrl-C must reach it as from a terminal, also where this test runs with SIGINT ignored
     proc = subprocess.Popen(ctrl_c_enabled([serve_bin, "run", "deployments:app"]), cwd=REPO,
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            env=user_env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.monotonic() + 240
     try:
         while time.monotonic() < deadline:
@@ -102,14 +105,17 @@ def _serve_run(log, env: dict[str, str], dead: str):  # noqa: ANN001, ANN202 - t
             time.sleep(1)
         else:
             raise TimeoutError("serve run did not become healthy within 240 s")
-        log.seek(0)
-        started = log.read()
+        started = _log_once_it_has(log, "nvray engine ready")  # Ray relays it a moment later
+        assert "Token authentication is enabled" not in started  # Ray's notice of its default
         assert f"a Ray cluster was recorded at {dead} but its head does not answer" in started
         assert "blocking ray.get inside async actor" not in started  # the driver's threads
         ready = [line for line in started.splitlines() if "nvray engine ready" in line]
         assert len(ready) == 1, started[-3000:]  # model, device, KV cache, graphs, start-up
-        assert re.search(r"model 'tiny' on cpu .*KV cache [\d,]+ blocks x 16 tokens .*no CUDA "
-                         r"graphs.*started in [\d.]+ s", ready[0]), ready[0]
+        assert re.search(r"model 'tiny' from /\S+ on cpu .*KV cache [\d,]+ blocks x 16 tokens .*no "
+                         r"CUDA graphs.*started in [\d.]+ s; Ray cluster at [\d.]+:\d+ ",
+                         ready[0]), ready[0]
+        path = re.search(r"from (/\S+) on", ready[0]).group(1)
+        assert os.path.exists(os.path.join(path, "config.json"))  # the checkpoint it serves
         yield URL
     except BaseException:
         log.seek(0)
@@ -136,6 +142,19 @@ def _serve_run(log, env: dict[str, str], dead: str):  # noqa: ANN001, ANN202 - t
     alarming = [line for line in stopping.splitlines()
                 if any(word in line for word in ALARMING_ON_STOP)]
     assert not alarming, "\n".join(alarming[:20])
+    # Ray's five lines per compiled-graph teardown ("Tearing down compiled DAG" ...)
+    assert "compiled DAG" not in stopping and "Teardown complete" not in stopping, stopping[-3000:]
+
+
+def _log_once_it_has(log, text: str, timeout_s: float = 30.0) -> str:  # noqa: ANN001 - a file
+    """The whole log, once ``text`` is in it (or the time-out has passed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        log.seek(0)
+        content = log.read()
+        if text in content or time.monotonic() > deadline:
+            return content
+        time.sleep(0.2)
 
 
 def test_serve_run_answers_the_openai_client(served):
