@@ -191,17 +191,18 @@ def build_plan(args: argparse.Namespace) -> BatchPlan:
 
 # ------------------------------------------------------------------------------ running
 def check_cluster_fits(plan: BatchPlan) -> None:
-    """Fail fast if the cluster cannot hold ``concurrency`` engines at once."""
+    """Fail fast if the cluster cannot hold ``concurrency`` engines at once, or if what it has
+    free now cannot (a job would otherwise wait minutes for a placement, then die)."""
     from nvray.runtime.cluster import cluster_has_gpus  # noqa: PLC0415
     from nvray.runtime.placement import check_engines_fit  # noqa: PLC0415
 
     config = EngineConfig.from_kwargs(**plan.engine_kwargs)
     use_gpu = config.device == "cuda" or (config.device == "auto" and cluster_has_gpus())
     try:
-        check_engines_fit(config, use_gpu, plan.concurrency)
+        check_engines_fit(config, use_gpu, plan.concurrency, free_now=True)
     except ValueError as e:
         raise ValueError(f"{e}; lower --concurrency, --tensor-parallel-size or "
-                         "--num-cpus-per-rank") from None
+                         "--num-cpus-per-rank, or free the cluster first") from None
 
 
 def build_dataset(plan: BatchPlan) -> Any:

@@ -28,19 +28,31 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]
 
 
 def check_engines_fit(config: EngineConfig, use_gpu: bool, count: int = 1,
-                      bundles: list[dict[str, float]] | None = None) -> None:
+                      bundles: list[dict[str, float]] | None = None,
+                      free_now: bool = False) -> None:
     """ValueError at once if the cluster's total resources can never hold ``count`` engines
-    (instead of waiting for a placement that cannot happen)."""
+    (instead of waiting for a placement that cannot happen); with ``free_now``, also if what is
+    free now cannot (other work holds the rest: a job that would wait for it fails instead)."""
     need: dict[str, float] = {}
     for bundle in bundles or engine_bundles(config, use_gpu):
         for name, amount in bundle.items():
             need[name] = round(need.get(name, 0.0) + amount * count, 6)
-    total = ray.cluster_resources()
-    have = {k: total.get(k, 0.0) for k in need}
-    if any(have[k] + 1e-9 < v for k, v in need.items()):
-        raise ValueError(f"{count} engine(s) with tensor_parallel_size="
-                         f"{config.tensor_parallel_size} need {need} but the whole cluster has "
-                         f"only {have}")
+    what = f"{count} engine(s) with tensor_parallel_size={config.tensor_parallel_size}"
+    total = _amounts(ray.cluster_resources(), need)
+    if not _covers(total, need):
+        raise ValueError(f"{what} need {need} but the whole cluster has only {total}")
+    free = _amounts(ray.available_resources(), need)
+    if free_now and not _covers(free, need):
+        raise ValueError(f"{what} need {need} but only {free} of the cluster's {total} are free "
+                         "now (other work holds the rest, e.g. a running Serve app)")
+
+
+def _amounts(resources: dict[str, float], names: dict[str, float]) -> dict[str, float]:
+    return {k: round(resources.get(k, 0.0), 6) for k in names}
+
+
+def _covers(have: dict[str, float], need: dict[str, float]) -> bool:
+    return all(have[k] + 1e-9 >= v for k, v in need.items())
 
 
 def create_engine_placement_group(config: EngineConfig, use_gpu: bool) -> PlacementGroup:

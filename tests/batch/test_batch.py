@@ -224,6 +224,40 @@ def test_engines_that_do_not_fit_the_cluster_fail_fast(ray_head, tmp_path):
             "has only {'CPU': 4.0}; lower --concurrency") in proc.stderr
 
 
+_HOLD_CPUS = """
+import sys
+import ray
+from ray.util.placement_group import placement_group
+ray.init()
+pg = placement_group([{"CPU": 1.6}, {"CPU": 1.6}], strategy="SPREAD")
+ray.get(pg.ready(), timeout=60)
+print("held", flush=True)
+sys.stdin.read()  # held until the test closes stdin
+"""
+
+
+def test_engines_that_fit_the_cluster_but_not_what_is_free_fail_in_seconds(ray_head, tmp_path):
+    """Other work (here a placement group, as a running app's) holds 3.2 of the 4 CPUs: the job
+    says what it asks and what is free instead of waiting minutes for a placement."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_CPUS], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=REPO,
+                              env=child_env(RAY_ADDRESS=ray_head.gcs_address))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        src = write_jsonl(tmp_path / "in.jsonl", GOOD_ROWS[:1])
+        start = time.monotonic()
+        proc = run_batch(["--input", str(src), "--output", str(tmp_path / "out.jsonl")],
+                         timeout=120, RAY_ADDRESS=ray_head.gcs_address)
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert ("1 engine(s) with tensor_parallel_size=1 need {'CPU': 1.0} but only "
+                "{'CPU': 0.8} of the cluster's {'CPU': 4.0} are free now") in proc.stderr
+        assert time.monotonic() - start < 60
+        assert not (tmp_path / "out.jsonl").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
 # ------------------------------------------------------------------- malformed input, fast
 @pytest.mark.parametrize("lines, message", [
     ([{"id": 1, "prompt": "a"}, {"id": 2, "prompt": "b"}, '{"id": 3, "prompt": '],

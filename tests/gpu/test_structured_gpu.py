@@ -6,6 +6,7 @@ batches stay oracle argmaxes (no mask leaks into them); no matcher outlives its 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -45,3 +46,38 @@ def test_schema_rows_validate_and_free_rows_stay_argmaxes(qwen3_06b_path, overla
         jsonschema.validate(json.loads(out.text), RECORDS_SCHEMA)
     for prompt, out in list(zip(prompts, outs))[40:43]:
         check_greedy_near_argmax(qwen3_06b_path, prompt, out.token_ids)
+
+
+WEATHER = {"type": "object", "required": ["city", "unit"], "additionalProperties": False,
+           "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_tool_calls_at_temperature_1_parse_as_calls_on_qwen3s_vocabulary(qwen3_06b_path, choice):
+    """40 seeds at temperature 1 under the tool-call constraint (Qwen3's vocabulary, the GPU
+    mask kernel): every complete call is a call whose arguments strict JSON readers accept."""
+    from deployments.tools import NamedToolChoice, Tool, parse_tool_calls, tool_constraint
+
+    tools = [Tool.model_validate({"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER}})]
+    tool_choice = (NamedToolChoice.model_validate({"type": "function", "function": {
+        "name": "get_weather"}}) if choice == "named" else choice)
+    constraint = tool_constraint(tools, tool_choice, parallel=True)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=400,
+                             structured_outputs=constraint) for i in range(40)]
+    used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    llm = LLM(qwen3_06b_path, runtime="inprocess", max_model_len=2048, max_num_seqs=64,
+              num_kvcache_blocks=4096)
+    try:
+        outs = llm.generate(random_prompts(40, 5, 100, seed=3, vocab=10000), params,
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+        wait_gpu_memory_below(used + (256 << 20))
+    for out in outs:
+        content, calls = parse_tool_calls(out.text)
+        assert not re.search(r"<tool_call>.*?</tool_call>", content or "", re.DOTALL), out.text
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+        if choice != "auto":
+            assert calls or out.finish_reason == "length", out.text[-300:]
