@@ -59,6 +59,11 @@ class AppArgs(BaseModel):
     num_gpus_per_rank: float = Field(_ENGINE.num_gpus_per_rank, gt=0, le=1, description="GPU share "
                                      "per rank actor: 0.5 puts two TP=1 replicas on one GPU (give "
                                      "each a gpu_memory_utilization of its share)")
+    hf_overrides: dict[str, Any] | None = Field(None, description="merged over the checkpoint's "
+                                                "config.json keys, e.g. YaRN on Qwen3: "
+                                                "'{\"rope_scaling\": {\"rope_type\": \"yarn\", "
+                                                "\"factor\": 4.0, \"original_max_position_embeddings\""
+                                                ": 32768}}' (a JSON object string on the command line)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
                                            "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1} "
                                            "(a JSON object string on the command line)")
@@ -106,7 +111,7 @@ class AppArgs(BaseModel):
     def routes_by_prefix(self) -> bool:
         return self.max_replicas > 1 if self.prefix_routing is None else self.prefix_routing
 
-    @field_validator("engine_options", mode="before")
+    @field_validator("engine_options", "hf_overrides", mode="before")
     @classmethod
     def _engine_options_from_json(cls, value: Any) -> Any:
         """``serve run ... engine_options='{"num_kvcache_blocks": 4096}'`` passes a string."""
@@ -141,7 +146,7 @@ class AppArgs(BaseModel):
             "tensor_parallel_size", "device", "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
             "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
-            "num_cpus_per_rank", "num_gpus_per_rank")}
+            "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides")}
         return EngineConfig.from_kwargs(self.model, **fields, **self.engine_options)
 
 

@@ -56,6 +56,7 @@ from .fp8_gemm import (block_fp8_mm, block_fp8_mm_ref, channel_fp8_mm,  # noqa: 
                        channel_fp8_mm_ref, fp8_linear, fp8_linear_ref, quantize_fp8_act,
                        quantize_fp8_act_ref)
 from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
+from .fused_moe import fused_moe, fused_moe_ref, moe_align, moe_align_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import (decode_scratch_bytes, paged_decode_attention,  # noqa: E402
                                paged_decode_attention_ref)

@@ -3,7 +3,7 @@
 Contract
 --------
 ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-*, num_splits=None, max_seq_len=None, order=None) -> out``
+*, num_splits=None, max_seq_len=None, order=None, sliding_window=None) -> out``
 
 * ``q``: ``[batch, num_heads, head_dim]`` fp16 / bf16 / fp32; dims 0/1 may be
   strided, the last dim must be contiguous. It is the newest token of each
@@ -16,7 +16,10 @@ Contract
   head ``h // (num_heads // num_kv_heads)``).
 * ``block_tables``: ``[batch, max_num_blocks]`` int32, last dim contiguous.
   Only the first ``ceil(seq_lens[b] / block_size)`` entries of row ``b`` are
-  read; the rest may hold anything (-1, 0, ...).
+  read; the rest may hold anything (-1, 0, ...). With a sliding window, the
+  entries of the blocks wholly before the window (every position
+  ``< seq_lens[b] - sliding_window``) are not read either: they may hold anything
+  too (the engine frees those blocks).
 * ``seq_lens``: ``[batch]`` int32, context length including the new token.
   A sequence with ``seq_len <= 0`` (e.g. CUDA-graph padding) gets zeros.
 * ``scale``: softmax scale (usually ``head_dim ** -0.5``).
@@ -25,13 +28,21 @@ Contract
   rows of ``out`` unwritten): the order in which programs take the sequences. Longest
   first (nvray's ``AttentionMetadata.decode_order``) keeps a ragged batch's long sequences from finishing
   alone at the end of the grid. It changes no result; None takes row order.
+* ``sliding_window``: None or 0 for full causal attention; ``W >= 1``: local
+  attention as Gemma 3's local layers / Mistral (HF transformers): the query at
+  position ``p = seq_lens[b] - 1`` attends to positions ``p - W < k <= p``
+  only (the last ``W`` positions, itself included).
 * returns ``[batch, num_heads, head_dim]`` contiguous, dtype of ``q``; softmax
   and accumulation in fp32.
 
 Algorithm: grid ``(num_kv_heads, batch, num_splits)`` (the hardware starts
 programs with dim 0 fastest in practice, so the sequences start in ``order``). Each program owns one KV
 head of one sequence and one contiguous range of ``tokens_per_split`` context
-positions; it loads the ``group = num_heads // num_kv_heads`` q heads that share
+positions, counted from the sequence's walk start ``base`` (0 without a window;
+with window ``W``: ``max(0, seq_len - W)`` rounded down to ``BLOCK_N``, so the
+walk never touches a cache block, nor its block-table entry, that lies wholly
+before the window; positions of the first tile below the window are masked out
+of the loads); it loads the ``group = num_heads // num_kv_heads`` q heads that share
 that KV head as the rows of one ``tl.dot`` tile (padded to >= 16 rows), so each
 K/V tile is read once per group. It walks its range in tiles of ``BLOCK_N``
 tokens, translating each position through the block table (a tile may span
@@ -43,7 +54,9 @@ second kernel (grid ``(batch, num_heads)``) merges the splits.
 Split heuristic (no host sync, CUDA-graph friendly): the longest possible
 context is taken as ``max_seq_len`` if given, else
 ``block_tables.shape[1] * block_size`` (in a CUDA graph: ``max_model_len``, far
-above most contexts). With at least ``_SPLIT_BELOW_PAIRS_PER_SM * SM count``
+above most contexts); with a window ``W`` the longest walk is
+``min(that, W + BLOCK_N - 1)`` positions, and the splits cut that walk, not the
+whole context. With at least ``_SPLIT_BELOW_PAIRS_PER_SM * SM count``
 (sequence, KV head) pairs there is one split. With fewer, every sequence is cut
 into pieces of ``_SPLIT_TOKENS`` tokens (``_SPLIT_TOKENS_FEW`` below one pair
 per SM), so a sequence's actual context, not the bound, sets how many programs
@@ -52,7 +65,7 @@ for the smaller pieces) the pieces grow to ``bound / _MAX_SPLITS``. A split neve
 ``_MIN_TILES_PER_SPLIT * BLOCK_N`` tokens and there are at most
 ``_MAX_SPLITS``. ``num_splits`` overrides the heuristic (still rounded so that
 every split covers a whole number of tiles). Splits that start past a
-sequence's length exit at once and are ignored by the merge.
+sequence's walk exit at once and are ignored by the merge.
 
 ``paged_decode_attention_ref`` is the pure-torch reference, same signature.
 ``decode_scratch_bytes`` says how much split scratch a call of given shapes allocates (for the
@@ -98,6 +111,7 @@ def _decode_split_kernel(
     scale_log2,  # softmax scale * log2(e)
     tokens_per_split,  # multiple of BLOCK_N
     num_splits,  # S
+    window,  # sliding window W (> 0; read only when HAS_WINDOW)
     stride_qb,
     stride_qh,
     stride_cb,
@@ -117,6 +131,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
     FP8_AS_F16: tl.constexpr,  # an e4m3 cache with 16-bit q: both dots in fp16 (one cvt a pair)
     ORDERED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,  # attend to the last `window` positions only
 ):
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -126,7 +141,15 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
 
     seq_len = tl.load(seq_lens_ptr + b64 * stride_sl)
-    start = sp * tokens_per_split
+    if HAS_WINDOW:
+        # first visible position, and the walk start: a tile boundary at or below it. Blocks
+        # (and block-table entries) wholly below `lo` may be freed: never read them.
+        lo = tl.maximum(seq_len - window, 0)
+        base = (lo // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        base = 0
+    start = base + sp * tokens_per_split
     if not SINGLE_SPLIT:
         if start >= seq_len:
             return  # empty split: the merge kernel ignores it
@@ -153,13 +176,15 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # context positions [BLOCK_N]
         n_mask = offs_n < end
+        if HAS_WINDOW:
+            n_mask = n_mask & (offs_n >= lo)  # only the walk's first tile holds such positions
         blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_off = blk * stride_cb + (offs_n % PAGE_SIZE) * stride_ct + head_off  # [BLOCK_N]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None],
                     other=0.0).to(q.dtype)  # e4m3 -> fp16: exact, one instruction per pair
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # every tile holds >= 1 valid position, so m_new is finite
+        # every tile holds >= 1 valid position (the first one `lo`), so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -192,18 +217,25 @@ def _decode_merge_kernel(
     out_ptr,  # [B, H, D]
     tokens_per_split,
     num_splits,
+    window,  # read only when HAS_WINDOW
     stride_sl,
     stride_ob,
     stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next_pow2(num_splits)
+    BLOCK_N: tl.constexpr,  # the split kernel's tile (its walk starts on one)
+    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     b64 = b.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b64 * stride_sl)
-    n_valid = tl.cdiv(seq_len, tokens_per_split)  # splits that hold >= 1 position
+    if HAS_WINDOW:
+        base = (tl.maximum(seq_len - window, 0) // BLOCK_N) * BLOCK_N  # as the split kernel's
+    else:
+        base = 0
+    n_valid = tl.cdiv(seq_len - base, tokens_per_split)  # splits that hold >= 1 position
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = (offs_s < n_valid) & (offs_s < num_splits)
@@ -297,15 +329,40 @@ def _validate_q_cache_tables(
 
 
 def _gather_seq_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor, n: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor, n: int, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference helper: the first ``n`` context positions of one sequence, fp32 ``[n, Hkv, D]``."""
+    """Reference helper: context positions ``start .. n - 1`` of one sequence, fp32
+    ``[n - start, Hkv, D]``; the blocks wholly before ``start`` (and their table entries) are
+    not read."""
     block_size = k_cache.shape[1]
+    first = start // block_size
     nblk = (n + block_size - 1) // block_size
-    blocks = block_table_row[:nblk].long()
-    k = k_cache[blocks].reshape(-1, k_cache.shape[2], k_cache.shape[3])[:n].float()
-    v = v_cache[blocks].reshape(-1, v_cache.shape[2], v_cache.shape[3])[:n].float()
+    blocks = block_table_row[first:nblk].long()
+    skip, count = start - first * block_size, n - start
+    k = k_cache[blocks].reshape(-1, k_cache.shape[2], k_cache.shape[3])[skip:skip + count].float()
+    v = v_cache[blocks].reshape(-1, v_cache.shape[2], v_cache.shape[3])[skip:skip + count].float()
     return k, v
+
+
+def _check_window(sliding_window: int | None) -> int:
+    """The window as an int, 0 for none (None or 0: full causal attention)."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or int(sliding_window) != sliding_window or sliding_window < 0:
+        raise ValueError(f"sliding_window: expected None or an int >= 0, got {sliding_window!r}")
+    return int(sliding_window)
+
+
+def _window_start(n: int, q_len: int, window: int) -> int:
+    """Reference helper: the first position any of the ``q_len`` queries at positions
+    ``n - q_len .. n - 1`` sees (0 without a window)."""
+    return max(0, n - q_len - window + 1) if window else 0
+
+
+def _window_walk(max_ctx: int, window: int, block_n: int) -> int:
+    """The longest walk of a decode program's sequence: its whole context without a window,
+    else the window plus the part of its first tile below it."""
+    return min(max_ctx, window + block_n - 1) if window else max_ctx
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,6 +424,7 @@ def paged_decode_attention(
     num_splits: int | None = None,  # override the split heuristic
     max_seq_len: int | None = None,  # host-side bound on max(seq_lens); default MAXB * BS
     order: torch.Tensor | None = None,  # [B] int32 permutation: programs take sequences in it
+    sliding_window: int | None = None,  # W: attend to the last W positions; None/0: all
 ) -> torch.Tensor:  # [B, H, D], dtype of q
     """Attention of one new query token per sequence over its paged KV cache."""
     batch = q.shape[0] if q.dim() == 3 else -1
@@ -382,6 +440,7 @@ def paged_decode_attention(
         raise ValueError(f"num_splits: expected None or an int >= 1, got {num_splits}")
     if max_seq_len is not None and int(max_seq_len) < 0:
         raise ValueError(f"max_seq_len: expected None or an int >= 0, got {max_seq_len}")
+    window = _check_window(sliding_window)
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0 or num_heads == 0:
         return out
@@ -391,7 +450,8 @@ def paged_decode_attention(
     block_n, num_warps, num_stages = _decode_config(head_dim, k_cache.element_size())
     max_ctx = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
     n_splits, tokens_per_split = _choose_splits(
-        batch, num_kv_heads, max_ctx, block_n, _num_sms(q.device), num_splits
+        batch, num_kv_heads, _window_walk(max_ctx, window, block_n), block_n, _num_sms(q.device),
+        num_splits,
     )
     single = n_splits == 1
     if single:
@@ -403,7 +463,7 @@ def paged_decode_attention(
     _decode_split_kernel[(num_kv_heads, batch, n_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,
         out, part_o, part_ml,
-        float(scale) * _LOG2E, tokens_per_split, n_splits,
+        float(scale) * _LOG2E, tokens_per_split, n_splits, max(window, 1),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), seq_lens.stride(0),
@@ -418,30 +478,36 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision,
         FP8_AS_F16=k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
         ORDERED=order is not None,
+        HAS_WINDOW=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if not single:
         _decode_merge_kernel[(batch, num_heads)](
             part_o, part_ml, seq_lens, out,
-            tokens_per_split, n_splits,
+            tokens_per_split, n_splits, max(window, 1),
             seq_lens.stride(0), out.stride(0), out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(n_splits),
+            BLOCK_N=block_n,
+            HAS_WINDOW=window > 0,
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out
 
 
 def decode_scratch_bytes(batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         kv_itemsize: int, max_seq_len: int, device: torch.device) -> int:
+                         kv_itemsize: int, max_seq_len: int, device: torch.device,
+                         sliding_window: int | None = None) -> int:
     """Bytes of the partial outputs that :func:`paged_decode_attention` allocates for these
     shapes (0 with one split): what a CUDA graph of a decode step holds besides activations.
     Below the split threshold the split count grows as the batch shrinks (up to
-    ``_MAX_SPLITS``), so the total is largest just below the threshold."""
+    ``_MAX_SPLITS``), so the total is largest just below the threshold. A sliding window
+    splits only the window's walk (never more bytes than without it)."""
     block_n = _decode_config(head_dim, kv_itemsize)[0]
-    n_splits, _ = _choose_splits(batch, num_kv_heads, max_seq_len, block_n, _num_sms(device), None)
+    walk = _window_walk(max_seq_len, _check_window(sliding_window), block_n)
+    n_splits, _ = _choose_splits(batch, num_kv_heads, walk, block_n, _num_sms(device), None)
     return 0 if n_splits == 1 else batch * num_heads * n_splits * (head_dim + 2) * 4
 
 
@@ -456,19 +522,23 @@ def paged_decode_attention_ref(
     num_splits: int | None = None,  # ignored
     max_seq_len: int | None = None,  # ignored
     order: torch.Tensor | None = None,  # ignored (it changes no result)
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference of :func:`paged_decode_attention` (fp32 math, one loop per sequence)."""
+    """Pure-torch reference of :func:`paged_decode_attention` (fp32 math, one loop per sequence;
+    with a window it gathers the window's positions only)."""
     batch = q.shape[0] if q.dim() == 3 else -1
     num_heads, num_kv_heads, head_dim, _ = _validate_q_cache_tables(
         q, k_cache, v_cache, block_tables, seq_lens, batch
     )
+    window = _check_window(sliding_window)
     group = num_heads // num_kv_heads
     out = torch.zeros((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     for b in range(batch):
         n = int(seq_lens[b])
         if n <= 0:
             continue
-        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], n)  # [n, Hkv, D]
+        # positions n - W .. n - 1 (all of them without a window)
+        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], n, _window_start(n, 1, window))
         k = k.repeat_interleave(group, dim=1)  # [n, H, D]: q head h -> kv head h // group
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale  # [H, n]

@@ -3,7 +3,7 @@
 Contract
 --------
 ``paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-seq_lens, max_seqlen_q, scale) -> out``
+seq_lens, max_seqlen_q, scale, *, sliding_window=None) -> out``
 
 * ``q``: ``[total_q_tokens, num_heads, head_dim]`` fp16 / bf16 / fp32; dims 0/1
   may be strided, last dim contiguous. Sequence ``b`` owns rows
@@ -13,7 +13,11 @@ seq_lens, max_seqlen_q, scale) -> out``
   ``head_dim`` a power of two in [16, 256];
   ``num_heads`` a multiple of ``num_kv_heads``.
 * ``block_tables``: ``[batch, max_num_blocks]`` int32 (last dim contiguous);
-  only the first ``ceil(seq_lens[b] / block_size)`` entries are read.
+  only the first ``ceil(seq_lens[b] / block_size)`` entries are read. With a
+  sliding window ``W``, neither are the entries (nor the blocks) whose positions
+  all lie before the window of the sequence's first query row (all
+  ``< seq_lens[b] - qlen_b - W + 1``): they may hold anything (the engine frees
+  those blocks).
 * ``cu_seqlens_q``: ``[batch + 1]`` int32, ``cu_seqlens_q[0] == 0``,
   non-decreasing, ``cu_seqlens_q[batch] == total_q_tokens`` (not checked on the
   device: that would need a host sync).
@@ -21,8 +25,10 @@ seq_lens, max_seqlen_q, scale) -> out``
   INCLUDING its new query tokens, whose K/V must already be in the cache;
   ``seq_lens[b] >= qlen_b``.
 * ``max_seqlen_q``: host int, ``>= max_b qlen_b`` (sizes the grid).
-* query row ``i`` of sequence ``b`` sits at position ``seq_lens[b] - qlen_b + i``
-  and attends causally to cache positions ``0 .. that position``.
+* query row ``i`` of sequence ``b`` sits at position ``p = seq_lens[b] - qlen_b + i``
+  and attends causally to cache positions ``0 .. p``; with ``sliding_window=W``
+  (``W >= 1``; None or 0: none) to positions ``p - W < k <= p`` only (Gemma 3's
+  local layers, Mistral: HF transformers' sliding window).
 * returns ``[total_q_tokens, num_heads, head_dim]`` contiguous, dtype of ``q``;
   online softmax with fp32 accumulation.
 
@@ -37,6 +43,13 @@ wholly below the tile's first query position run unmasked; the remaining ones
 (the diagonal) apply the causal mask ``key_pos <= query_pos``. Programs past
 their sequence's query length exit at once.
 
+With a window ``W`` a program's walk starts at its first query position's window
+start, ``max(0, p0 - W + 1)``, rounded down to ``BLOCK_N`` (positions below that
+start inside the first tile are masked out of the loads, so no block wholly
+before the window is touched); tiles not visible in full to every row (the
+window's lower edge) take the window mask ``key_pos > query_pos - W`` as well
+as the causal one, and the tiles between run unmasked.
+
 ``paged_prefill_attention_ref`` is the pure-torch reference, same signature.
 """
 
@@ -50,8 +63,10 @@ from .decode_attention import (
     _LOG2E,
     _check_int_vector,
     _check_kernel_device,
+    _check_window,
     _gather_seq_kv,
     _validate_q_cache_tables,
+    _window_start,
 )
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
@@ -60,17 +75,20 @@ __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 @triton.jit
 def _prefill_tile(
     q, m_i, l_i, acc, q_pos,
-    k_cache_ptr, v_cache_ptr, bt_row, head_off, offs_d, n0, kv_end, scale_log2,
+    k_cache_ptr, v_cache_ptr, bt_row, head_off, offs_d, n0, kv_lo, kv_end, window, scale_log2,
     stride_cb, stride_ct,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every position of the tile is visible to every row
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,  # (MASKED only) apply the window mask; rows may be fully masked
 ):
     """One online-softmax step over context positions ``n0 .. n0 + BLOCK_N``."""
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     if MASKED:
         n_mask = offs_n < kv_end
+        if HAS_WINDOW:
+            n_mask = n_mask & (offs_n >= kv_lo)  # never load a position before the tile's window
         blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
@@ -83,12 +101,21 @@ def _prefill_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            causal = causal & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
-    # position 0 is visible to every row (q_pos >= 0) and is in the first tile,
-    # so m_i is finite from then on and fully masked rows get p == 0
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if HAS_WINDOW:  # (passed only with MASKED)
+        # a row may see nothing in this tile (its window starts further on), so m_new can
+        # be -inf: exponentiate against 0 then (p == 0, alpha == 0 while l_i, acc are 0)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        # without a window position 0 is visible to every row (q_pos >= 0) and is in the
+        # first tile, so m_i is finite from then on and fully masked rows get p == 0; with
+        # one, unmasked tiles come after a row's first visible position
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_cache_ptr + kv_ptrs, mask=n_mask[:, None], other=0.0).to(q.dtype)
@@ -108,6 +135,7 @@ def _prefill_kernel(
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [TQ, H, D]
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window W (> 0; read only when HAS_WINDOW)
     stride_qt,
     stride_qh,
     stride_cb,
@@ -125,6 +153,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,  # cache block_size
     BLOCK_N: tl.constexpr,  # context positions per inner tile
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     qt = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -165,15 +194,37 @@ def _prefill_kernel(
     # positions < ctx0 + tile_q0 (the tile's first query position) are visible
     # to every row: full tiles below it need no mask
     n_full = ((ctx0 + tile_q0) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, n_full, BLOCK_N):
+    if HAS_WINDOW:
+        # the first query row sees positions >= kv_lo (no row of the tile sees fewer): the walk
+        # starts on the tile boundary at or below it and never loads a position below it, so a
+        # block wholly before the window (maybe freed) is never read. Positions >= kv_end - W
+        # are in every row's window: from the first tile boundary at or above that on (up to
+        # the diagonal), tiles need no mask; the ones before take the window mask.
+        kv_lo = tl.maximum(ctx0 + tile_q0 - window + 1, 0)
+        n_start = (kv_lo // BLOCK_N) * BLOCK_N
+        n_win = tl.maximum(kv_end - window, 0)
+        n_win = tl.minimum(((n_win + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, n_full)
+        for n0 in range(n_start, n_win, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, m_i, l_i, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, offs_d, n0,
+                kv_lo, kv_end, window, scale_log2, stride_cb, stride_ct, PAGE_SIZE, BLOCK_N, True,
+                DOT_PRECISION, True,
+            )
+        n_win = tl.maximum(n_win, n_start)
+    else:
+        kv_lo = 0
+        n_win = 0
+    for n0 in range(n_win, n_full, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, offs_d, n0, kv_end,
-            scale_log2, stride_cb, stride_ct, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+            q, m_i, l_i, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, offs_d, n0,
+            kv_lo, kv_end, window, scale_log2, stride_cb, stride_ct, PAGE_SIZE, BLOCK_N, False,
+            DOT_PRECISION, False,
         )
-    for n0 in range(n_full, kv_end, BLOCK_N):
+    for n0 in range(n_full, kv_end, BLOCK_N):  # n_start <= n_win <= n_full
         m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, offs_d, n0, kv_end,
-            scale_log2, stride_cb, stride_ct, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+            q, m_i, l_i, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, offs_d, n0,
+            kv_lo, kv_end, window, scale_log2, stride_cb, stride_ct, PAGE_SIZE, BLOCK_N, True,
+            DOT_PRECISION, HAS_WINDOW,
         )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -236,11 +287,14 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [B] int32, includes the new query tokens
     max_seqlen_q: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,  # W: each query sees its last W positions; None/0: all
 ) -> torch.Tensor:  # [TQ, H, D], dtype of q
     """Causal attention of variable-length query chunks over their paged contexts."""
     batch, num_heads, num_kv_heads, head_dim, block_size = _validate(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q
     )
+    window = _check_window(sliding_window)
     _check_kernel_device("q", q)
     total_q = q.shape[0]
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -251,7 +305,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(int(max_seqlen_q), block_q), num_kv_heads, batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E, max(window, 1),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), cu_seqlens_q.stride(0), seq_lens.stride(0),
@@ -263,6 +317,7 @@ def paged_prefill_attention(
         PAGE_SIZE=block_size,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=window > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -278,11 +333,15 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference of :func:`paged_prefill_attention` (fp32 math, one loop per sequence)."""
+    """Pure-torch reference of :func:`paged_prefill_attention` (fp32 math, one loop per sequence;
+    with a window it gathers positions from the first query's window start on only)."""
     batch, num_heads, num_kv_heads, head_dim, _ = _validate(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q
     )
+    window = _check_window(sliding_window)
     group = num_heads // num_kv_heads
     out = torch.zeros((q.shape[0], num_heads, head_dim), dtype=q.dtype, device=q.device)
     for b in range(batch):
@@ -290,13 +349,16 @@ def paged_prefill_attention_ref(
         qlen, n = q1 - q0, int(seq_lens[b])
         if qlen == 0:
             continue
-        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], n)  # [n, Hkv, D]
-        k = k.repeat_interleave(group, dim=1)  # [n, H, D]
+        lo = _window_start(n, qlen, window)  # no query sees a position below it
+        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], n, lo)  # [n - lo, Hkv, D]
+        k = k.repeat_interleave(group, dim=1)  # [n - lo, H, D]
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,nhd->htn", q[q0:q1].float(), k) * scale  # [H, qlen, n]
+        scores = torch.einsum("thd,nhd->htn", q[q0:q1].float(), k) * scale  # [H, qlen, n - lo]
         q_pos = torch.arange(n - qlen, n, device=q.device)  # [qlen]
-        k_pos = torch.arange(n, device=q.device)  # [n]
-        visible = k_pos[None, :] <= q_pos[:, None]  # [qlen, n]
+        k_pos = torch.arange(lo, n, device=q.device)  # [n - lo]
+        visible = k_pos[None, :] <= q_pos[:, None]  # [qlen, n - lo]
+        if window:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~visible[None], float("-inf"))
         p = torch.softmax(scores, dim=-1)
         out[q0:q1] = torch.einsum("htn,nhd->thd", p, v).to(q.dtype)

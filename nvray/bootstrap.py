@@ -18,6 +18,7 @@ from nvray.config import EngineConfig
 from nvray.engine.engine import LLMEngine, ModelLimits
 from nvray.gc_freeze import freeze_startup_objects
 from nvray.grammar import grammar_compiler
+from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
 from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import Executor
@@ -46,7 +47,8 @@ def create_engine(config: EngineConfig,
                              vocab_size=executor.vocab_size, num_kvcache_blocks=executor.num_blocks,
                              block_size=config.kvcache_block_size,
                              eos_token_ids=eos_token_ids(model_path, tokenizer),
-                             dtypes=dict(executor.dtypes))
+                             dtypes=dict(executor.dtypes),
+                             architecture=architecture_of(model_path))
         engine = LLMEngine(config, tokenizer, executor, limits,
                            grammar_compiler=functools.partial(grammar_compiler, model_path,
                                                               executor.vocab_size))

@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = (None, "fp8")  # weights; an FP8 checkpoint is detected from its config.json
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype; fp8: e4m3, scale 1
 RUNTIMES = ("ray", "inprocess")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights on the device, config.json only
 RAY_DISPATCH = ("compiled", "actor_calls")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 # The Serve app's step token budget (deployments/args.py): smaller prefill chunks than the
@@ -40,7 +41,13 @@ class EngineConfig:
     # nano-vllm's default: offline throughput (eager prefill steps cost ~30 ms of host time
     # each, so fewer, larger ones pay); the Serve app's is SERVE_MAX_NUM_BATCHED_TOKENS
     max_num_batched_tokens: int = 16384
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: as far as the model's rope reaches
+    # merged over config.json's top-level keys (vLLM's hf_overrides), e.g. YaRN for Qwen3:
+    # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    hf_overrides: dict[str, Any] | None = None
+    # "dummy": random weights made on the device instead of read (benchmarks of a model's shape
+    # from its config.json alone, as vLLM's --load-format dummy)
+    load_format: str = "auto"
     kvcache_block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kvcache_blocks: int | None = None  # override the block count computed from memory
@@ -101,6 +108,9 @@ class EngineConfig:
                                                        or self.tensor_parallel_size == 1),
                  "num_gpus_per_rank", self.num_gpus_per_rank,
                  "must be in (0, 1], and 1 when tensor_parallel_size > 1 (a rank per GPU)")
+        _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict) and all(
+            isinstance(k, str) for k in self.hf_overrides)), "hf_overrides", self.hf_overrides,
+            "must be a dict of config.json keys (a JSON object) or None")
         _require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
         _require(self.runtime == "ray" or self.tensor_parallel_size == 1, "runtime", self.runtime,
                  "tensor_parallel_size > 1 needs runtime='ray'")
@@ -113,6 +123,7 @@ class EngineConfig:
                               ("quantization", QUANTIZATIONS),
                               ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("runtime", RUNTIMES),
+                              ("load_format", LOAD_FORMATS),
                               ("ray_dispatch", RAY_DISPATCH),
                               ("placement_strategy", PLACEMENT_STRATEGIES)):
             value = getattr(self, name)

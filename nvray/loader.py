@@ -8,12 +8,14 @@ the model does not have, a parameter the checkpoint lacks, or a shape mismatch i
 FP8 layers (``nvray/quantization``) take their scale tensors the same way. With on-the-fly FP8
 a 16/32-bit linear weight is quantized whole, on the parameter's device, before it is sharded:
 the weight and its per-channel scale then load as a pre-quantized checkpoint's would.
+``fill_random`` makes random weights instead (``load_format="dummy"``: benchmarks of a shape).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -23,8 +25,18 @@ from torch import nn
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# One expert's projection of an MoE layer: stacked into the layer's w13 (gate, up) / w2 (down).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+_EXPERT_PARAM = re.compile(r"\.experts\.w(13|2)_")
+
+
 def _route(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object | None]:
     """Checkpoint name -> (parameter name, shard id or None)."""
+    expert = _EXPERT.search(name)
+    if expert is not None:
+        stacked = "w2" if expert.group(2) == "down_proj" else "w13"
+        return (name[:expert.start()] + f".experts.{stacked}_" + name[expert.end():],
+                (int(expert.group(1)), expert.group(2)))
     for ckpt_part, (param_part, shard_id) in packed.items():
         if f".{ckpt_part}." in name:
             return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
@@ -104,7 +116,10 @@ def _expected_shards(params: dict[str, nn.Parameter], packed: dict[str, tuple[st
     for param_part, shard_id in packed.values():
         fused.setdefault(param_part, set()).add(shard_id)
     expected = {}
-    for name in params:
+    for name, param in params.items():
+        if hasattr(param, "expected_shards"):  # e.g. an MoE layer's stacked experts
+            expected[name] = set(param.expected_shards)
+            continue
         parts = [p for p in fused if f".{p}." in name]
         expected[name] = fused[parts[0]] if parts else {None}
     return expected
@@ -112,6 +127,10 @@ def _expected_shards(params: dict[str, nn.Parameter], packed: dict[str, tuple[st
 
 def _checkpoint_name(param_name: str, shard_id: object | None,
                      packed: dict[str, tuple[str, object]]) -> str:
+    stacked = _EXPERT_PARAM.search(param_name)
+    if stacked is not None and isinstance(shard_id, tuple):
+        expert, proj = shard_id
+        return f"{param_name[:stacked.start()]}.experts.{expert}.{proj}.{param_name[stacked.end():]}"
     for ckpt_part, (param_part, sid) in packed.items():
         if sid == shard_id and f".{param_part}." in param_name:
             return param_name.replace(f".{param_part}.", f".{ckpt_part}.")
@@ -125,3 +144,22 @@ def _check_complete(expected: dict[str, set[object]], loaded: dict[str, set[obje
             continue
         for shard_id in shards - loaded.get(name, set()):
             raise ValueError(f"checkpoint is missing tensor {_checkpoint_name(name, shard_id, packed)!r}")
+
+
+def fill_random(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights in place of a checkpoint's (``load_format="dummy"``): normal(0, ``std``)
+    values, norms near 1, FP8 weights normal(0, 1) in e4m3 with scales of ``std``; made on
+    each parameter's device."""
+    gen: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            g = gen.setdefault(param.device, torch.Generator(param.device).manual_seed(seed))
+            if param.dtype.itemsize == 1:  # FP8 weight
+                values = torch.randn(param.shape, generator=g, device=param.device)
+                param.copy_(values.clamp(-448, 448).to(param.dtype))
+            elif "scale" in name.rsplit(".", 1)[-1]:
+                param.fill_(std)
+            elif "norm" in name and param.dim() == 1:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=g, device=param.device))
+            else:
+                param.normal_(0.0, std, generator=g)

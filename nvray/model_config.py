@@ -1,8 +1,11 @@
 """A checkpoint's model config (its ``config.json``), read without importing transformers.
 
-``load_model_config(path)`` returns a ``ModelConfig``: the file's keys as attributes, with the
-values transformers' config class of the architecture (``Qwen3Config``, ``Qwen2Config``) gives
-the keys a file leaves out, for the keys nvray's models read. It exists for start-up time: importing transformers costs a rank process 8-10 s on a GPU node (measured on
+``load_model_config(path, overrides)`` returns a ``ModelConfig``: the file's keys as attributes,
+with the values transformers' config class of the architecture (``Qwen3Config``,
+``LlamaConfig``, ``Gemma3TextConfig``, ...) gives the keys a file leaves out, for the keys nvray's
+models read. ``overrides`` (``hf_overrides``, vLLM's flag of that name) are merged over the file's
+top-level keys first: a stock Qwen3 checkpoint gets YaRN with ``{"rope_scaling": {"rope_type":
+"yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}``. It exists for start-up time: importing transformers costs a rank process 8-10 s on a GPU node (measured on
 an H100 machine, warm caches), and a rank needs nothing of it but these numbers.
 ``tests/worker/test_model_config.py`` holds it to transformers' ``AutoConfig`` on full and sparse files.
 """
@@ -14,18 +17,45 @@ import os
 import types
 from typing import Any
 
-# What transformers' Qwen3Config / Qwen2Config default to, for the keys nvray's models read
-# (read off transformers 5.24; the test holds them to the installed version).
+# What transformers' config classes default to, for the keys nvray's models read (read off
+# transformers 5.24; tests/worker/test_model_config.py holds them to the installed version).
+_COMMON: dict[str, Any] = {
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_scaling": None, "quantization_config": None, "attention_bias": False,
+}
 _QWEN_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+    **_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-    "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False, "rope_scaling": None, "quantization_config": None,
+    "max_position_embeddings": 32768,
 }
 _DEFAULT_ROPE_THETA = 10000.0
+# Keys transformers writes under another name than the checkpoints on the Hub (its attribute_map)
+_ALIASES = {"num_local_experts": "num_experts"}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": 128},
     "Qwen2ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": None},  # hidden_size // heads
+    "Qwen3MoeForCausalLM": {
+        **_QWEN_DEFAULTS, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 24, "num_key_value_heads": 4, "head_dim": None,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "LlamaForCausalLM": {
+        **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "max_position_embeddings": 2048, "head_dim": None, "mlp_bias": False},
+    "MistralForCausalLM": {
+        **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "head_dim": None, "sliding_window": 4096},
+    "Gemma3ForCausalLM": {
+        **_COMMON, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None,
+        "sliding_window_pattern": 6, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0},
 }
 
 
@@ -33,7 +63,9 @@ class ModelConfig(types.SimpleNamespace):
     """config.json's keys as attributes (the architecture's defaults filled in)."""
 
 
-def load_model_config(model_path: str) -> ModelConfig:
+def load_model_config(model_path: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """``config.json`` of ``model_path`` with ``overrides`` (``hf_overrides``) merged over its
+    top-level keys (a nested dict such as ``rope_scaling`` is replaced whole)."""
     path = os.path.join(model_path, "config.json")
     try:
         with open(path) as f:
@@ -44,16 +76,28 @@ def load_model_config(model_path: str) -> ModelConfig:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object")
-    return model_config_from_dict(raw)
+    return model_config_from_dict({**raw, **(overrides or {})})
+
+
+def architecture_of(model_path: str) -> str:
+    """The checkpoint's first ``architectures`` name (what ``/v1/models`` reports)."""
+    return (load_model_config(model_path).architectures or [""])[0]
 
 
 def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     archs = raw.get("architectures") or []
     defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), _QWEN_DEFAULTS)
+    raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
     values = {**defaults, **raw}
     if values.get("num_key_value_heads") is None:  # as the config classes do
         values["num_key_value_heads"] = values["num_attention_heads"]
+    if values.get("head_dim") is None:
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
     if values.get("rope_theta") is None:  # transformers 5 writes it into rope_parameters
         rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
         values["rope_theta"] = rope.get("rope_theta", _DEFAULT_ROPE_THETA)
+    if "layer_types" in values and values["layer_types"] is None:  # Gemma 3's old pattern key
+        every = values.get("sliding_window_pattern") or 6
+        values["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                 for i in range(values["num_hidden_layers"])]
     return ModelConfig(**values)

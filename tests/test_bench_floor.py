@@ -67,3 +67,37 @@ def test_floors_worked_by_hand(flop_per_s: float, seconds: float) -> None:
     peak = flop_per_s * 1e-12  # TFLOP/s
     assert roofline_output_tok_per_s(_HAND, [10], [3], one_byte, peak) == pytest.approx(3 / seconds)
     assert roofline_output_tok_per_s(_HAND, [10], [3], one_byte, peak, 2) == pytest.approx(6 / seconds)
+
+
+def _moe(**change) -> dict:
+    from nvray.bench.checkpoints import FAMILY_SHAPES
+
+    return {**FAMILY_SHAPES["qwen3-30b-a3b"], "dtype": "bfloat16", **change}
+
+
+def test_an_moe_step_reads_the_experts_its_tokens_pick() -> None:
+    from nvray.bench.floor import experts_touched, weight_bytes_per_step
+
+    assert experts_touched(128, 8, 1) == pytest.approx(8)
+    assert experts_touched(128, 8, 1024) == pytest.approx(128)
+    # one token reads what a dense model with 8 experts' width of MLP (and the router) reads
+    h, moe_inter = 2048, 768
+    dense = _moe(num_experts=0, intermediate_size=8 * moe_inter)
+    router = 48 * h * 128 * 2
+    assert weight_bytes_per_step(_moe(), batch=1) == weight_bytes_per_step(dense) + router
+    # a big batch reads every expert: more than one token, and no more than the checkpoint
+    everything = weight_bytes_per_step(_moe())
+    assert weight_bytes_per_step(_moe(), batch=1) < weight_bytes_per_step(_moe(), batch=256)
+    assert weight_bytes_per_step(_moe(), batch=4096) == everything
+
+
+def test_a_windowed_layer_reads_at_most_its_window() -> None:
+    from nvray.bench.checkpoints import FAMILY_SHAPES
+
+    gemma = {**FAMILY_SHAPES["gemma3-12b"], "dtype": "bfloat16"}
+    full = {**gemma, "sliding_window": 10 ** 9}  # a window nothing reaches past
+    short = [500] * 8, [20] * 8  # contexts within the 1,024-token window: the same floor
+    assert floor_output_tok_per_s(gemma, *short, 3.0) == pytest.approx(
+        floor_output_tok_per_s(full, *short, 3.0))
+    long = [8000] * 8, [20] * 8  # five layers in six read 1,024 of 8,000 tokens: faster
+    assert floor_output_tok_per_s(gemma, *long, 3.0) > 1.5 * floor_output_tok_per_s(full, *long, 3.0)

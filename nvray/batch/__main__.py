@@ -134,7 +134,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(FP8 checkpoints are detected)")
     p.add_argument("--kv-cache-dtype", default=_ENGINE.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="'fp8': keys and values stored as e4m3, about twice the KV cache tokens")
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="merged over the checkpoint's config.json keys, e.g. "
+                        "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}'")
     return p.parse_args(argv)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,7 +180,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
               "num_cpus_per_rank": args.num_cpus_per_rank, "device": args.device,
               "dtype": args.dtype, "quantization": args.quantization,
-              "kv_cache_dtype": args.kv_cache_dtype}
+              "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides}
     EngineConfig.from_kwargs(**kwargs)
     return kwargs
 

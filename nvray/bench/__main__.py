@@ -53,7 +53,7 @@ import json
 from typing import Any
 
 from nvray.bench import scaleup, serve, soak, startup
-from nvray.bench.checkpoints import QWEN3_SHAPES
+from nvray.bench.checkpoints import QWEN3_SHAPES, SHAPES
 from nvray.bench.throughput import FEATURES, bench_throughput, resolve_placements
 from nvray.config import KV_CACHE_DTYPES
 
@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--eager", action="store_true", help="also run with enforce_eager=True")
     tp.add_argument("--num-seqs", type=int, default=256)
     tp.add_argument("--max-model-len", type=int, default=4096)
-    tp.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES),
-                    help="Qwen3 shape of the random checkpoint built without --model")
+    tp.add_argument("--shape", default="0.6b", choices=SHAPES,
+                    help="shape of the random checkpoint built without --model: Qwen3 0.6b/8b, "
+                         "or a family's (llama3-8b, qwen3-30b-a3b, gemma3-12b: config only, "
+                         "random weights made on the GPU)")
     tp.add_argument("--tensor-parallel-size", default="1",
                     help="TP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only)")
     tp.add_argument("--floor", type=float, default=None,

@@ -1,4 +1,5 @@
-"""The benchmarks' checkpoints: Qwen3-shaped models with random bf16 weights, built once.
+"""The benchmarks' checkpoints: Qwen3-shaped models with random bf16 weights, built once, and
+the other families' shapes as config-only checkpoints the engine fills with random weights.
 
 ``random_qwen3_checkpoint(path, shape)`` writes (or finds) a checkpoint of one of
 ``QWEN3_SHAPES`` at ``path``; ``default_checkpoint(shape)`` is the one in the temp dir that the
@@ -25,6 +26,41 @@ QWEN3_8B_SHAPE: dict[str, Any] = {
 QWEN3_SHAPES: dict[str, dict[str, Any]] = {"0.6b": QWEN3_0_6B_SHAPE, "8b": QWEN3_8B_SHAPE}
 QWEN3_VOCAB, QWEN3_TOKENIZER_VOCAB = 151936, 151669
 
+# Other families' shapes, from their config.json (Llama-3.1-8B, Qwen3-30B-A3B, Gemma-3-12B's text
+# model): only the config is written, and the engine makes random weights on the GPU
+# (load_format="dummy": 16-60 GB of random safetensors would take longer to write than to bench).
+FAMILY_SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "vocab_size": 128256, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+        "tie_word_embeddings": False},
+    "gemma3-12b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 3840,
+        "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "vocab_size": 262208,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+}
+SHAPES = sorted([*QWEN3_SHAPES, *FAMILY_SHAPES])
+
+
+def is_config_only(shape: str) -> bool:
+    """Whether the shape's checkpoint has a config and no weights (load_format="dummy")."""
+    return shape in FAMILY_SHAPES
+
 
 def random_qwen3_checkpoint(path: str, shape: str = "0.6b", std: float = 0.2) -> str:
     """A Qwen3 checkpoint of the named shape (``QWEN3_SHAPES``) with random bf16 weights at
@@ -33,8 +69,10 @@ def random_qwen3_checkpoint(path: str, shape: str = "0.6b", std: float = 0.2) ->
 
     from nvray.models.tiny import build_checkpoint  # noqa: PLC0415
 
+    if shape in FAMILY_SHAPES:
+        return config_only_checkpoint(path, shape)
     if shape not in QWEN3_SHAPES:
-        raise ValueError(f"unknown Qwen3 shape {shape!r}; choose from {sorted(QWEN3_SHAPES)}")
+        raise ValueError(f"unknown shape {shape!r}; choose from {SHAPES}")
     if os.path.exists(os.path.join(path, "model.safetensors")):
         return path
     return build_checkpoint(path, QWEN3_SHAPES[shape], seed=0, vocab_size=QWEN3_VOCAB,
@@ -42,10 +80,30 @@ def random_qwen3_checkpoint(path: str, shape: str = "0.6b", std: float = 0.2) ->
                             std=std)
 
 
+def config_only_checkpoint(path: str, shape: str) -> str:
+    """A tokenizer and the config.json of ``FAMILY_SHAPES[shape]``, no weights (built once)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from nvray.models.tiny import _save_tokenizer  # noqa: PLC0415
+
+    config = os.path.join(path, "config.json")
+    if os.path.exists(config):
+        return path
+    os.makedirs(path, exist_ok=True)
+    _save_tokenizer(path, QWEN3_TOKENIZER_VOCAB)
+    with open(config + ".tmp", "w") as f:
+        json.dump({**FAMILY_SHAPES[shape], "dtype": "bfloat16", "bos_token_id": 0,
+                   "eos_token_id": 1}, f, indent=2)
+    os.rename(config + ".tmp", config)
+    return path
+
+
 def default_checkpoint(shape: str = "0.6b") -> str:
     """The benchmarks' default model: a Qwen3-shaped random checkpoint in the temp dir."""
     import os  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
-    path = os.path.join(tempfile.gettempdir(), f"nvray-qwen3-{shape}-random")
+    name = shape if shape in FAMILY_SHAPES else f"qwen3-{shape}"
+    path = os.path.join(tempfile.gettempdir(), f"nvray-{name}-random")
     return random_qwen3_checkpoint(path, shape)

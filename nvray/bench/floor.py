@@ -17,7 +17,10 @@ bytes and FLOPs: ``n`` times either floor (collectives ignored). With FP8 weight
 (``quantization="fp8"`` or an FP8 checkpoint) the decoder layers' linear weights count one byte a
 value and their FLOPs run at twice the bf16 matmul peak; the LM head keeps the checkpoint's
 dtype. With an FP8 KV cache (``kv_cache_dtype="fp8"``)
-keys and values count one byte a value.
+keys and values count one byte a value. An MoE layer's step reads the router and the experts
+its tokens pick (about ``E * (1 - (1 - k/E) ** B)`` of ``E`` at batch ``B`` and top-``k``, routing
+uniform) and a token computes with its ``k``; a sliding-window layer reads at most its window
+of each context (Gemma 3's local layers, Mistral's).
 """
 
 from __future__ import annotations
@@ -59,12 +62,45 @@ def _head_params(cfg: dict[str, Any]) -> int:
     return cfg["vocab_size"] * cfg["hidden_size"]
 
 
-def _layer_params(cfg: dict[str, Any]) -> int:
-    """Parameters of the linear layers of all decoder layers."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+def _num_experts(cfg: dict[str, Any]) -> int:
+    return cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0
+
+
+def _is_sparse(cfg: dict[str, Any], index: int) -> bool:
+    """Qwen3-MoE's rule (nvray/models/qwen3_moe.py)."""
+    return (_num_experts(cfg) > 0 and index not in (cfg.get("mlp_only_layers") or [])
+            and (index + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+
+
+def _attention_params(cfg: dict[str, Any]) -> int:
+    h = cfg["hidden_size"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    return cfg["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    return h * (q + 2 * kv) + q * h
+
+
+def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
+    """Experts a step of ``batch`` tokens reads on average, routing uniform at random:
+    ``E * (1 - (1 - k/E) ** B)``."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def _layer_params(cfg: dict[str, Any], batch: int | None = None) -> int:
+    """Parameters of the linear layers of all decoder layers that a step of ``batch`` tokens
+    reads (None: every one; an MoE layer's router and the experts its tokens pick)."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    sparse = sum(_is_sparse(cfg, i) for i in range(layers))
+    total = layers * _attention_params(cfg) + (layers - sparse) * 3 * h * cfg["intermediate_size"]
+    if sparse:
+        e = _num_experts(cfg)
+        read = e if batch is None else experts_touched(e, cfg["num_experts_per_tok"], batch)
+        total += sparse * round(h * e + read * 3 * h * cfg["moe_intermediate_size"])
+    return total
+
+
+def _active_layer_params(cfg: dict[str, Any]) -> int:
+    """Parameters of the decoder layers one token computes with (its top-k experts)."""
+    return _layer_params(cfg, batch=1) if _num_experts(cfg) else _layer_params(cfg)
 
 
 def _layer_bytes_per_value(cfg: dict[str, Any], quantization: str | None) -> int:
@@ -72,35 +108,64 @@ def _layer_bytes_per_value(cfg: dict[str, Any], quantization: str | None) -> int
     return 1 if fp8 else _bytes_per_value(cfg)
 
 
-def weight_bytes_per_step(cfg: dict[str, Any], quantization: str | None = None) -> int:
-    """Bytes of the weights one decode step reads: the layers' linear layers and the LM head."""
-    return (_layer_params(cfg) * _layer_bytes_per_value(cfg, quantization)
+def weight_bytes_per_step(cfg: dict[str, Any], quantization: str | None = None,
+                          batch: int | None = None) -> int:
+    """Bytes of the weights one decode step of ``batch`` sequences reads: the layers' linear
+    layers (an MoE layer's experts its tokens pick) and the LM head."""
+    return (_layer_params(cfg, batch) * _layer_bytes_per_value(cfg, quantization)
             + _head_params(cfg) * _bytes_per_value(cfg))
+
+
+def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Each layer's attention window (None: full): Gemma 3's ``layer_types`` (or its older
+    ``sliding_window_pattern``), Mistral's ``sliding_window`` on every layer."""
+    n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if cfg.get("layer_types") or "sliding_window_pattern" in cfg:
+        every = cfg.get("sliding_window_pattern") or 6
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % every == 0
+                                           else "sliding_attention" for i in range(n)]
+        return [window if t == "sliding_attention" else None for t in types]
+    if cfg.get("use_sliding_window", True) and window:
+        return [window] * n
+    return [None] * n
 
 
 def kv_bytes_per_token(cfg: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
     """Bytes of one context token's keys and values over all layers."""
+    return cfg["num_hidden_layers"] * _kv_bytes_per_layer_token(cfg, kv_cache_dtype)
+
+
+def _kv_bytes_per_layer_token(cfg: dict[str, Any], kv_cache_dtype: str) -> int:
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     value = 1 if kv_cache_dtype == "fp8" else _bytes_per_value(cfg)
-    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2 * value
+    return cfg["num_key_value_heads"] * d * 2 * value
 
 
-def _decode_steps(prompt_lens: list[int], output_lens: list[int]) -> list[tuple[int, int]]:
-    """(batch, context tokens read) of each decode step ``t = 1 .. max(m) - 1``."""
+def _decode_steps(prompt_lens: list[int], output_lens: list[int]) -> list[tuple[int, list[int]]]:
+    """(batch, the running sequences' context lengths) of each decode step ``t = 1 .. max(m) - 1``."""
     steps = []
     for t in range(1, max(output_lens)):
-        running = [p for p, m in zip(prompt_lens, output_lens) if m > t]
-        steps.append((len(running), sum(running) + t * len(running)))
+        contexts = [p + t for p, m in zip(prompt_lens, output_lens) if m > t]
+        steps.append((len(contexts), contexts))
     return steps
+
+
+def _kv_bytes_of_step(cfg: dict[str, Any], contexts: list[int], kv_cache_dtype: str) -> int:
+    """Keys and values a decode step reads: each layer its window of each context."""
+    per_token = _kv_bytes_per_layer_token(cfg, kv_cache_dtype)
+    windows = layer_windows(cfg)
+    full = sum(contexts)
+    read = {w: (full if w is None else sum(min(c, w) for c in contexts)) for w in set(windows)}
+    return per_token * sum(read[w] for w in windows)
 
 
 def floor_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int], output_lens: list[int],
                            tb_per_s: float, tensor_parallel_size: int = 1,
                            quantization: str | None = None, kv_cache_dtype: str = "auto") -> float:
     """design.md's floor in output tok/s (module docstring) at ``tb_per_s`` per GPU."""
-    steps = _decode_steps(prompt_lens, output_lens)
-    total = (len(steps) * weight_bytes_per_step(cfg, quantization)
-             + sum(tokens for _, tokens in steps) * kv_bytes_per_token(cfg, kv_cache_dtype))
+    total = sum(weight_bytes_per_step(cfg, quantization, batch)
+                + _kv_bytes_of_step(cfg, contexts, kv_cache_dtype)
+                for batch, contexts in _decode_steps(prompt_lens, output_lens))
     seconds = total / (tb_per_s * 1e12 * tensor_parallel_size)
     return sum(output_lens) / seconds
 
@@ -114,13 +179,12 @@ def roofline_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int],
     bandwidth, peak = tb_per_s * 1e12, tflop_per_s * 1e12
     # FP8 layers run on the FP8 tensor cores, at twice the bf16 rate
     layer_peak = peak * (2 if _layer_bytes_per_value(cfg, quantization) == 1 else 1)
-    layers, head = _layer_params(cfg), _head_params(cfg)
+    layers, head = _active_layer_params(cfg), _head_params(cfg)
     seconds = 2 * (layers * sum(prompt_lens) / layer_peak + head * len(prompt_lens) / peak)
-    weights = weight_bytes_per_step(cfg, quantization)
-    kv = kv_bytes_per_token(cfg, kv_cache_dtype)
-    for batch, tokens in _decode_steps(prompt_lens, output_lens):
-        seconds += tokens * kv / bandwidth + max(weights / bandwidth,
-                                                 2 * batch * (layers / layer_peak + head / peak))
+    for batch, contexts in _decode_steps(prompt_lens, output_lens):
+        weights = weight_bytes_per_step(cfg, quantization, batch)
+        seconds += (_kv_bytes_of_step(cfg, contexts, kv_cache_dtype) / bandwidth
+                    + max(weights / bandwidth, 2 * batch * (layers / layer_peak + head / peak)))
     return sum(output_lens) * tensor_parallel_size / seconds
 
 

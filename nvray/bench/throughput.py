@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from nvray.bench.checkpoints import default_checkpoint
+from nvray.bench.checkpoints import default_checkpoint, is_config_only
 from nvray.bench.floor import (floor_output_tok_per_s, measured_bandwidth, measured_matmul_peak,
                                read_config, roofline_output_tok_per_s)
 from nvray.models.tiny import resolve_model
@@ -123,6 +123,7 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     import torch  # noqa: PLC0415
 
     placements = resolve_placements(runtimes, tensor_parallel_sizes)
+    dummy = model is None and is_config_only(shape)  # random weights made on the GPU
     model = model or default_checkpoint(shape)
     if "ray" in runtimes:
         from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
@@ -139,6 +140,8 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                 for b in token_budgets for o in overlaps for p in placements):
             options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
                        "tensor_parallel_size": tp, "quantization": quant, "kv_cache_dtype": kv}
+            if dummy:
+                options["load_format"] = "dummy"
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
             runs.append({"features": feature, "max_num_batched_tokens": budget or "default",

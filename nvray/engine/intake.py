@@ -31,6 +31,7 @@ class ModelLimits:
     block_size: int
     eos_token_ids: tuple[int, ...]
     dtypes: dict[str, str] = field(default_factory=dict)  # weights / compute / KV cache
+    architecture: str = ""  # config.json's architectures[0], e.g. "LlamaForCausalLM"
 
 
 class RequestIntake:

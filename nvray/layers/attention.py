@@ -1,6 +1,7 @@
 """Paged attention: metadata, backends and the layer that stores K/V then attends.
 
-Every backend implements ``forward(q, k, v, k_cache, v_cache, meta, scale) -> out`` with
+Every backend implements ``forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None)
+-> out`` with
 q ``[T, H, D]``, k/v ``[T, KVH, D]`` (this step's tokens), caches
 ``[num_blocks, block_size, KVH, D]`` in the compute dtype or ``float8_e4m3fn`` (an FP8 cache:
 values stored with scale 1, saturated at ±448, read back into the compute dtype; flash_attn
@@ -8,7 +9,13 @@ takes the compute dtype only). It first writes k/v into the slots of
 ``meta.slot_mapping`` (slot -1: skip) — unless k and v are None: the caller stored them
 already (the model's fused prologue does, on the GPU) — then computes causal attention of each
 sequence's query chunk over its whole context read from the cache, which serves prefill,
-prefill over a cached prefix, chunked prefill and decode alike.
+prefill over a cached prefix, chunked prefill and decode alike. ``sliding_window=W`` (an
+``Attention`` layer's ``sliding_window``; None or 0: full causal attention) makes it local
+attention as Gemma 3's local layers use it (HF transformers' sliding window): the query at
+position ``p`` sees positions ``p - W < k <= p`` only. Then the cache blocks (and block-table
+entries) whose positions all lie before the window of a sequence's first query of the step
+(all ``< first query position - W + 1``) are never read: the engine may free them, leaving
+stale or invalid ids (-1, another sequence's block) in the table.
 
 Backend choice lives in ``select_backend`` only. ``auto``: ``flash_attn`` when it is importable,
 the engine runs on CUDA, the KV block size is a multiple of 256 (flash-attn's paged-KV
@@ -86,17 +93,23 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
         if k is not None:
             self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            blocks = meta.block_tables[i, :-(-ctx_len // block_size)].long()
-            keys = k_cache[blocks].flatten(0, 1)[:ctx_len].to(q.dtype)  # [ctx, KVH, D]
-            values = v_cache[blocks].flatten(0, 1)[:ctx_len].to(q.dtype)
-            out[start:start + q_len] = self._attend(q[start:start + q_len], keys, values, scale)
+            # with a window, gather from the block holding the first query's window start on:
+            # the blocks before it may be freed (their table entries stale)
+            lo = max(0, ctx_len - q_len - sliding_window + 1) if sliding_window else 0
+            first = lo // block_size
+            blocks = meta.block_tables[i, first:-(-ctx_len // block_size)].long()
+            kv_len = ctx_len - first * block_size  # positions first * block_size .. ctx_len - 1
+            keys = k_cache[blocks].flatten(0, 1)[:kv_len].to(q.dtype)  # [kv_len, KVH, D]
+            values = v_cache[blocks].flatten(0, 1)[:kv_len].to(q.dtype)
+            out[start:start + q_len] = self._attend(q[start:start + q_len], keys, values, scale,
+                                                    sliding_window=sliding_window)
             start += q_len
         return out
 
@@ -109,14 +122,21 @@ class TorchAttentionBackend:
         v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache_dtype(v[valid], v_cache.dtype)
 
     @staticmethod
-    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                sliding_window: int | None = None) -> torch.Tensor:
+        """k/v: the last ``k.shape[0]`` positions of the context (all of them, or from a window's
+        start on), the queries its last ``q.shape[0]``."""
         q_len, ctx_len = q.shape[0], k.shape[0]
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        # query i sits at position ctx_len - q_len + i and sees keys 0..that position
+        # query i sits at (relative) position ctx_len - q_len + i and sees keys 0..that position,
+        # the last sliding_window of them with a window
         pos_q = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
-        mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= pos_q  # [q_len, ctx]
+        pos_k = torch.arange(ctx_len, device=q.device).unsqueeze(0)
+        mask = pos_k <= pos_q  # [q_len, ctx]
+        if sliding_window:
+            mask &= pos_k > pos_q - sliding_window
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
         return o.transpose(0, 1)
 
@@ -139,7 +159,7 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
         kn = self.kernels
         if k is not None:
             kn.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -148,10 +168,11 @@ class TritonAttentionBackend:
             # CUDA graph it is max_model_len, so one graph serves every context length
             return kn.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                              meta.seq_lens, scale, max_seq_len=meta.max_seq_len,
-                                             order=meta.decode_order())
+                                             order=meta.decode_order(),
+                                             sliding_window=sliding_window)
         return kn.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.query_start_loc, meta.seq_lens,
-                                          meta.max_query_len, scale)
+                                          meta.max_query_len, scale, sliding_window=sliding_window)
 
 
 class FlashAttentionBackend:
@@ -177,17 +198,22 @@ class FlashAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
         if k is not None:
             self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        # flash-attn's window_size=(left, right): query i sees keys i - left .. i + right, so
+        # the last W positions are (W - 1, 0); (-1, -1) is no window. Its kernels start their
+        # walk at the window (they read no KV tile wholly before it).
+        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         if meta.is_decode_only:
             out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                    block_table=meta.block_tables, softmax_scale=scale, causal=True)
+                                    block_table=meta.block_tables, softmax_scale=scale, causal=True,
+                                    window_size=window)
             return out.squeeze(1)  # [B, 1, H, D] -> [B, H, D]
         return self.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
                            cu_seqlens_k=meta.cu_seqlens_k(), max_seqlen_q=meta.max_query_len,
                            max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
-                           block_table=meta.block_tables)
+                           window_size=window, block_table=meta.block_tables)
 
 
 Backend = TorchAttentionBackend | TritonAttentionBackend | FlashAttentionBackend
@@ -234,10 +260,14 @@ def select_backend(name: str, device: torch.device, block_size: int = 16,
 class Attention(nn.Module):
     """Stores this step's K/V into the layer's paged cache and attends over the context."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        """``sliding_window``: W for a local-attention layer (each query sees its last W
+        positions, itself included; Gemma 3's local layers), None or 0 for full causal."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window = sliding_window or None
         self.k_cache = torch.empty(0)  # set by the model runner once the cache is allocated
         self.v_cache = torch.empty(0)
         self.backend: Backend = TorchAttentionBackend()
@@ -245,4 +275,5 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         """k and v None: this step's K/V are in the cache already."""
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                    self.sliding_window)

@@ -1,6 +1,8 @@
-"""Models built from ``nvray.layers``: Qwen3 and Qwen2 (``qwen3.py``) and the embedded tiny
-checkpoint (``tiny.py``: a small random-weight Qwen3 written in HF format on first use, loaded
-through the same code as a real model). ``model_class_for`` maps a checkpoint's HF
+"""Models built from ``nvray.layers``, one file per family: the decoder Qwen, Llama and Mistral
+share (``decoder.py``), Qwen3 and Qwen2 (``qwen3.py``), Qwen3-MoE (``qwen3_moe.py``), Llama 3.x and
+Mistral (``llama.py``), Gemma 3 text (``gemma3.py``), and the embedded tiny checkpoint
+(``tiny.py``: a small random-weight Qwen3 written in HF format on first use, loaded through the
+same code as a real model). ``model_class_for`` maps a checkpoint's HF
 ``architectures`` name to its nvray class; an unknown one is a ValueError naming it.
 """
 
@@ -11,6 +13,10 @@ from typing import Any
 MODEL_REGISTRY = {
     "Qwen3ForCausalLM": ("nvray.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen2ForCausalLM": ("nvray.models.qwen3", "Qwen2ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("nvray.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "LlamaForCausalLM": ("nvray.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("nvray.models.llama", "MistralForCausalLM"),
+    "Gemma3ForCausalLM": ("nvray.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 

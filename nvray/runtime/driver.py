@@ -87,7 +87,7 @@ class EngineDriver:
                 "num_kvcache_blocks": lim.num_kvcache_blocks, "block_size": lim.block_size,
                 "device": cfg.device, "tensor_parallel_size": cfg.tensor_parallel_size,
                 "cuda_graphs": cfg.device == "cuda" and not cfg.enforce_eager,
-                "dtypes": lim.dtypes,
+                "dtypes": lim.dtypes, "architecture": lim.architecture,
                 "startup_s": engine.startup.get("total_s") if engine.startup else None}
 
     # ---------------------------------------------------------------- requests

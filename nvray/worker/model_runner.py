@@ -69,7 +69,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self.memory_baseline = measure_used(self.device)
-        self.hf_config = load_model_config(model_path)  # config.json, no transformers import
+        self.hf_config = load_model_config(model_path, config.hf_overrides)  # no transformers import
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)
         fp8_kv = config.kv_cache_dtype == "fp8"
@@ -79,7 +79,7 @@ class ModelRunner:
         self.startup = StartupPhases()  # this rank's start-up, by phase (startup_phases.py)
         with self.startup.phase("model_and_weights"):
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
-                                     config.seed, self.quant_config)
+                                     config.seed, self.quant_config, config.load_format)
         self.attention_layers = self.model.attention_layers()
         check_fp8_device(self.device, self.quant_config is not None, fp8_kv)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size,

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from nvray.config import EngineConfig
-from nvray.loader import load_model
+from nvray.loader import fill_random, load_model
+from nvray.layers.rotary import rope_max_positions
 from nvray.models import model_class_for
 from nvray.quantization import Fp8Config
 
@@ -43,19 +44,27 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit = hf_config.max_position_embeddings
+    """``max_model_len``, or as far as the model's rope reaches (``rope_max_positions``:
+    ``max_position_embeddings``, further where the config's rope scaling covers more)."""
+    limit = rope_max_positions(hf_config, getattr(hf_config, "layer_types", None))
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings={limit}")
+        scaled = limit > hf_config.max_position_embeddings
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's "
+            + (f"rope scaling's reach of {limit} positions" if scaled else
+               f"max_position_embeddings={limit} (a longer context needs rope scaling, e.g. "
+               f"hf_overrides={{'rope_scaling': {{'rope_type': 'yarn', 'factor': 4.0, "
+               f"'original_max_position_embeddings': {limit}}}}})"))
     return config.max_model_len
 
 
 def build_model(hf_config: Any, model_path: str, dtype: torch.dtype, device: torch.device,
-                seed: int, quant: Fp8Config | None = None) -> torch.nn.Module:
+                seed: int, quant: Fp8Config | None = None,
+                load_format: str = "auto") -> torch.nn.Module:
     """The model for ``hf_config``, made on ``device`` in ``dtype`` (its linear layers FP8
-    with ``quant``), its weights loaded."""
+    with ``quant``), its weights loaded (``load_format="dummy"``: random)."""
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -64,7 +73,10 @@ def build_model(hf_config: Any, model_path: str, dtype: torch.dtype, device: tor
             model = model_class_for(hf_config)(hf_config, quant)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_model(model, model_path)
+    if load_format == "dummy":
+        fill_random(model, seed)
+    else:
+        load_model(model, model_path)
     return model.eval()
 
 

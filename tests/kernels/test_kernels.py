@@ -476,3 +476,246 @@ def test_decode_and_prefill_read_fp8_caches_like_the_reference(dtype):
     dec = (q_dec, k_cache, v_cache, bt, _i32(seq_lens), head_dim**-0.5)
     _assert_close(kernels.paged_decode_attention(*dec), kernels.paged_decode_attention_ref(*dec),
                   dtype)
+
+
+# ----------------------------------------------------------------------------
+# sliding-window (local) attention: query at p sees keys p - W < k <= p
+# ----------------------------------------------------------------------------
+
+
+def _dense_kv(k_cache, v_cache, bt, seq_lens):
+    """Each sequence's K/V as dense fp32 ``[n, Hkv, D]``, read position by position."""
+    bs = k_cache.shape[1]
+    out = []
+    for b, n in enumerate(seq_lens):
+        idx = [(int(bt[b, p // bs]), p % bs) for p in range(n)]
+        out.append((torch.stack([k_cache[i, j].float() for i, j in idx] or [k_cache[0, 0, :0].float()]),
+                    torch.stack([v_cache[i, j].float() for i, j in idx] or [v_cache[0, 0, :0].float()])))
+    return out
+
+
+def _naive_window_attention(q, dense, seq_lens, qlens, scale, window):
+    """Independent dense reference: positions, the window mask and a float32 softmax.
+    ``window`` None: full causal attention; a sequence of length 0 (padding) gives zeros."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    row = 0
+    for (k, v), n, qlen in zip(dense, seq_lens, qlens):
+        if n <= 0:
+            row += qlen
+            continue
+        group = q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [n, H, D]
+        q_pos = torch.arange(n - qlen, n, device=q.device)[:, None]  # [qlen, 1]
+        k_pos = torch.arange(n, device=q.device)[None, :]  # [1, n]
+        visible = k_pos <= q_pos
+        if window:
+            visible &= k_pos > q_pos - window
+        s = torch.einsum("thd,nhd->htn", q[row:row + qlen].float(), kk) * scale
+        p = torch.softmax(s.masked_fill(~visible[None], float("-inf")), dim=-1)
+        out[row:row + qlen] = torch.einsum("htn,nhd->thd", p, vv)
+        row += qlen
+    return out.to(q.dtype)
+
+
+def _poison_before_window(k_cache, v_cache, bt, seq_lens, qlens, window):
+    """What the engine leaves once it frees the blocks wholly before every query's window:
+    their table entries point at one all-NaN block (a reused or stale id) and the blocks
+    themselves hold NaN. A kernel that reads any of them (even masked out of the softmax:
+    0 * NaN) gives NaN. Returns the poisoned copies and how many entries were poisoned.
+    (The references, pure torch, also get a table whose poisoned entries are out of range:
+    ``_invalid_ids``.)"""
+    bs = k_cache.shape[1]
+    nan_block = torch.full((1, *k_cache.shape[1:]), float("nan"), dtype=k_cache.dtype, device=DEVICE)
+    k_cache, v_cache = torch.cat([k_cache, nan_block]), torch.cat([v_cache, nan_block])
+    bt = bt.clone()
+    poisoned = 0
+    for b, (n, qlen) in enumerate(zip(seq_lens, qlens)):
+        lo = max(0, n - qlen - window + 1)  # first position the sequence's first query sees
+        for j in range(lo // bs):  # blocks whose positions are all < lo
+            k_cache[int(bt[b, j])] = float("nan")
+            v_cache[int(bt[b, j])] = float("nan")
+            bt[b, j] = k_cache.shape[0] - 1
+            poisoned += 1
+    return k_cache, v_cache, bt, poisoned
+
+
+def _invalid_ids(bt_poisoned, num_blocks):
+    """The poisoned table with its poisoned entries (those pointing at the NaN block) set to an
+    id past the cache: torch indexing raises if a reference reads one."""
+    return torch.where(bt_poisoned == num_blocks, 10**8, bt_poisoned)
+
+
+SW_DECODE_LENS = [1, 5, 16, 17, 40, 70, 131]
+
+
+@pytest.mark.parametrize("window", [5, 40, 1000])  # < a block, several blocks, > every context
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_sliding_window(window, num_splits):
+    head_dim, block_size, num_heads, num_kv_heads, dtype = 32, 16, 8, 2, torch.float32
+    seq_lens = SW_DECODE_LENS
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=50)
+    q = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(51))
+    sl, scale = _i32(seq_lens), head_dim**-0.5
+    want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens,
+                                   [1] * len(seq_lens), scale, window)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, scale, num_splits=num_splits,
+                                         sliding_window=window)
+    _assert_close(out, want, dtype)
+    _assert_close(kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, scale,
+                                                     sliding_window=window), want, dtype)
+    full = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, scale, num_splits=num_splits)
+    if window >= max(seq_lens):  # the window holds every context: full attention
+        torch.testing.assert_close(out, full, atol=1e-6, rtol=1e-6)
+    else:
+        assert not torch.allclose(out, full, atol=1e-3)  # the window changed the answer
+
+
+@pytest.mark.parametrize("window", [1, 5, 40])
+@pytest.mark.parametrize("num_splits,max_seq_len", [(None, None), (1, None), (3, None), (None, 4096)])
+def test_decode_sliding_window_skips_freed_blocks(window, num_splits, max_seq_len):
+    """Blocks wholly before the window are freed: their table entries and contents are
+    garbage (NaN here). The output must equal the dense answer on the clean cache."""
+    head_dim, block_size, num_heads, num_kv_heads, dtype = 32, 16, 4, 1, torch.float32
+    seq_lens = SW_DECODE_LENS
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=52)
+    q = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(53))
+    scale = head_dim**-0.5
+    want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens,
+                                   [1] * len(seq_lens), scale, window)
+    kp, vp, btp, poisoned = _poison_before_window(k_cache, v_cache, bt, seq_lens, [1] * len(seq_lens),
+                                                  window)
+    assert poisoned >= 5
+    args = (q, kp, vp, btp, _i32(seq_lens), scale)
+    _assert_close(kernels.paged_decode_attention(*args, num_splits=num_splits, max_seq_len=max_seq_len,
+                                                 sliding_window=window), want, dtype)
+    _assert_close(kernels.paged_decode_attention_ref(*args, sliding_window=window), want, dtype)
+    bad_ids = _invalid_ids(btp, k_cache.shape[0])
+    _assert_close(kernels.paged_decode_attention_ref(q, kp, vp, bad_ids, _i32(seq_lens), scale,
+                                                     sliding_window=window), want, dtype)
+
+
+def test_decode_sliding_window_fp16_order_and_padding_rows():
+    head_dim, block_size, num_heads, num_kv_heads, dtype = 64, 16, 6, 2, torch.float16
+    seq_lens = [50, 3, 0, 100]  # a padding row (seq_len 0) gives zeros
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=54)
+    q = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(55))
+    want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens,
+                                   [1] * len(seq_lens), 0.125, 20)
+    for ns in (None, 2):
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, _i32(seq_lens), 0.125, num_splits=ns,
+                                             order=_i32([3, 0, 1, 2]), sliding_window=20)
+        _assert_close(out, want, dtype)
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+PREFILL_SW_CASES = [  # (seq_len, qlen)
+    (45, 45),  # full prefill
+    (100, 36),  # chunk whose queries start mid-sequence (position 64)
+    (90, 40),  # chunk longer than the window: rows see nothing in some of the tile's key tiles
+    (70, 1),  # decode-like query
+    (33, 3),  # short chunk across a block boundary
+    (5, 5),
+]
+
+
+@pytest.mark.parametrize("window", [5, 40, 1000])  # < a block, several blocks, > every context
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 2)])
+def test_prefill_sliding_window(window, num_heads, num_kv_heads):
+    head_dim, block_size, dtype = 32, 16, torch.float32
+    seq_lens = [n for n, _ in PREFILL_SW_CASES]
+    qlens = [m for _, m in PREFILL_SW_CASES]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=56)
+    q = _randn((sum(qlens), num_heads, head_dim), dtype, _gen(57))
+    scale = head_dim**-0.5
+    want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens, qlens,
+                                   scale, window)
+    args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), max(qlens), scale)
+    out = kernels.paged_prefill_attention(*args, sliding_window=window)
+    _assert_close(out, want, dtype)
+    _assert_close(kernels.paged_prefill_attention_ref(*args, sliding_window=window), want, dtype)
+    full = kernels.paged_prefill_attention(*args)
+    if window >= max(seq_lens):
+        torch.testing.assert_close(out, full, atol=1e-6, rtol=1e-6)
+    else:
+        assert not torch.allclose(out, full, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [1, 5, 17, 40])
+def test_prefill_sliding_window_skips_freed_blocks(window):
+    """Chunked prefill after the blocks wholly before the first query's window were freed:
+    their table entries and contents are garbage (NaN). Also cached-prefix lengths on both
+    sides of tile edges, so every split of the walk into window-masked, unmasked and
+    diagonal tiles is met."""
+    head_dim, block_size, num_heads, num_kv_heads, dtype = 16, 16, 4, 2, torch.float32
+    cases = PREFILL_SW_CASES + [(p + 3, 3) for p in (31, 32, 33, 47, 63, 64, 65)]
+    seq_lens = [n for n, _ in cases]
+    qlens = [m for _, m in cases]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=58)
+    q = _randn((sum(qlens), num_heads, head_dim), dtype, _gen(59))
+    want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens, qlens,
+                                   0.25, window)
+    kp, vp, btp, poisoned = _poison_before_window(k_cache, v_cache, bt, seq_lens, qlens, window)
+    assert poisoned >= 5
+    args = (q, kp, vp, btp, _cu(qlens), _i32(seq_lens), max(qlens), 0.25)
+    _assert_close(kernels.paged_prefill_attention(*args, sliding_window=window), want, dtype)
+    _assert_close(kernels.paged_prefill_attention_ref(*args, sliding_window=window), want, dtype)
+    bad_ids = _invalid_ids(btp, k_cache.shape[0])
+    _assert_close(kernels.paged_prefill_attention_ref(q, kp, vp, bad_ids, *args[4:], sliding_window=window),
+                  want, dtype)
+
+
+def test_prefill_sliding_window_fp16_and_qlen1_matches_decode():
+    head_dim, block_size, num_heads, num_kv_heads, dtype = 64, 32, 4, 4, torch.float16
+    seq_lens, qlens = [80, 33, 64], [50, 33, 1]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=60)
+    q = _randn((sum(qlens), num_heads, head_dim), dtype, _gen(61))
+    want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens, qlens,
+                                   0.125, 24)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), 50, 0.125,
+                                          sliding_window=24)
+    _assert_close(out, want, dtype)
+    # one query per sequence: prefill and decode agree
+    qd = q[[49, 82, 83]]
+    dec = kernels.paged_decode_attention(qd, k_cache, v_cache, bt, _i32(seq_lens), 0.125, num_splits=2,
+                                         sliding_window=24)
+    pre = kernels.paged_prefill_attention(qd, k_cache, v_cache, bt, _cu([1, 1, 1]), _i32(seq_lens), 1,
+                                          0.125, sliding_window=24)
+    torch.testing.assert_close(dec, pre, atol=2e-3, rtol=2e-3)
+
+
+def test_sliding_window_zero_is_full_attention_and_bad_windows_are_rejected():
+    q, k_cache, v_cache, bt, sl, scale = _small_decode_args()
+    full = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, scale)
+    assert torch.equal(kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, scale, sliding_window=0), full)
+    pre_args = (q, k_cache, v_cache, bt, _i32([0, 1, 2]), sl, 1, scale)
+    assert torch.equal(kernels.paged_prefill_attention(*pre_args, sliding_window=0),
+                       kernels.paged_prefill_attention(*pre_args))
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, scale, sliding_window=bad)
+        with pytest.raises(ValueError, match="sliding_window"):
+            kernels.paged_prefill_attention(*pre_args, sliding_window=bad)
+
+
+@pytest.mark.parametrize("batch,max_seq_len,window", [(1, 4096, 100), (3, 1600, 40), (1, 4096, 5000)])
+def test_decode_sliding_window_scratch_bytes(batch, max_seq_len, window):
+    """A window splits only its own walk: the scratch a call allocates is what
+    decode_scratch_bytes says for that window, and never more than without it."""
+    head_dim, block_size, num_kv_heads, num_heads = 32, 16, 2, 4
+    seq_lens = [1 + (37 * i + 150) % 300 for i in range(batch)]
+    k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, torch.float16, seed=62)
+    q = _randn((batch, num_heads, head_dim), torch.float16, _gen(63))
+    with _Allocations() as seen:
+        out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, _i32(seq_lens), 0.2,
+                                             max_seq_len=max_seq_len, sliding_window=window)
+    allocated = [math.prod(shape) * dtype.itemsize for shape, dtype in seen.shapes]
+    expected = kernels.decode_scratch_bytes(batch, num_heads, num_kv_heads, head_dim, 2, max_seq_len,
+                                            q.device, sliding_window=window)
+    assert sum(allocated[1:]) == expected
+    full = kernels.decode_scratch_bytes(batch, num_heads, num_kv_heads, head_dim, 2, max_seq_len, q.device)
+    assert expected <= full
+    if window < max_seq_len:
+        assert expected < full
+    want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens,
+                                   [1] * batch, 0.2, window)
+    _assert_close(out, want, torch.float16)

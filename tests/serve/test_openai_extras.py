@@ -62,6 +62,7 @@ def test_model_card_by_id_equals_the_listed_card(client):
     # the tiny model on CPU: fp32 weights, compute and KV cache
     assert listed.model_dump()["dtypes"] == {"weights": "float32", "compute": "float32",
                                              "kv_cache": "float32"}
+    assert listed.model_dump()["architecture"] == "Qwen3ForCausalLM"  # the tiny model's
 
 
 @pytest.mark.parametrize("model_id", ["no-such-model", "org/no-such-model"])

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nvray.config import EngineConfig
-from nvray.layers.rotary import rope_theta_of
+from nvray.layers.rotary import rope_spec_of
+from nvray.models.decoder import layer_types_of
 from nvray.model_config import load_model_config
 from nvray.models import model_class_for
 from nvray.quantization import quant_config_for
@@ -21,6 +22,12 @@ SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "vocab_size": 320}
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 FP8 = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                "weight_block_size": [128, 128]}}
 
@@ -38,6 +45,31 @@ CASES = {
     "qwen2, sizes only (head_dim from the sizes)": {**QWEN2, **SMALL},
     "qwen2, qkv bias and GQA": {**QWEN2, **SMALL, "num_key_value_heads": 1, "rope_theta": 1e6,
                                 "tie_word_embeddings": True},
+    "qwen3, YaRN (old layout)": {**QWEN3, **SMALL, "max_position_embeddings": 40960,
+                                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 32768}},
+    "llama, sizes only": {**LLAMA, **SMALL},
+    "llama 3.1, old layout": {**LLAMA, **SMALL, "num_key_value_heads": 2, "rope_theta": 5e5,
+                              "rope_scaling": LLAMA31_ROPE, "max_position_embeddings": 131072,
+                              "mlp_bias": False, "torch_dtype": "bfloat16"},
+    "llama 3.2, tied, transformers 5 layout": {
+        **LLAMA, **SMALL, "tie_word_embeddings": True, "head_dim": 32,
+        "rope_parameters": {**LLAMA31_ROPE, "rope_theta": 5e5, "factor": 32.0}},
+    "mistral, sizes only (a window)": {**MISTRAL, **SMALL},
+    "mistral, no window": {**MISTRAL, **SMALL, "sliding_window": None, "num_key_value_heads": 2},
+    "qwen3-moe, sizes only": {**QWEN3_MOE, **SMALL},
+    "qwen3-moe, as 30B-A3B writes it": {**QWEN3_MOE, **SMALL, "num_experts": 8,
+                                        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                        "norm_topk_prob": True, "head_dim": 32,
+                                        "num_key_value_heads": 2, "mlp_only_layers": [1]},
+    "qwen3-moe, as transformers 5 writes it": {**QWEN3_MOE, **SMALL, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                               "moe_intermediate_size": 16,
+                                               "decoder_sparse_step": 2},
+    "gemma3, sizes only": {**GEMMA3, **SMALL, "head_dim": 16},
+    "gemma3, old layout (pattern, local base, scaling)": {
+        **GEMMA3, **SMALL, "head_dim": 16, "num_hidden_layers": 4, "sliding_window_pattern": 2,
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512},
 }
 
 
@@ -49,7 +81,8 @@ def what_nvray_builds(cfg) -> dict:
     return {"params": {n: tuple(p.shape) for n, p in model.named_parameters()},
             "tied": model.tie_word_embeddings,
             "eps": sorted({m.eps for m in model.modules() if hasattr(m, "eps")}),
-            "rope_theta": rope_theta_of(cfg),
+            "rope": [rope_spec_of(cfg, t) for t in layer_types_of(cfg)],
+            "windows": [layer.sliding_window for layer in model.attention_layers()],
             "dtype": (resolve_dtype("auto", cfg, torch.device("cpu")),
                       resolve_dtype("auto", cfg, torch.device("meta"))),
             "max_model_len": resolve_max_model_len(engine, cfg),

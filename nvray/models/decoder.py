@@ -1,0 +1,232 @@
+"""The pre-norm decoder the Qwen, Llama and Mistral families share, built from tensor-parallel
+layers; a family file declares what differs (q/k norms, qkv bias, the MLP of each layer).
+
+``CausalLM`` is the model class the engine sees: ``forward`` returns hidden states of every
+token; ``compute_logits`` takes the rows to sample and returns their full-vocabulary logits on
+rank 0 (None elsewhere); ``attention_layers()`` lists the layers that hold a paged KV cache, each
+with its cache spec (``Attention.sliding_window``: None for full attention). ``packed_modules_mapping``
+tells the loader which checkpoint tensors are fused into which parameters. On the GPU the model
+runner calls ``use_triton_kernels()`` on the modules that have it: the attention's q/k norms,
+rotary and KV-cache store then run as one fused kernel (heads rotated whole; a partial rotary
+keeps the torch path), and the norms and activation before FP8 projections quantize their
+outputs for them. With an ``Fp8Config`` each linear layer is FP8 unless the config leaves the
+checkpoint modules it fuses unquantized (layers are named by their checkpoint prefix, e.g.
+``model.layers.0.self_attn.q_proj``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from nvray.layers.activation import SiluAndMul
+from nvray.layers.attention import Attention, AttentionMetadata
+from nvray.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nvray.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nvray.layers.norm import RMSNorm
+from nvray.layers.rotary import get_rope, rope_max_positions, rope_spec_of
+from nvray.quantization import Fp8Config
+
+PACKED_QKV_GATE_UP = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def quant_for(quant: Fp8Config | None, prefix: str, parts: list[str]) -> Fp8Config | None:
+    """The layer fusing checkpoint modules ``prefix.<part>``: quantized or not."""
+    return quant.for_modules([f"{prefix}.{p}" for p in parts]) if quant is not None else None
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def layer_types_of(cfg: Any) -> list[str | None]:
+    """Each layer's kind: ``layer_types`` where the config has them, else full attention
+    everywhere (a ``sliding_window`` that every layer uses: Mistral's)."""
+    types = getattr(cfg, "layer_types", None)
+    return list(types) if types else [None] * cfg.num_hidden_layers
+
+
+def sliding_window_of(cfg: Any, layer_type: str | None) -> int | None:
+    """The window of a layer, None for full attention."""
+    if layer_type == "full_attention":
+        return None
+    if layer_type == "sliding_attention" or getattr(cfg, "use_sliding_window", True):
+        return getattr(cfg, "sliding_window", None) or None
+    return None
+
+
+def check_hidden_act(cfg: Any, allowed: tuple[str, ...] = ("silu",)) -> str:
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act not in allowed:
+        raise ValueError(f"hidden_act={act!r} is not supported (supported: {list(allowed)})")
+    return act
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, optional per-head q/k norms, rotary
+    (the layer type's rope), paged attention (windowed where the layer is), output projection."""
+
+    def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str, *, qk_norm: bool,
+                 qkv_bias: bool, layer_type: str | None = None, scale: float | None = None,
+                 norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__()
+        head_dim = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=qkv_bias,
+                                          quant=quant_for(quant, prefix, ["q_proj", "k_proj", "v_proj"]))
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * head_dim, cfg.hidden_size,
+                                        bias=False, quant=quant_for(quant, prefix, ["o_proj"]))
+        reach = rope_max_positions(cfg, layer_types_of(cfg))
+        self.rotary_emb = get_rope(head_dim, reach, rope_spec_of(cfg, layer_type))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim,
+                              head_dim ** -0.5 if scale is None else scale,
+                              sliding_window=sliding_window_of(cfg, layer_type))
+        self.q_norm = norm_class(head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_class(head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.fused_prologue: Callable[..., torch.Tensor] | None = None  # use_triton_kernels()
+
+    def use_triton_kernels(self) -> None:
+        """q/k norms, rotary and the KV-cache store as one Triton kernel
+        (``kernels/qk_norm_rope.py``), GPU only; it rotates whole heads."""
+        from kernels import qk_norm_rope_store  # noqa: PLC0415
+
+        if not self.rotary_emb.is_partial:
+            self.fused_prologue = qk_norm_rope_store
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if self.fused_prologue is not None:  # k and v go straight into the cache
+            norms = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+            q = self.fused_prologue(
+                qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads,
+                norms[0].weight if norms else None, norms[1].weight if norms else None,
+                norms[0].eps if norms else 0.0, self.attn.k_cache, self.attn.v_cache,
+                meta.slot_mapping)
+            o = self.attn(q, None, None, meta)  # [T, H, D]
+        else:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+            k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v, meta)
+        return self.o_proj(o.flatten(1))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str,
+                 intermediate_size: int | None = None, bias: bool = False) -> None:
+        super().__init__()
+        check_hidden_act(cfg)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter] * 2, bias=bias,
+            quant=quant_for(quant, prefix, ["gate_proj", "up_proj"]))
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias,
+                                           quant=quant_for(quant, prefix, ["down_proj"]))
+        self.act_fn = SiluAndMul(quantize_for=self.down_proj.quant_method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def _first_quant_method(module: nn.Module) -> Any:
+    """The quant method of the projection a norm feeds (None: not FP8, or not one layer)."""
+    proj = getattr(module, "qkv_proj", None) or getattr(module, "gate_up_proj", None)
+    return getattr(proj, "quant_method", None)
+
+
+class DecoderLayer(nn.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``, with the residual add fused into
+    each norm."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = attn, mlp
+        # with FP8 projections, the norms' kernels quantize their outputs for them (GPU)
+        self.input_layernorm = RMSNorm(hidden_size, eps, quantize_for=_first_quant_method(attn))
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps,
+                                                quantize_for=_first_quant_method(mlp))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: Any, make_layer: Callable[[int, str], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    """A decoder and its (possibly tied) LM head. Subclasses set the family's switches and may
+    replace ``make_mlp`` (the MoE families) or ``make_layer``."""
+
+    qk_norm = False
+    qkv_bias: bool | None = None  # None: the config's attention_bias
+    packed_modules_mapping = PACKED_QKV_GATE_UP
+
+    def __init__(self, cfg: Any, quant: Fp8Config | None = None) -> None:
+        super().__init__()
+        self.cfg, self.quant = cfg, quant
+        self.layer_types = layer_types_of(cfg)
+        self.model = self.make_model(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_model(self, cfg: Any) -> nn.Module:
+        return DecoderModel(cfg, self.make_layer)
+
+    def make_attention(self, index: int, prefix: str) -> nn.Module:
+        bias = self.qkv_bias if self.qkv_bias is not None else bool(getattr(self.cfg, "attention_bias", False))
+        return DecoderAttention(self.cfg, self.quant, f"{prefix}.self_attn", qk_norm=self.qk_norm,
+                                qkv_bias=bias, layer_type=self.layer_types[index])
+
+    def make_mlp(self, index: int, prefix: str) -> nn.Module:
+        return GatedMLP(self.cfg, self.quant, f"{prefix}.mlp",
+                        bias=bool(getattr(self.cfg, "mlp_bias", False)))
+
+    def make_layer(self, index: int, prefix: str) -> nn.Module:
+        return DecoderLayer(self.make_attention(index, prefix), self.make_mlp(index, prefix),
+                            self.cfg.hidden_size, self.cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

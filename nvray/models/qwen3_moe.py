@@ -1,0 +1,52 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``, e.g. Qwen3-30B-A3B: 128 experts, top-8): Qwen3's
+attention (q/k norms, no bias) and, in every layer the config makes sparse, a router over
+``num_experts`` SwiGLU experts (``nvray.layers.moe.FusedMoE``) in place of the dense MLP.
+
+A layer is sparse unless ``mlp_only_layers`` lists it, when ``num_experts > 0`` and
+``(index + 1) % decoder_sparse_step == 0`` (transformers' rule); the others keep a dense MLP of
+``intermediate_size``. The router (``mlp.gate``) is a plain replicated linear layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nvray.layers.moe import FusedMoE
+from nvray.models.decoder import CausalLM, check_hidden_act
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        check_hidden_act(cfg)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                cfg.moe_intermediate_size, bool(cfg.norm_topk_prob))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, F.linear(x, self.gate.weight))
+
+
+def is_sparse_layer(cfg: Any, index: int) -> bool:
+    return (index not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and cfg.num_experts > 0 and (index + 1) % cfg.decoder_sparse_step == 0)
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    qk_norm, qkv_bias = True, False
+
+    def __init__(self, cfg: Any, quant: Any = None) -> None:
+        if quant is not None:
+            raise ValueError("FP8 is not supported for Qwen3MoeForCausalLM yet (its experts "
+                             "have no FP8 path); serve it in bfloat16")
+        super().__init__(cfg, quant)
+
+    def make_mlp(self, index: int, prefix: str) -> nn.Module:
+        if is_sparse_layer(self.cfg, index):
+            return SparseMoeBlock(self.cfg)
+        return super().make_mlp(index, prefix)
