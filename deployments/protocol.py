@@ -106,7 +106,8 @@ class SamplingFields(StrictModel):
             named.insert(0, "response_format")
         return named
 
-    def constraint(self, reasoning: bool = False) -> StructuredOutputsParams | None:
+    def constraint(self, reasoning: bool = False, tool_format: str = "qwen_3"
+                   ) -> StructuredOutputsParams | None:
         """What the output must follow, from whichever field gave it (at most one); a
         structured output applies from the first token, think block or not."""
         named = self._constraint_fields()
@@ -152,9 +153,11 @@ class SamplingFields(StrictModel):
         return None
 
     def sampling_params(self, max_tokens: int | None, prompt_logprobs: int | None = None,
-                        reasoning: bool = False) -> SamplingParams | BeamSearchParams:
+                        reasoning: bool = False, tool_format: str = "qwen_3"
+                        ) -> SamplingParams | BeamSearchParams:
         """``reasoning``: the answer may open with a think block that the app's reasoning
-        parser takes apart (tool calls are constrained after it)."""
+        parser takes apart (tool calls are constrained after it); ``tool_format``: the
+        xgrammar name of the model's tool-call format (``deployments/tools.py``)."""
         if self.use_beam_search:
             return self.beam_search_params(max_tokens)
         values: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
@@ -165,7 +168,7 @@ class SamplingFields(StrictModel):
                                   "bad_words": self.bad_words,
                                   "logprobs": self.report_logprobs(),
                                   "prompt_logprobs": prompt_logprobs,
-                                  "structured_outputs": self.constraint(reasoning)}
+                                  "structured_outputs": self.constraint(reasoning, tool_format)}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -330,14 +333,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         """Whether the prompt leaves the model free to think (Qwen3's ``enable_thinking``)."""
         return (self.chat_template_kwargs or {}).get("enable_thinking") is not False
 
-    def constraint(self, reasoning: bool = False) -> StructuredOutputsParams | None:
+    def constraint(self, reasoning: bool = False, tool_format: str = "qwen_3"
+                   ) -> StructuredOutputsParams | None:
         if not self.calls_tools:
             return super().constraint()
         if self._constraint_fields():
             raise UnsupportedParameter(self._constraint_fields()[0],
                                        "give tools or a structured output, not both")
         return tool_constraint(self.tools or [], self.effective_tool_choice,
-                               self.parallel_tool_calls is not False, reasoning and self.thinks)
+                               self.parallel_tool_calls is not False, reasoning and self.thinks,
+                               tool_format)
 
     def report_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

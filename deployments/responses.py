@@ -23,7 +23,7 @@ import uuid
 from typing import Any
 
 from deployments.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
-from deployments.tools import ToolCallStream, parse_tool_calls
+from deployments.tools import ToolParser, parse_tool_calls
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.reasoning import Delta, ReasoningParser, ReasoningStream
 
@@ -141,11 +141,11 @@ class ChatFormat:
     reasoning-parser state)."""
 
     def __init__(self, model: str, reasoning: ReasoningParser | None = None,
-                 texts: TokenTexts | None = None, tools: bool = False) -> None:
+                 texts: TokenTexts | None = None, tools: ToolParser | None = None) -> None:
         self.model, self.id, self.created = model, new_id("chatcmpl"), int(time.time())
         self.reasoning = reasoning
         self.texts = texts  # token texts, when the request asked for log-probabilities
-        self.tools = tools  # the answer may hold tool calls (deployments/tools.py)
+        self.tools = tools  # the answer may hold tool calls of this format (deployments/tools.py)
         self.streams: dict[int, ReasoningStream] = {}  # choice index -> its parser state
         self.calls: dict[int, ToolCallStream] = {}  # choice index -> its tool-call parser
         self.pending: dict[int, _Pending] = {}
@@ -161,7 +161,7 @@ class ChatFormat:
             message = {"role": "assistant", "reasoning_content": reasoning,
                        "content": content if content or reasoning is None else None}
         if self.tools and message["content"]:
-            message["content"], calls = parse_tool_calls(message["content"])
+            message["content"], calls = parse_tool_calls(message["content"], self.tools)
             if calls:
                 message["tool_calls"] = calls
         return message
@@ -194,11 +194,12 @@ class ChatFormat:
         delta: dict[str, Any] = {"reasoning_content": part.reasoning} if part.reasoning else {}
         content = part.content
         if self.tools:
-            calls = self.calls.setdefault(index, ToolCallStream())
+            calls = self.calls.setdefault(index, self.tools.stream())
             first = calls.num_calls
             content, new = calls.feed(content)
             if out.finished:
-                content += calls.finish()
+                rest, last = calls.finish()
+                content, new = content + rest, new + last
             if new:
                 delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(new)]
         if content:

@@ -54,11 +54,14 @@ from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngin
 from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
+from deployments.tools import tool_parser_for
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
 from deployments.logprobs_format import TokenTexts
 from deployments.responses import DONE, ChatFormat, CompletionFormat, sse, with_usage
 from nvray.outputs import RequestOutput
+from nvray.model_config import architecture_of
+from nvray.models.tiny import resolve_model
 from nvray.reasoning import reasoning_parser_for
 from nvray.request import EngineRequest
 from nvray.runtime.output_router import RequestSink
@@ -117,6 +120,8 @@ class NvrayServer:
         self.chunks_per_s = self.args.stream_chunks_per_s
         self.open_streams = 0  # SSE bodies being written (they share the chunk budget)
         self.reasoning = reasoning_parser_for(self.args.reasoning_parser)
+        self.tool_parser = tool_parser_for(self.args.tool_call_parser,
+                                           architecture_of(resolve_model(self.args.model)))
         self.engines = (LocalEngine(self.args, in_background=self.args.max_replicas == 1)
                         if engines is None else LeasedEngines(engines))
         self.created = int(time.time())
@@ -266,10 +271,12 @@ class NvrayServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_request(request, body)
-        params = body.sampling_params(body.output_limit(), reasoning=self.reasoning is not None)
+        params = body.sampling_params(body.output_limit(), reasoning=self.reasoning is not None,
+                                      tool_format=self.tool_parser.xgrammar_format)
         prompts = [body.prompt()]
         fmt = ChatFormat(self.model_name, self.reasoning,
-                         self.token_texts() if body.logprobs else None, body.calls_tools)
+                         self.token_texts() if body.logprobs else None,
+                         self.tool_parser if body.calls_tools else None)
         if body.stream:
             return await self._streaming_response(prompts, params, fmt, body)
         return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority)))

@@ -1,8 +1,11 @@
-"""Tool calling: OpenAI's ``tools`` / ``tool_choice`` in, Qwen3's ``<tool_call>`` blocks out.
+"""Tool calling: OpenAI's ``tools`` / ``tool_choice`` in, the model family's calls out:
+Hermes/Qwen ``<tool_call>`` blocks (``HERMES``) or Llama 3.1's JSON objects (``LLAMA3_JSON``:
+``{"name": ..., "parameters": {...}}``, after ``<|python_tag|>`` or not, ``;``-separated);
+``tool_parser_for`` picks the app's (``tool_call_parser``, default by architecture).
 
 Request side: ``Tool`` and ``NamedToolChoice`` (OpenAI's shapes); ``tool_constraint`` turns
 ``tool_choice`` into the structural tag that constrains the output (xgrammar's ``qwen_3``
-format): ``required`` (calls separated by newlines, nothing else) and a named function make the
+format, or ``llama``): ``required`` (calls separated by newlines, nothing else) and a named function make the
 output one or more well-formed calls whose
 arguments follow the function's ``parameters`` schema; ``auto`` leaves text free until the model
 opens ``<tool_call>``, and from there the call is constrained too, so a started call is never
@@ -10,7 +13,7 @@ malformed; ``none`` constrains nothing (and the tools are not rendered).
 
 Response side: ``ToolCallStream`` finds ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 blocks in the text, incrementally: ``feed(delta)`` returns the content outside blocks that is
-certain so far and the calls whose blocks closed; ``finish()`` the rest. Whitespace next to a
+certain so far and the calls whose blocks closed; ``finish()`` the rest (content, calls). Whitespace next to a
 block is dropped; a block whose JSON is malformed, or that never closes, stays content (never
 dropped). ``parse_tool_calls(text)`` is the same parser fed once, so a streamed answer
 reassembles to the non-streamed one wherever the chunks were split.
@@ -19,7 +22,9 @@ reassembles to the non-streamed one wherever the chunks were split.
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,7 +68,8 @@ def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
 
 
 def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool,
-                    reasoning: bool = False) -> StructuredOutputsParams | None:
+                    reasoning: bool = False, xgrammar_format: str = "qwen_3"
+                    ) -> StructuredOutputsParams | None:
     """The structural tag that keeps calls well-formed (None for ``tool_choice="none"``).
     ``reasoning``: a Qwen3 think block (``<think>...</think>`` then a blank line) may come first,
     unconstrained inside, and the calls (or text) after it."""
@@ -76,7 +82,7 @@ def tool_constraint(tools: list[Tool], choice: ToolChoice, parallel: bool,
             canonical_schema(tool.function.parameters, f"tools.{i}.function.parameters")
 
     tag = xgr.get_model_structural_tag(
-        "qwen_3", tools=template_tools(tools),
+        xgrammar_format, tools=template_tools(tools),
         tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
         reasoning="auto" if reasoning else "disabled", parallel_tool_calls=parallel)
     spec = _compact_arguments(tag.model_dump(mode="json"), xgr)
@@ -105,45 +111,55 @@ def _compact_arguments(node: Any, xgr: Any) -> Any:
     return {key: _compact_arguments(value, xgr) for key, value in node.items()}
 
 
-def _call_of(body: str) -> dict[str, Any] | None:
-    """A call's OpenAI form from a block's JSON (None when it is not a call)."""
-    try:  # strict=False: a raw control character in a string is read, and escaped on output
-        value = json.loads(body, strict=False)
-    except json.JSONDecodeError:
-        return None
+def _openai_call(value: Any) -> dict[str, Any] | None:
+    """A call's OpenAI form from a decoded block (None when it is not a call): a ``name`` and
+    its ``arguments`` (Hermes/Qwen) or ``parameters`` (Llama 3.1)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    args = value.get("arguments", {})
+    args = value.get("arguments", value.get("parameters", {}))
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": value["name"],
                          "arguments": args if isinstance(args, str)
                          else json.dumps(args, ensure_ascii=False)}}
 
 
+def _call_of(body: str) -> dict[str, Any] | None:
+    """A call's OpenAI form from a block's JSON (None when it is not a call)."""
+    try:  # strict=False: a raw control character in a string is read, and escaped on output
+        value = json.loads(body, strict=False)
+    except json.JSONDecodeError:
+        return None
+    return _openai_call(value)
+
+
 class ToolCallStream:
+    """The incremental parser (module docstring) of Hermes/Qwen ``<tool_call>`` blocks; a
+    subclass finds another format's blocks (``_block_start`` / ``_block_end``)."""
+
+    separators = ""  # characters dropped between a call and what follows, besides whitespace
+
     def __init__(self) -> None:
-        self.buf = ""  # text not yet resolved: a block in progress or a possible OPEN prefix
+        self.buf = ""  # text not yet resolved: a block in progress or a possible block start
         self.held = ""  # whitespace that goes out only if content (not a block) follows
         self.after_block = False  # whitespace right after a call is dropped
         self.num_calls = 0
 
-    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.buf += delta
         content, calls = [], []
-        while True:
-            if not self.buf.startswith(OPEN):
-                start = self.buf.find(OPEN)
-                cut = start if start >= 0 else len(self.buf) - _open_prefix_len(self.buf)
+        while self.buf:
+            start, hold = self._block_start(self.buf)
+            if start != 0:
+                cut = start if start > 0 else (len(self.buf) if final else hold)
                 content.append(self._outside(self.buf[:cut]))
                 self.buf = self.buf[cut:]
                 if start < 0:
                     break
                 continue
-            end = self.buf.find(CLOSE)
-            if end < 0:
+            end, call = self._block_end(self.buf, final)
+            if end is None:
                 break  # the block is still being written
-            block, self.buf = self.buf[:end + len(CLOSE)], self.buf[end + len(CLOSE):]
-            call = _call_of(block[len(OPEN):-len(CLOSE)])
+            block, self.buf = self.buf[:end], self.buf[end:]
             if call is None:  # malformed: it stays content
                 content.append(self._outside(block))
                 continue
@@ -152,16 +168,31 @@ class ToolCallStream:
             calls.append(call)
         return "".join(content), calls
 
-    def finish(self) -> str:
-        """The rest: an unclosed block or a partial ``<tool_call`` is content."""
-        rest = self._outside(self.buf) + self.held
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The rest: blocks that end with the text, and content (an unclosed block, a partial
+        start)."""
+        content, calls = self.feed("", final=True)
+        rest = content + self._outside(self.buf) + self.held
         self.buf = self.held = ""
-        return rest
+        return rest, calls
+
+    def _block_start(self, buf: str) -> tuple[int, int]:
+        """(where the next block starts, -1: none; where a block may be starting: text from
+        there is held)."""
+        return buf.find(OPEN), len(buf) - _open_prefix_len(buf)
+
+    def _block_end(self, buf: str, final: bool) -> tuple[int | None, dict[str, Any] | None]:
+        """(the end of the block at the start of ``buf``, None: not written yet; its call, None:
+        malformed). ``final``: nothing more comes."""
+        end = buf.find(CLOSE)
+        if end < 0:
+            return (len(buf), None) if final else (None, None)
+        return end + len(CLOSE), _call_of(buf[len(OPEN):end])
 
     def _outside(self, text: str) -> str:
         """Content outside blocks: what can go out now; trailing whitespace is held."""
         if self.after_block:
-            text = text.lstrip()
+            text = text.lstrip(" \t\r\n" + self.separators)
             if not text:
                 return ""
             self.after_block = False
@@ -173,6 +204,52 @@ class ToolCallStream:
         return out
 
 
+_PYTHON_TAG = "<|python_tag|>"
+_JSON_CALL = re.compile(r'(?:<\|python_tag\|>\s*)?\{\s*"name"\s*:')
+_DECODER = json.JSONDecoder(strict=False)
+
+
+class JsonToolCallStream(ToolCallStream):
+    """Llama 3.1's JSON tool calls: ``{"name": ..., "parameters": {...}}`` objects in the text
+    (after ``<|python_tag|>`` or not, several separated by ``;`` or newlines). A call is
+    complete when its object is: a stream gives it then."""
+
+    separators = ";"
+
+    def _block_start(self, buf: str) -> tuple[int, int]:
+        found = _JSON_CALL.search(buf)
+        if found is not None:
+            return found.start(), found.start()
+        starts = [i for i in (buf.rfind("<|"), buf.rfind("{")) if i >= 0]
+        held = [i for i in sorted(starts) if _could_begin_call(buf[i:])]
+        return -1, held[0] if held else len(buf)
+
+    def _block_end(self, buf: str, final: bool) -> tuple[int | None, dict[str, Any] | None]:
+        brace = buf.index("{")
+        try:
+            value, end = _DECODER.raw_decode(buf, brace)
+        except json.JSONDecodeError:
+            # not complete yet; at the end, the opening brace is content and the search goes on
+            return (brace + 1, None) if final else (None, None)
+        return end, _openai_call(value)
+
+
+def _could_begin_call(tail: str) -> bool:
+    """Whether more text could make ``tail`` (from a ``<|`` or ``{``) the start of a call."""
+    if tail.startswith("<|"):
+        if len(tail) <= len(_PYTHON_TAG) or not tail.startswith(_PYTHON_TAG):
+            return _PYTHON_TAG.startswith(tail)
+        tail = tail[len(_PYTHON_TAG):].lstrip()
+        if not tail:
+            return True
+    if not tail.startswith("{"):
+        return False
+    rest = tail[1:].lstrip()
+    if len(rest) <= len('"name"'):
+        return '"name"'.startswith(rest)
+    return rest.startswith('"name"') and not rest[len('"name"'):].strip()
+
+
 def _open_prefix_len(text: str) -> int:
     """Length of the longest suffix of ``text`` that begins ``<tool_call>``."""
     for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
@@ -181,9 +258,37 @@ def _open_prefix_len(text: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, parser: "ToolParser | None" = None
+                     ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a whole answer; content is None when only calls were made."""
-    stream = ToolCallStream()
+    stream = (parser or HERMES).stream()
     content, calls = stream.feed(text)
-    content += stream.finish()
+    rest, last = stream.finish()
+    content, calls = content + rest, calls + last
     return (content or None) if calls else content, calls
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """A model family's tool-call format: how xgrammar names it (the constraint) and the
+    parser of its answers."""
+
+    name: str
+    xgrammar_format: str
+    stream_class: type[ToolCallStream]
+
+    def stream(self) -> ToolCallStream:
+        return self.stream_class()
+
+
+HERMES = ToolParser("hermes", "qwen_3", ToolCallStream)
+LLAMA3_JSON = ToolParser("llama3_json", "llama", JsonToolCallStream)
+TOOL_PARSERS = {p.name: p for p in (HERMES, LLAMA3_JSON)}
+# What each architecture's chat template asks its model to write
+_BY_ARCHITECTURE = {"LlamaForCausalLM": "llama3_json"}
+
+
+def tool_parser_for(name: str | None, architecture: str) -> ToolParser:
+    """The app's ``tool_call_parser``, or (None) the architecture's: Llama 3.x's JSON calls,
+    Hermes ``<tool_call>`` blocks for the others (Qwen's)."""
+    return TOOL_PARSERS[name or _BY_ARCHITECTURE.get(architecture, "hermes")]

@@ -10,25 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_checkpoints import SHAPES, write_hf_checkpoint
+from hf_checkpoints import SHAPES
 from oracle import hf_greedy, hf_model, random_prompts
 from nvray import LLM, EngineConfig, SamplingParams
 from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from nvray.worker.model_runner import ModelRunner
 
 FAMILIES = list(SHAPES)
-
-
-@pytest.fixture(scope="session")
-def family_path(tmp_path_factory, tiny_path):
-    paths: dict[str, str] = {}
-
-    def path_of(name: str) -> str:
-        if name not in paths:
-            target = str(tmp_path_factory.mktemp(name))
-            paths[name] = write_hf_checkpoint(target, SHAPES[name], tiny_path, seed=7)
-        return paths[name]
-    return path_of
 
 
 def _step(tokens: list[int], start: int, table: list[int]) -> StepInput:

@@ -155,7 +155,8 @@ class TritonAttentionBackend:
                              max_seq_len: int, device: torch.device) -> int:
         """The split-K partial outputs (``kernels.decode_scratch_bytes``)."""
         return self.kernels.decode_scratch_bytes(batch, layer.num_heads, layer.num_kv_heads,
-                                                 layer.head_dim, kv_itemsize, max_seq_len, device)
+                                                 layer.head_dim, kv_itemsize, max_seq_len, device,
+                                                 sliding_window=layer.sliding_window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -54,6 +54,24 @@ def test_tp2_matches_tp1_and_hf_on_a_model_with_uneven_heads(ray_cluster, uneven
         assert b.token_ids == a.token_ids == hf_greedy(uneven_qwen3_path, prompt, 10)
 
 
+@pytest.mark.parametrize("family", ["qwen3-moe-mixed", "gemma3", "llama3"])
+def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family):
+    """Experts sharded along their width (a dense layer among them), Gemma's windowed and
+    global layers, Llama's rope scaling: TP=2 over gloo gives HF's greedy tokens, prefix hits
+    and prefill chunks included."""
+    path = family_path(family)
+    prompts = random_prompts(3, 20, 60, seed=33)
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        again = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts + prompts[:1], outs + again):
+        assert out.token_ids == hf_greedy(path, prompt, 10)
+    assert again[0].num_cached_tokens >= 16
+
+
 def test_tp2_on_the_tiny_model_matches_hf_with_prefix_hits_and_chunks(tp2, tiny_path):
     prompts = random_prompts(5, 20, 150, seed=32)
     again = [prompts[0], prompts[1][:40] + [7, 8, 9]]  # repeated / shared prefixes, cached by now

@@ -52,3 +52,16 @@ def test_compact_arguments_are_accepted(compiler, choice):
 def test_arguments_that_strict_json_readers_refuse_or_that_break_the_schema_are_not(
         compiler, choice, arguments):
     assert not accepts(compiler, choice, call(arguments))
+
+
+def accepts_llama(compiler, choice, text: str) -> bool:
+    spec = tool_constraint(TOOLS, choice, parallel=True, xgrammar_format="llama").spec()
+    return compiler.matcher(compiler.compile(spec)).accept_string(text)
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED, "auto"])
+def test_llama_json_calls_are_constrained_to_their_own_format(compiler, choice):
+    llama = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+    assert accepts_llama(compiler, choice, llama)
+    assert not accepts_llama(compiler, choice, call('{"city": "Paris", "unit": "c"}'))
+    assert not accepts_llama(compiler, choice, llama.replace('"c"', '"kelvin"'))

@@ -60,7 +60,8 @@ def test_a_streamed_answer_split_anywhere_parses_as_the_whole_one(text):
             for piece in pieces:
                 part, new = stream.feed(piece)
                 content, calls = content + part, calls + new
-            content += stream.finish()
+            rest, last = stream.finish()
+            content, calls = content + rest, calls + last
             assert names(calls) == names(whole_calls), (text, cut)
             assert (content or None if calls else content) == whole_content, (text, cut)
 
@@ -78,3 +79,56 @@ def test_complete_calls_before_a_cut_one_are_calls_and_only_the_cut_one_is_conte
     content, calls = parse_tool_calls(CALL_A + "\n" + CALL_B + "\n" + cut)
     assert names(calls) == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": [2, 3]})]
     assert content == cut
+
+
+# ----------------------------------------------------------------- Llama 3.1's JSON calls
+from deployments.tools import HERMES, LLAMA3_JSON, tool_parser_for  # noqa: E402
+
+LLAMA_A = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_B = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+
+
+def llama_parse(text: str):
+    return parse_tool_calls(text, LLAMA3_JSON)
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (LLAMA_A, None, [("get_weather", {"city": "Paris"})]),
+    ("<|python_tag|>" + LLAMA_A, None, [("get_weather", {"city": "Paris"})]),
+    (LLAMA_A + "; " + LLAMA_B, None, [("get_weather", {"city": "Paris"}),
+                                      ("get_time", {"zone": "UTC"})]),
+    (LLAMA_A + "\n" + LLAMA_B, None, [("get_weather", {"city": "Paris"}),
+                                      ("get_time", {"zone": "UTC"})]),
+    ("Let me check. " + LLAMA_A, "Let me check.", [("get_weather", {"city": "Paris"})]),
+    ('{"name": "f", "arguments": {"x": 1}}', None, [("f", {"x": 1})]),
+    ('The answer is {"a": 1}.', 'The answer is {"a": 1}.', []),
+    ('{"name": "get_weather", "parameters": {"city": ', '{"name": "get_weather", "parameters": {"city": ', []),
+    ('{"name": 3}', '{"name": 3}', []),
+    ("Paris, {in} brief { \"na", "Paris, {in} brief { \"na", []),
+])
+def test_llama_json_calls_are_parsed(text, content, calls):
+    got_content, got_calls = llama_parse(text)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
+
+
+@pytest.mark.parametrize("text", [LLAMA_A + "; " + LLAMA_B, "Hi { there. " + LLAMA_A,
+                                  '{"name": "x", "parameters": {"s": "}{"}} tail'])
+def test_llama_json_calls_stream_to_what_the_whole_answer_gives(text):
+    whole_content, whole_calls = llama_parse(text)
+    for cut in range(len(text) + 1):
+        stream, content, calls = LLAMA3_JSON.stream(), "", []
+        for piece in (text[:cut], text[cut:]):
+            part, new = stream.feed(piece)
+            content, calls = content + part, calls + new
+        rest, last = stream.finish()
+        content, calls = content + rest, calls + last
+        assert [c["function"] for c in calls] == [c["function"] for c in whole_calls], cut
+        assert (content or None if calls else content) == whole_content, cut
+
+
+def test_the_parser_follows_the_architecture_unless_the_app_names_one():
+    assert tool_parser_for(None, "LlamaForCausalLM") is LLAMA3_JSON
+    assert tool_parser_for(None, "Qwen3ForCausalLM") is HERMES
+    assert tool_parser_for("hermes", "LlamaForCausalLM") is HERMES
+    assert tool_parser_for("llama3_json", "Qwen3ForCausalLM") is LLAMA3_JSON

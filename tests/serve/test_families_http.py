@@ -1,0 +1,77 @@
+"""A model family other than Qwen3 served over HTTP by ``serve run``'s app (Llama 3's layout,
+HF-written random weights), with the real openai client: ``/v1/models`` names its architecture,
+chat works through the checkpoint's template, and tool calls come back as ``tool_calls`` in
+Llama 3.1's JSON format (the parser the architecture picks; the grammar keeps the calls
+well-formed), streamed or not; an app args' ``hf_overrides`` reach the engine."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import requests
+from ray import serve
+
+from deployments import build_app
+
+WEATHER = {"type": "object", "required": ["city"], "additionalProperties": False,
+           "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def llama_url(serve_http, family_path):
+    path = family_path("llama3-tied")
+    serve.run(build_app({"model": path, "served_model_name": "llama", "num_cpus_per_rank": 0.5,
+                         "hf_overrides": '{"max_position_embeddings": 2048}'}),
+              name="llama", route_prefix="/llama")
+    try:
+        yield f"{serve_http}/llama"
+    finally:
+        serve.delete("llama")
+
+
+@pytest.fixture(scope="module")
+def client(llama_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{llama_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_the_model_card_names_the_architecture(client):
+    [card] = client.models.list().data
+    assert card.id == "llama"
+    assert card.model_dump()["architecture"] == "LlamaForCausalLM"
+    # the checkpoint says 1,024 positions; hf_overrides (a JSON string, as on the command line)
+    # reached the engine: its default max_model_len is the overridden length
+    assert card.model_dump()["max_model_len"] == 2048
+
+
+def test_chat_without_tools_answers_text(client):
+    reply = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=8,
+                                           temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_calls_come_back_in_llama_json_format_as_tool_calls(client, stream):
+    kwargs = dict(model="llama", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  max_tokens=120, seed=3, parallel_tool_calls=False)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+    else:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        calls = [c for chunk in chunks for choice in chunk.choices
+                 for c in (choice.delta.tool_calls or [])]
+        finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices][-1]
+    assert finish == "tool_calls"
+    assert [c.function.name for c in calls] == ["get_weather"]
+    import jsonschema
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+
+
+def test_a_length_past_the_overridden_one_is_refused(llama_url):
+    resp = requests.post(f"{llama_url}/v1/completions", timeout=60, json={
+        "model": "llama", "prompt": "hi", "max_tokens": 2100})
+    assert resp.status_code == 400, resp.text
