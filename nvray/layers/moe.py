@@ -10,6 +10,11 @@ reduce. Checkpoints store experts one by one (``mlp.experts.<e>.gate_proj.weight
 loader routes each to ``weight_loader(param, tensor, (expert, proj))``; ``expected_shards`` on
 each parameter tells it which it must see.
 
+FP8 (an ``Fp8Config``): e4m3 weights with block scales beside them (``w13_<scale_name>``
+``[E, 2 * I_local / bn, H / bk]``, ``w2_<scale_name>`` ``[E, H / bn, I_local / bk]``), from a
+block-scaled checkpoint (Qwen3-30B-A3B-FP8's 128x128) or quantized in 128x128 blocks as a
+16/32-bit checkpoint loads (``quantization="fp8"``); the kernel upcasts each weight tile.
+
 ``forward(x, router_logits)``: routing as transformers computes it (softmax in float32, top-k,
 renormalised when ``renormalize``, weights cast to x's dtype), then the experts: on the CPU a
 loop over the experts that have tokens (``moe_experts_ref``), on the GPU (after
@@ -27,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvray.layers.tp import all_reduce, divide, tp_rank, tp_size
+from nvray.quantization import Fp8Config
+from nvray.quantization.fp8_math import FP8_DTYPE, dequantize, quantize_per_block
 
 _PROJ_ROWS = {"gate_proj": 0, "up_proj": 1}
 
@@ -42,8 +49,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
 
 
 def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The experts' weighted sum, one expert at a time (the CPU path and the reference)."""
+                    weights: torch.Tensor, ids: torch.Tensor, *,
+                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                    block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """The experts' weighted sum, one expert at a time (the CPU path and the reference); FP8
+    experts (``w13_scale``/``w2_scale`` per ``block_shape``) dequantized as they are used."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = ids.flatten().long()
     order = torch.argsort(flat_ids, stable=True)
@@ -56,42 +66,95 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         rows = order[start:start + count]
         tok = tokens[start:start + count]
         start += count
-        gate, up = F.linear(x[tok], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        e13, e2 = w13[expert], w2[expert]
+        if w13_scale is not None:
+            e13 = dequantize(e13, w13_scale[expert], block_shape, x.dtype)
+            e2 = dequantize(e2, w2_scale[expert], block_shape, x.dtype)
+        gate, up = F.linear(x[tok], e13).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, e2)
         out.index_add_(0, tok, y.float() * weights.flatten()[rows].float().unsqueeze(1))
     return out.to(x.dtype)
 
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, quant: Fp8Config | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
         self.local_inter = divide(intermediate_size, tp_size(), "moe_intermediate_size")
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter),
-                                      requires_grad=False)
+        # FP8: 128x128 blocks when quantized at load (the kernel's block-scaled path)
+        self.block = (quant.block or (128, 128)) if quant is not None else None
+        self.on_the_fly = quant is not None and quant.quantize_on_load
+        dtype = FP8_DTYPE if quant is not None else None
+        self.w13_weight = self._param(num_experts, 2 * self.local_inter, hidden_size, dtype)
+        self.w2_weight = self._param(num_experts, hidden_size, self.local_inter, dtype)
         experts = range(num_experts)
-        self.w13_weight.expected_shards = {(e, p) for e in experts for p in _PROJ_ROWS}  # type: ignore[attr-defined]
-        self.w2_weight.expected_shards = {(e, "down_proj") for e in experts}  # type: ignore[attr-defined]
-        for param in (self.w13_weight, self.w2_weight):
+        w13_shards = {(e, p) for e in experts for p in _PROJ_ROWS}
+        w2_shards = {(e, "down_proj") for e in experts}
+        self.w13_weight.expected_shards = w13_shards  # type: ignore[attr-defined]
+        self.w2_weight.expected_shards = w2_shards  # type: ignore[attr-defined]
+        self.scale_names: tuple[str, str] | None = None
+        if quant is not None:
+            self._create_scales(quant, hidden_size, set() if self.on_the_fly else w13_shards,
+                                set() if self.on_the_fly else w2_shards)
+        for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            param.loads_any_dtype = self.on_the_fly  # type: ignore[attr-defined]
         self._experts: Callable[..., torch.Tensor] = moe_experts_ref
+
+    @staticmethod
+    def _param(*shape: int | torch.dtype | None) -> nn.Parameter:
+        *dims, dtype = shape
+        return nn.Parameter(torch.empty(*dims, dtype=dtype), requires_grad=False)
+
+    def _create_scales(self, quant: Fp8Config, hidden: int, w13_shards: set, w2_shards: set) -> None:
+        """Block scales beside the FP8 weights, named as the checkpoint names them."""
+        bn, bk = self.block
+        if self.local_inter % bn or self.local_inter % bk:
+            raise ValueError(f"moe_intermediate_size per rank of {self.local_inter} does not "
+                             f"split into {bn}x{bk} FP8 weight blocks")
+        e, cols = self.num_experts, -(-hidden // bk)
+        w13 = self._param(e, 2 * self.local_inter // bn, cols, torch.float32)
+        w2 = self._param(e, -(-hidden // bn), self.local_inter // bk, torch.float32)
+        w13.expected_shards, w2.expected_shards = w13_shards, w2_shards  # type: ignore[attr-defined]
+        self.scale_names = (f"w13_{quant.scale_name}", f"w2_{quant.scale_name}")
+        self.register_parameter(self.scale_names[0], w13)
+        self.register_parameter(self.scale_names[1], w2)
+
+    def _scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.scale_names is None:
+            return None, None
+        return getattr(self, self.scale_names[0]), getattr(self, self.scale_names[1])
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
         expert, proj = args[0]  # type: ignore[misc]
-        n, shard = self.local_inter, self.local_inter * tp_rank()
-        if proj == "down_proj":
-            expected = (param.shape[1], self.intermediate_size)
-            target, source = param.data[expert], loaded.narrow(1, shard, n)
-        else:
-            expected = (self.intermediate_size, param.shape[2])
+        is_scale = param.dtype == torch.float32 and self.scale_names is not None
+        if self.on_the_fly and not is_scale and loaded.dtype.itemsize > 1:
+            q, scale = quantize_per_block(loaded.to(param.device), self.block)
+            self._load_slice(param, q, expert, proj, (1, 1))
+            w13_scale, w2_scale = self._scales()
+            self._load_slice(w2_scale if proj == "down_proj" else w13_scale, scale, expert, proj,
+                             self.block)
+            return
+        self._load_slice(param, loaded, expert, proj, self.block if is_scale else (1, 1))
+
+    def _load_slice(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, proj: str,
+                    unit: tuple[int, int]) -> None:
+        """This rank's slice of one expert's projection (a weight, or its scales in units of
+        the blocks they cover)."""
+        rows, cols = unit
+        if proj == "down_proj":  # [H, I]: split the columns
+            n = self.local_inter // cols
+            expected = (param.shape[1], self.intermediate_size // cols)
+            target, source = param.data[expert], loaded.narrow(1, n * tp_rank(), n)
+        else:  # [I, H]: this projection's rows of w13, split
+            n = self.local_inter // rows
+            expected = (self.intermediate_size // rows, param.shape[2])
             target = param.data[expert].narrow(0, _PROJ_ROWS[proj] * n, n)
-            source = loaded.narrow(0, shard, n)
+            source = loaded.narrow(0, n * tp_rank(), n)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
         target.copy_(source)
@@ -106,5 +169,8 @@ class FusedMoE(nn.Module):
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        out = self._experts(x, self.w13_weight, self.w2_weight, weights.float(), ids)
+        w13_scale, w2_scale = self._scales()
+        scales = {} if w13_scale is None else {"w13_scale": w13_scale, "w2_scale": w2_scale,
+                                               "block_shape": self.block}
+        out = self._experts(x, self.w13_weight, self.w2_weight, weights.float(), ids, **scales)
         return all_reduce(out)

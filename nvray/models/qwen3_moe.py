@@ -4,7 +4,8 @@ attention (q/k norms, no bias) and, in every layer the config makes sparse, a ro
 
 A layer is sparse unless ``mlp_only_layers`` lists it, when ``num_experts > 0`` and
 ``(index + 1) % decoder_sparse_step == 0`` (transformers' rule); the others keep a dense MLP of
-``intermediate_size``. The router (``mlp.gate``) is a plain replicated linear layer.
+``intermediate_size``. The router (``mlp.gate``) is a plain replicated linear layer, never FP8
+(Qwen's FP8 checkpoints keep it in bf16); the experts are FP8 with the model's ``Fp8Config``.
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvray.layers.moe import FusedMoE
-from nvray.models.decoder import CausalLM, check_hidden_act
+from nvray.models.decoder import CausalLM, check_hidden_act, quant_for
+from nvray.quantization import Fp8Config
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str) -> None:
         super().__init__()
         check_hidden_act(cfg)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
         self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                cfg.moe_intermediate_size, bool(cfg.norm_topk_prob))
+                                cfg.moe_intermediate_size, bool(cfg.norm_topk_prob),
+                                quant_for(quant, prefix, ["experts"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, F.linear(x, self.gate.weight))
@@ -40,13 +43,7 @@ def is_sparse_layer(cfg: Any, index: int) -> bool:
 class Qwen3MoeForCausalLM(CausalLM):
     qk_norm, qkv_bias = True, False
 
-    def __init__(self, cfg: Any, quant: Any = None) -> None:
-        if quant is not None:
-            raise ValueError("FP8 is not supported for Qwen3MoeForCausalLM yet (its experts "
-                             "have no FP8 path); serve it in bfloat16")
-        super().__init__(cfg, quant)
-
     def make_mlp(self, index: int, prefix: str) -> nn.Module:
         if is_sparse_layer(self.cfg, index):
-            return SparseMoeBlock(self.cfg)
+            return SparseMoeBlock(self.cfg, self.quant, f"{prefix}.mlp")
         return super().make_mlp(index, prefix)

@@ -115,3 +115,22 @@ def test_gemma_logit_softcapping_is_refused_by_name(tmp_path, feature):
     cfg = load_model_config(_write(tmp_path, raw))
     with torch.device("meta"), pytest.raises(ValueError, match=feature):
         model_class_for(cfg)(cfg, None)
+
+
+def test_qwen3_30b_a3b_fp8_builds_fp8_experts_in_128_blocks(tmp_path):
+    from nvray.quantization import quant_config_for
+
+    gates = [f"model.layers.{i}.mlp.gate" for i in range(48)]
+    raw = {**_QWEN3_30B, "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", *gates]}}
+    cfg = load_model_config(_write(tmp_path, raw))
+    with torch.device("meta"):
+        model = model_class_for(cfg)(cfg, quant_config_for(cfg, None))
+    params = dict(model.named_parameters())
+    experts = "model.layers.5.mlp.experts."
+    assert params[experts + "w13_weight"].dtype == torch.float8_e4m3fn
+    assert params[experts + "w13_weight_scale_inv"].shape == (128, 2 * 768 // 128, 2048 // 128)
+    assert params[experts + "w2_weight_scale_inv"].shape == (128, 2048 // 128, 768 // 128)
+    assert params["model.layers.5.mlp.gate.weight"].dtype == torch.get_default_dtype()
+    assert params["model.layers.5.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
