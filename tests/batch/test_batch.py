@@ -519,3 +519,30 @@ def test_a_json_schema_that_cannot_be_enforced_fails_before_ray(tmp_path):
                       "--json-schema", str(bad)], timeout=120)
     assert proc.returncode == 2 and "keyword 'not'" in proc.stderr, proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr
+
+
+def test_a_gemma_job_with_hf_overrides_matches_hf(ray_head, tmp_path, family_path):
+    """Another family through ``ray job submit``: Gemma 3 (windowed layers), its context
+    stretched by ``--hf-overrides`` past the checkpoint's 1,024 positions (refused without),
+    greedy texts equal to HF transformers' on the same weights."""
+    from transformers import AutoTokenizer
+
+    from oracle import hf_greedy
+
+    path = family_path("gemma3")
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = [{"id": "g0", "prompt": GOOD_ROWS[0]["prompt"]},
+            {"id": "g1", "prompt": GOOD_ROWS[3]["prompt"]}]
+    src, out = write_jsonl(tmp_path / "gemma.jsonl", rows), tmp_path / "gemma-out.jsonl"
+    args = ["--input", str(src), "--output", str(out), "--model", path, "--max-tokens", "6",
+            "--ignore-eos", "--temperature", "0", "--max-model-len", "1500"]
+    refused = run_batch(args, timeout=120)
+    assert refused.returncode != 0 and "max_model_len=1500 exceeds" in refused.stderr
+    proc = submit_batch_job(ray_head, *args, "--hf-overrides",
+                            '{"max_position_embeddings": 2048}')
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    for row in read_output(out):
+        prompt = next(r["prompt"] for r in rows if r["id"] == row["id"])
+        ids = tok(prompt)["input_ids"]
+        assert row["error"] is None, row
+        assert row["text"] == tok.decode(hf_greedy(path, ids, 6), skip_special_tokens=True)
