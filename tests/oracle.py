@@ -46,3 +46,11 @@ def random_prompts(n: int, min_len: int, max_len: int, seed: int, vocab: int = 5
 
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def greedy_step(tokens: list[int], start: int, table: list[int]):
+    """A ``StepInput`` of one greedy sequence: ``tokens`` from position ``start``, over the
+    physical blocks ``table``."""
+    from nvray.step_protocol import SampleSpec, SeqStep, StepInput
+
+    return StepInput([SeqStep(0, tokens, start, table, SampleSpec(0.0, 1.0, -1, 0.0, None, 0))])

@@ -11,17 +11,11 @@ import pytest
 import torch
 
 from hf_checkpoints import SHAPES
-from oracle import hf_greedy, hf_model, random_prompts
+from oracle import greedy_step, hf_greedy, hf_model, random_prompts
 from nvray import LLM, EngineConfig, SamplingParams
-from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from nvray.worker.model_runner import ModelRunner
 
 FAMILIES = list(SHAPES)
-
-
-def _step(tokens: list[int], start: int, table: list[int]) -> StepInput:
-    spec = SampleSpec(0.0, 1.0, -1, 0.0, None, 0)
-    return StepInput([SeqStep(0, tokens, start, table, spec)])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -32,13 +26,13 @@ def test_logits_match_hf_for_prefill_and_decode(family, family_path):
     prompt = random_prompts(1, 37, 37, seed=3)[0]
     table = list(range(15, -1, -1))  # shuffled physical blocks
     hf, tokens = hf_model(path), list(prompt)
-    ours = runner.forward(_step(prompt, 0, table))[0][0]
+    ours = runner.forward(greedy_step(prompt, 0, table))[0][0]
     for step in range(4):
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4, msg=f"step {step}")
         tokens.append(int(ref.argmax()))
-        ours = runner.forward(_step([tokens[-1]], len(tokens) - 1, table))[0][0]
+        ours = runner.forward(greedy_step([tokens[-1]], len(tokens) - 1, table))[0][0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import hf_greedy, hf_model, random_prompts
+from oracle import greedy_step, hf_greedy, hf_model, random_prompts
 from nvray import LLM, EngineConfig, SamplingParams
-from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from nvray.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -28,11 +27,6 @@ def assert_matches_hf(path: str, prompts: list[list[int]], outputs, max_tokens: 
         assert out.finish_reason == "length"
 
 
-def _step(tokens: list[int], start: int, table: list[int]) -> StepInput:
-    spec = SampleSpec(0.0, 1.0, -1, 0.0, None, 0)
-    return StepInput([SeqStep(0, tokens, start, table, spec)])
-
-
 @pytest.mark.parametrize("model", ["tiny_path", "other_qwen3_path", "qwen2_path"])
 def test_logits_close_for_prefill_and_decode(model, request):
     path = request.getfixturevalue(model)
@@ -42,13 +36,13 @@ def test_logits_close_for_prefill_and_decode(model, request):
     table = list(range(15, -1, -1))  # shuffled physical blocks
     hf = hf_model(path)
     tokens = list(prompt)
-    ours = runner.forward(_step(prompt, 0, table))[0][0]
+    ours = runner.forward(greedy_step(prompt, 0, table))[0][0]
     for step in range(4):
         with torch.no_grad():
             ref = hf(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4, msg=f"step {step}")
         tokens.append(int(ref.argmax()))
-        ours = runner.forward(_step([tokens[-1]], len(tokens) - 1, table))[0][0]
+        ours = runner.forward(greedy_step([tokens[-1]], len(tokens) - 1, table))[0][0]
 
 
 @pytest.mark.parametrize("model", ["tiny_path", "other_qwen3_path", "qwen2_path"])

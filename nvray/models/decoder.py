@@ -171,16 +171,23 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: Any, make_layer: Callable[[int, str], nn.Module]) -> None:
+    """Embeddings, the layers (each returns its output and the residual, added in the next
+    norm), the final norm. A family may scale the embeddings (``embed``) or use its own norm."""
+
+    def __init__(self, cfg: Any, make_layer: Callable[[int, str], nn.Module],
+                 norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)

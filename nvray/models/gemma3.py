@@ -21,10 +21,10 @@ from torch import nn
 
 from nvray.layers.attention import AttentionMetadata
 from nvray.layers.compiled import compiled
-from nvray.layers.embed_head import VocabParallelEmbedding
 from nvray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from nvray.layers.norm import RMSNorm
-from nvray.models.decoder import CausalLM, DecoderAttention, check_hidden_act, quant_for
+from nvray.models.decoder import (CausalLM, DecoderAttention, DecoderModel, check_hidden_act,
+                                  quant_for)
 from nvray.quantization import Fp8Config
 
 
@@ -97,24 +97,17 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, cfg: Any, make_layer: Any) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_scale = cfg.hidden_size ** 0.5
-        self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}")
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class Gemma3Model(DecoderModel):
+    """The shared decoder's, with Gemma's norm and embeddings scaled by ``sqrt(hidden_size)``
+    (the factor rounded to the compute dtype first, as transformers does)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def __init__(self, cfg: Any, make_layer: Any) -> None:
+        super().__init__(cfg, make_layer, norm_class=GemmaRMSNorm)
+        self.embed_scale = cfg.hidden_size ** 0.5
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to x's dtype, as HF
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)
 
 
 class Gemma3ForCausalLM(CausalLM):
