@@ -21,8 +21,8 @@ argument set on the current default device: the layers of a model share its cos/
 
 from __future__ import annotations
 
-import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,17 +197,19 @@ class RotaryEmbedding(nn.Module):
         return self._apply_rotary(positions, q, k, self.cos_sin)
 
 
-@functools.lru_cache(maxsize=64)
-def _shared_rope(head_dim: int, max_position: int, spec: RopeSpec, device: str,
-                 dtype: torch.dtype) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, max_position, spec)
+# The tables models hold now: an entry lives as long as a model refers to it (no GPU memory is
+# kept for an engine that has shut down)
+_LIVE_ROPES: "weakref.WeakValueDictionary[tuple, RotaryEmbedding]" = weakref.WeakValueDictionary()
 
 
 def get_rope(head_dim: int, max_position: int, spec: RopeSpec) -> RotaryEmbedding:
     """The ``RotaryEmbedding`` of these arguments on the default device, shared by every layer
     that asks for the same (a model's layers hold one cos/sin table, not one each)."""
-    device = str(torch.get_default_device())
-    return _shared_rope(head_dim, max_position, spec, device, torch.get_default_dtype())
+    key = (head_dim, max_position, spec, str(torch.get_default_device()))
+    rope = _LIVE_ROPES.get(key)
+    if rope is None:
+        rope = _LIVE_ROPES[key] = RotaryEmbedding(head_dim, max_position, spec)
+    return rope
 
 
 def rope_theta_of(hf_config: object) -> float:
