@@ -9,6 +9,7 @@ _GAUGES = (
     ("num_requests_running", "num_running", "Requests running in the engine"),
     ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled"),
     ("kv_cache_usage_ratio", "kv_cache_usage", "Fraction of KV cache blocks in use"),
+    ("kv_cache_peak_usage_ratio", "kv_cache_peak_usage", "Largest fraction of KV cache blocks in use at once since start"),
     ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
     ("step_time_ms_median", "step_time_ms_median", "Median duration of the engine's last 256 steps, in milliseconds"),
     ("driver_resident_memory_bytes", "driver_resident_memory_bytes", "Resident memory of the engine's driver process, in bytes"),

@@ -10,9 +10,12 @@ For each scheduled sequence: the tokens whose KV is computed this step, where th
 its block table, and — when the step reaches the end of the sequence — how to sample its next
 token.
 
-Block tables travel as changes: the ranks keep each sequence's table from step to step, and a
-``SeqStep`` carries the entries from ``table_start`` on (0: the whole table; a running sequence
-sends nothing most steps, a new block every ``block_size`` tokens). A step's ``released`` seq
+A block table is flat: with windowed layers (``nvray/kv_layout.py``) it holds one entry per
+block-table group for each logical block, entry ``b * num_groups + g``; -1 is a block a
+windowed group gave back (never read; the ranks are not told, their stale entry is never read
+either). Block tables travel as changes: the ranks keep each sequence's table from step to
+step, and a ``SeqStep`` carries the entries from ``table_start`` on (0: the whole table; a
+running sequence sends nothing most steps, new entries every ``block_size`` tokens). A step's ``released`` seq
 ids are sequences whose blocks were freed (finished, preempted): the ranks drop their tables
 first.
 
@@ -167,6 +170,7 @@ class Executor(Protocol):
     """Runs steps on the model ranks; what ``LLMEngine`` and ``bootstrap`` rely on."""
 
     num_blocks: int  # KV cache blocks every rank holds (the minimum over the ranks)
+    kv_group_windows: tuple[int | None, ...]  # per block-table group (``nvray/kv_layout.py``)
     max_model_len: int  # prompt + output tokens a sequence may reach
     vocab_size: int
     dtypes: dict[str, str]  # {"weights", "compute", "kv_cache"}: what the ranks hold, in words

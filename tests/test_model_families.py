@@ -54,3 +54,49 @@ def test_greedy_matches_hf_with_chunks_preemption_and_prefix_hits(family, family
     for prompt, out in zip(prompts + again, first + second):
         assert out.token_ids == hf_greedy(path, prompt, 24), f"prompt of {len(prompt)} tokens"
     assert second[0].num_cached_tokens >= 16 and second[1].num_cached_tokens >= 32
+
+
+def _run_bounded(llm: LLM, requests: list[tuple[list[int], SamplingParams]], max_steps: int) -> list:
+    """Finished outputs of ``requests`` run through the engine, at most ``max_steps`` steps."""
+    engine = llm.engine
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    done = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        done += [out for out in engine.step() if out.finished]
+    assert not engine.has_unfinished_requests(), f"unfinished after {max_steps} steps"
+    return sorted(done, key=lambda out: (out.request_id, out.index))
+
+
+@pytest.mark.parametrize("family,num_blocks,full_layout_needs", [
+    ("gemma3", 32, 50),  # 2 local, 2 global layers: 2 groups; 25 global blocks + a window's
+    ("mistral-window", 8, 25),  # every layer windowed: one group of window's worth
+])
+def test_a_long_sequence_runs_in_a_cache_too_small_to_hold_it_in_every_layer(
+        family, num_blocks, full_layout_needs, family_path, tiny_path, tmp_path):
+    """A 200-token sequence (25 blocks of 8) whose windowed layers (window 8) give back the
+    blocks they no longer read: it runs without preemption in fewer blocks than its layers
+    would hold without windows, and n=2 choices fork its cached prompt; tokens equal HF's."""
+    if family == "gemma3":
+        path = family_path("gemma3")
+    else:
+        from hf_checkpoints import write_hf_checkpoint
+        path = write_hf_checkpoint(str(tmp_path), {**SHAPES["mistral"], "sliding_window": 8},
+                                   tiny_path, seed=7)
+    prompt, short = random_prompts(2, 40, 40, seed=12)
+    llm = LLM(path, runtime="inprocess", kvcache_block_size=8, num_kvcache_blocks=num_blocks,
+              max_model_len=256, max_num_batched_tokens=32)
+    try:
+        long_out, = _run_bounded(llm, [(prompt, SamplingParams(temperature=0.0, max_tokens=160,
+                                                               ignore_eos=True))], 400)
+        stats = llm.engine.stats()
+        forks = _run_bounded(llm, [(short[:30], SamplingParams(n=2, temperature=0.0, max_tokens=20,
+                                                                ignore_eos=True))], 200)
+    finally:
+        llm.shutdown()
+    assert long_out.token_ids == hf_greedy(path, prompt, 160)
+    assert stats["num_preemptions"] == 0
+    assert round(stats["kv_cache_peak_usage"] * num_blocks) < full_layout_needs
+    assert [out.token_ids for out in forks] == [hf_greedy(path, short[:30], 20)] * 2

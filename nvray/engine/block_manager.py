@@ -13,6 +13,14 @@ Contract:
   copied). Copy-on-write: before a sequence writes into a block it shares (a fork's partly
   filled last block), it gets a private copy; the (source, copy) pair waits in
   ``take_copies()`` for the step that must copy the KV before it writes.
+- Windowed layers (``nvray/kv_layout.py``): a sequence's table holds one entry per group for
+  each logical block (entry ``b * num_groups + g``). A group of window W needs only the blocks
+  from the one holding position ``start - W + 1`` on, ``start`` being the next token to compute;
+  ``release_out_of_window`` gives the others back (their entries become -1) as the sequence
+  grows, so a long sequence of a model with local layers holds a window's worth of blocks in
+  those layers. A windowed group's blocks are cached under the group's own key; a cached prefix
+  is served only where every group holds what its window needs after it (a full group: all its
+  blocks; a windowed group: the blocks its window reaches back to), the others -1.
 - The ranks keep each sequence's block table between steps and get only its changes
   (``nvray/step_protocol.py``): a sequence's ``ranks_table_len`` counts the leading entries they hold,
   and this class lowers it where it changes an entry (a copy-on-write, a new table); a freed
@@ -23,10 +31,12 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from typing import NamedTuple
 
 import xxhash
 
 from nvray.engine.sequence import Sequence
+from nvray.kv_layout import first_needed_block
 
 _ROOT_HASH = 0
 
@@ -38,6 +48,11 @@ def _chain(prev_hash: int, block_bytes: bytes) -> int:
 def hash_block(prev_hash: int, token_ids: list[int]) -> int:
     """Chained hash of one full block: depends on every token before it."""
     return _chain(prev_hash, array("q", token_ids).tobytes())
+
+
+def group_key(block_hash: int, group: int) -> int:
+    """The prefix-cache key of a group's block of this chained hash (group 0: the hash)."""
+    return block_hash if group == 0 else _chain(block_hash, group.to_bytes(4, "little"))
 
 
 def hash_blocks(prev_hash: int, token_ids: list[int], block_size: int) -> list[int]:
@@ -56,16 +71,37 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: int | None = None  # its prefix-cache key (``group_key``)
         self.token_ids: tuple[int, ...] | None = None
 
 
+class CachedPrefix(NamedTuple):
+    """A cached prefix of a waiting sequence: its table entries (``num_groups`` per logical
+    block, -1 where a windowed group needs none) and the chained hash of each logical block."""
+
+    blocks: list[int]
+    hashes: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks (positions ``num_blocks * block_size`` are cached)."""
+        return len(self.hashes)
+
+
+NO_PREFIX = CachedPrefix([], [])
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group_windows: tuple[int | None, ...] = (None,)) -> None:
+        """``group_windows``: the window of each block-table group (``KVLayout``)."""
         assert num_blocks >= 1 and block_size >= 1, "need at least one block of one slot"
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        self.windowed = [(g, w) for g, w in enumerate(self.group_windows) if w]
         self.blocks = [Block(i) for i in range(num_blocks)]
         # LRU order of free blocks: the first entry is evicted first.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -76,6 +112,7 @@ class BlockManager:
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet launched
         self.released: list[int] = []  # freed seq ids whose ranks' tables are not dropped yet
         self.num_copied_blocks = 0
+        self.peak_held = 0  # the most blocks held at once (what the workload needed)
 
     # ----------------------------------------------------------------- queries
     @property
@@ -87,44 +124,85 @@ class BlockManager:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
     @property
+    def peak_usage(self) -> float:
+        return self.peak_held / self.num_blocks
+
+    @property
     def prefix_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Logical blocks covering ``num_tokens`` positions (a table entry per group each)."""
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq`` (read-only lookup)."""
-        if not self.enable_prefix_caching:
-            return []
-        bs, tokens = self.block_size, seq.token_ids
-        found: list[int] = []
-        prev = _ROOT_HASH
-        for i in range((len(tokens) - 1) // bs):
-            block_tokens = tokens[i * bs:(i + 1) * bs]
-            prev = hash_block(prev, block_tokens)
-            block_id = self.hash_to_block.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(block_tokens):
-                break
-            found.append(block_id)
-        return found
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Physical blocks ``seq``'s table lists now."""
+        return sum(1 for b in seq.block_table if b >= 0)
 
-    def can_allocate(self, cached: list[int], num_tokens: int) -> bool:
+    def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The longest cached prefix of ``seq`` (read-only lookup)."""
+        if not self.enable_prefix_caching:
+            return NO_PREFIX
+        bs, tokens = self.block_size, seq.token_ids
+        if self.num_groups == 1 and not self.windowed:
+            found: list[int] = []
+            hashes: list[int] = []
+            prev = _ROOT_HASH
+            for i in range((len(tokens) - 1) // bs):
+                block_tokens = tokens[i * bs:(i + 1) * bs]
+                prev = hash_block(prev, block_tokens)
+                block_id = self.hash_to_block.get(prev)
+                if block_id is None or self.blocks[block_id].token_ids != tuple(block_tokens):
+                    break
+                found.append(block_id)
+                hashes.append(prev)
+            return CachedPrefix(found, hashes)
+        return self._find_cached_prefix_by_group(tokens)
+
+    def _find_cached_prefix_by_group(self, tokens: list[int]) -> CachedPrefix:
+        """``find_cached_prefix`` over several groups or windows: the longest prefix of ``k``
+        blocks such that each full group caches blocks ``0..k-1`` and each windowed group the
+        blocks its window reaches from position ``k * block_size``."""
+        bs, groups = self.block_size, self.num_groups
+        hashes = hash_blocks(_ROOT_HASH, tokens[:(len(tokens) - 1) // bs * bs], bs)
+        cached = [[self._cached_block(h, g, tokens[i * bs:(i + 1) * bs])
+                   for i, h in enumerate(hashes)] for g in range(groups)]
+        best = 0
+        for k in range(len(hashes), 0, -1):
+            if all(all(b is not None for b in cached[g][first_needed_block(w, k * bs, bs):k])
+                   for g, w in enumerate(self.group_windows)):
+                best = k
+                break
+        lows = [first_needed_block(w, best * bs, bs) for w in self.group_windows]
+        blocks = [cached[g][i] if i >= lows[g] else -1  # type: ignore[misc]
+                  for i in range(best) for g in range(groups)]
+        return CachedPrefix(blocks, hashes[:best])
+
+    def _cached_block(self, block_hash: int, group: int, block_tokens: list[int]) -> int | None:
+        block_id = self.hash_to_block.get(group_key(block_hash, group))
+        if block_id is None or self.blocks[block_id].token_ids != tuple(block_tokens):
+            return None
+        return block_id
+
+    def can_allocate(self, cached: CachedPrefix, num_tokens: int) -> bool:
         """Can a waiting sequence get ``cached`` blocks plus slots up to ``num_tokens`` tokens?"""
-        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        new = self.num_blocks_for(num_tokens) - len(cached)
+        revived = sum(1 for b in cached.blocks if b >= 0 and self.blocks[b].ref_count == 0)
+        new = (self.num_blocks_for(num_tokens) - cached.num_blocks) * self.num_groups
         return revived + new <= len(self.free_blocks)
 
     def needs_blocks(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Does writing ``num_new_tokens`` more tokens take free blocks (the fast check)?"""
-        return (seq.num_computed_tokens + num_new_tokens > len(seq.block_table) * self.block_size
-                or self._shares_write_block(seq))
+        capacity = len(seq.block_table) // self.num_groups * self.block_size
+        return (seq.num_computed_tokens + num_new_tokens > capacity
+                or bool(self._shared_write_entries(seq)))
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Free blocks that writing ``num_new_tokens`` more tokens of ``seq`` takes (new blocks,
-        and a private copy of a shared block it would write into)."""
-        grow = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return max(grow, 0) + self._shares_write_block(seq)
+        and private copies of shared blocks it would write into)."""
+        groups = self.num_groups
+        grow = (self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+                - len(seq.block_table) // groups)
+        return max(grow, 0) * groups + len(self._shared_write_entries(seq))
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_blocks(seq, num_new_tokens) <= len(self.free_blocks)
@@ -133,28 +211,44 @@ class BlockManager:
         """Can a sequence sharing a fork's first ``num_shared_tokens`` add that many more?"""
         grow = (self.num_blocks_for(num_shared_tokens + num_new_tokens)
                 - self.num_blocks_for(num_shared_tokens))
-        return grow + (num_shared_tokens % self.block_size != 0) <= len(self.free_blocks)
+        partial = num_shared_tokens % self.block_size != 0
+        return (grow + partial) * self.num_groups <= len(self.free_blocks)
 
-    def _shares_write_block(self, seq: Sequence) -> bool:
+    def holds_prefix(self, seq: Sequence, num_tokens: int) -> bool:
+        """Does ``seq`` still hold every block a sequence forked at ``num_tokens`` tokens needs
+        (a windowed group gives back blocks as ``seq`` grows)?"""
+        groups, bs = self.num_groups, self.block_size
+        end = self.num_blocks_for(num_tokens)
+        return all(seq.block_table[i * groups + g] >= 0
+                   for g, w in self.windowed
+                   for i in range(first_needed_block(w, num_tokens, bs), end))
+
+    def _shared_write_entries(self, seq: Sequence) -> list[int]:
+        """The entries of the block ``seq`` writes next that it shares with another sequence."""
         if not seq.shares_blocks:
-            return False
-        i = seq.num_computed_tokens // self.block_size
-        return i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1
+            return []
+        groups = self.num_groups
+        first = seq.num_computed_tokens // self.block_size * groups
+        table = seq.block_table
+        return [e for e in range(first, min(first + groups, len(table)))
+                if table[e] >= 0 and self.blocks[table[e]].ref_count > 1]
 
     # ----------------------------------------------------------------- changes
-    def allocate_prefix(self, seq: Sequence, cached: list[int]) -> None:
+    def allocate_prefix(self, seq: Sequence, cached: CachedPrefix) -> None:
         """Give a waiting sequence its cached prefix blocks; count the lookup."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
-        for block_id in cached:
+        for block_id in cached.blocks:
+            if block_id < 0:
+                continue
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_blocks[block_id]
             block.ref_count += 1
-        seq.block_table = list(cached)
+        seq.block_table = list(cached.blocks)
         seq.ranks_table_len = 0
-        seq.num_computed_tokens = len(cached) * self.block_size
+        seq.num_computed_tokens = cached.num_blocks * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        self.seq_block_hashes[seq.seq_id] = [self.blocks[b].hash for b in cached]  # type: ignore[misc]
+        self.seq_block_hashes[seq.seq_id] = list(cached.hashes)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
 
@@ -162,9 +256,10 @@ class BlockManager:
         """Give a waiting ``child`` the blocks of ``parent`` that hold its first ``num_tokens``
         tokens (the same tokens: a request's choices share the prompt)."""
         assert not child.block_table, f"seq {child.seq_id} already holds blocks"
-        shared = parent.block_table[:self.num_blocks_for(num_tokens)]
+        shared = parent.block_table[:self.num_blocks_for(num_tokens) * self.num_groups]
         for block_id in shared:
-            self.blocks[block_id].ref_count += 1
+            if block_id >= 0:
+                self.blocks[block_id].ref_count += 1
         child.block_table = list(shared)
         child.ranks_table_len = 0
         child.num_computed_tokens = num_tokens
@@ -181,19 +276,36 @@ class BlockManager:
         released, self.released = self.released, []
         return released
 
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the blocks of ``seq``'s windowed groups that no query from
+        ``num_computed_tokens`` on reads (their entries become -1; the ranks' stale copies of
+        them are never read, so they are not told). Steps already launched that read them run
+        before any step that writes them again (one stream, in order)."""
+        groups, table = self.num_groups, seq.block_table
+        for g, window in self.windowed:
+            i = min(first_needed_block(window, seq.num_computed_tokens, self.block_size),
+                    len(table) // groups) - 1
+            while i >= 0 and table[i * groups + g] >= 0:
+                self._release_block(table[i * groups + g])
+                table[i * groups + g] = -1
+                i -= 1
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make sure the block table covers ``num_computed_tokens + num_new_tokens`` tokens,
-        with a private copy of a shared block the tokens would be written into."""
-        if self._shares_write_block(seq):
-            i = seq.num_computed_tokens // self.block_size
-            shared = self.blocks[seq.block_table[i]]
+        with a private copy of a shared block the tokens would be written into (first giving
+        back the blocks its windowed groups no longer read)."""
+        if self.windowed:
+            self.release_out_of_window(seq)
+        for entry in self._shared_write_entries(seq):
+            shared = self.blocks[seq.block_table[entry]]
             shared.ref_count -= 1
-            seq.block_table[i] = self._take_free_block()
-            seq.ranks_table_len = min(seq.ranks_table_len, i)
-            self.copies.append((shared.block_id, seq.block_table[i]))
+            seq.block_table[entry] = self._take_free_block()
+            seq.ranks_table_len = min(seq.ranks_table_len, entry - entry % self.num_groups)
+            self.copies.append((shared.block_id, seq.block_table[entry]))
             self.num_copied_blocks += 1
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        for _ in range(needed):
+        needed = (self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+                  - len(seq.block_table) // self.num_groups)
+        for _ in range(needed * self.num_groups):
             seq.block_table.append(self._take_free_block())
 
     def cache_full_blocks(self, seq: Sequence, num_written: int | None = None) -> None:
@@ -207,31 +319,40 @@ class BlockManager:
         first = len(hashes)
         if first >= num_full:
             return
-        bs, tokens, table = self.block_size, seq.token_ids, seq.block_table
+        bs, tokens, table, groups = self.block_size, seq.token_ids, seq.block_table, self.num_groups
         new = hash_blocks(hashes[-1] if hashes else _ROOT_HASH, tokens[first * bs:num_full * bs], bs)
         hashes.extend(new)
         for i, h in enumerate(new, first):
-            block = self.blocks[table[i]]
-            if block.hash is None:
-                block.hash, block.token_ids = h, tuple(tokens[i * bs:(i + 1) * bs])
-                self.hash_to_block.setdefault(h, block.block_id)
+            for g in range(groups):
+                block_id = table[i * groups + g]
+                if block_id < 0:  # a windowed group gave it back before it was hashed
+                    continue
+                block = self.blocks[block_id]
+                if block.hash is None:
+                    key = group_key(h, g)
+                    block.hash, block.token_ids = key, tuple(tokens[i * bs:(i + 1) * bs])
+                    self.hash_to_block.setdefault(key, block_id)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; cached content stays until evicted."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.hash is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
+            if block_id >= 0:
+                self._release_block(block_id)
         if seq.block_table:
             self.released.append(seq.seq_id)
         seq.block_table = []
         seq.ranks_table_len = 0
         seq.num_computed_tokens = 0
         self.seq_block_hashes.pop(seq.seq_id, None)
+
+    def _release_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.hash is None:
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
@@ -242,4 +363,5 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash = block.token_ids = None
         block.ref_count = 1
+        self.peak_held = max(self.peak_held, self.num_blocks - len(self.free_blocks))
         return block_id

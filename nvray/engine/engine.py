@@ -87,7 +87,7 @@ class LLMEngine:
         self.limits = limits
         self.clock = clock
         self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, limits.kv_group_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.scheduling_policy,
                                    config.enable_chunked_prefill, config.sjf_aging_s, clock)
@@ -341,6 +341,7 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),
                 "kv_cache_usage": bm.usage,
+                "kv_cache_peak_usage": bm.peak_usage,
                 "num_kvcache_blocks": self.limits.num_kvcache_blocks,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate,
                 "prefix_cache_queried_tokens": bm.num_queried_tokens,

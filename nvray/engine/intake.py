@@ -17,6 +17,7 @@ from typing import Any, Callable
 from nvray.engine.block_manager import BlockManager
 from nvray.engine.detokenizer import IncrementalDetokenizer
 from nvray.engine.sequence import RequestState, SeqPlan, Sequence
+from nvray.kv_layout import peak_blocks
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.structured_outputs import GrammarSpec
 
@@ -32,6 +33,7 @@ class ModelLimits:
     eos_token_ids: tuple[int, ...]
     dtypes: dict[str, str] = field(default_factory=dict)  # weights / compute / KV cache
     architecture: str = ""  # config.json's architectures[0], e.g. "LlamaForCausalLM"
+    kv_group_windows: tuple[int | None, ...] = (None,)  # per block-table group (kv_layout.py)
 
 
 class RequestIntake:
@@ -102,7 +104,9 @@ class RequestIntake:
         if not self.enable_chunked_prefill and total > self.max_num_batched_tokens:
             raise ValueError(f"prompt + max_tokens = {total} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} and chunked prefill is disabled")
-        blocks = self.block_manager.num_blocks_for(total)
+        bm = self.block_manager
+        chunk = self.max_num_batched_tokens if self.enable_chunked_prefill else total
+        blocks = peak_blocks(bm.group_windows, total, bm.block_size, min(chunk, total))
         if blocks > lim.num_kvcache_blocks:
             raise ValueError(f"request needs {blocks} KV cache blocks but the cache has only "
                              f"{lim.num_kvcache_blocks}")

@@ -18,7 +18,8 @@ A request for prompt log-probabilities skips the prefix cache (every position is
 Forks (a request's ``n`` choices): a waiting sequence ``fork_of`` another waits until that one
 has launched all prompt tokens but the last, then takes those blocks (shared, ref counted) and
 computes only the last prompt token itself; writes into a shared block copy it first
-(``BlockManager``). If the source finished first, the fork prefills on its own.
+(``BlockManager``). If the source finished first, or its windowed layers gave back blocks the
+fork needs, the fork prefills on its own.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from nvray.engine.block_manager import BlockManager
+from nvray.engine.block_manager import NO_PREFIX, BlockManager
 from nvray.engine.sequence import Sequence, SequenceStatus
 
 
@@ -101,7 +102,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i, bm = 0, self.block_manager
-        bs = bm.block_size
+        bs, groups = bm.block_size, bm.num_groups
         scheduled = out.scheduled
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -114,8 +115,10 @@ class Scheduler:
             if num_new == 0:  # prefilled, nothing to generate (max_tokens=0): it finishes
                 i += 1
                 continue
-            if (seq.num_computed_tokens + num_new > len(seq.block_table) * bs  # new blocks,
-                    or (seq.shares_blocks and bm.needs_blocks(seq, num_new))):  # or a copy
+            if (seq.num_computed_tokens + num_new > len(seq.block_table) // groups * bs  # new
+                    or (seq.shares_blocks and bm.needs_blocks(seq, num_new))):  # blocks, a copy
+                if bm.windowed:  # what its windows no longer read makes room first
+                    bm.release_out_of_window(seq)
                 if not self._make_room(seq, num_new, i, out):
                     continue  # seq itself was preempted; the next one moved into slot i
                 self.block_manager.append_slots(seq, num_new)
@@ -163,12 +166,13 @@ class Scheduler:
                 if seq.fork_of is not None:
                     break  # no room now
             # prompt log-probabilities need every prompt position computed
-            cached = [] if seq.params.prompt_logprobs is not None else bm.find_cached_prefix(seq)
-            remaining = seq.num_tokens - len(cached) * bm.block_size
+            cached = (NO_PREFIX if seq.params.prompt_logprobs is not None
+                      else bm.find_cached_prefix(seq))
+            remaining = seq.num_tokens - cached.num_blocks * bm.block_size
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
-            if not bm.can_allocate(cached, len(cached) * bm.block_size + num_new):
+            if not bm.can_allocate(cached, cached.num_blocks * bm.block_size + num_new):
                 break
             self.waiting.remove(seq)
             bm.allocate_prefix(seq, cached)
@@ -190,6 +194,9 @@ class Scheduler:
         shared = seq.num_prompt_tokens - 1  # the last prompt token: each choice samples its own
         if source.status is SequenceStatus.WAITING or source.num_computed_tokens < shared:
             return None
+        if bm.windowed and not bm.holds_prefix(source, shared):
+            seq.fork_of = None  # its windows moved past the prompt's end: prefill on its own
+            return False
         num_new = min(seq.num_tokens - shared, budget)
         if not bm.can_fork(shared, num_new):
             return False

@@ -30,6 +30,7 @@ the graph where it is largest.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -51,8 +52,20 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    # with several block-table groups (kv_layout.py): each group's metadata (its slots and
+    # tables; the rest shared), which a layer of that group reads (Attention.meta_of)
+    groups: list["AttentionMetadata"] | None = None
+
     _cu_seqlens_k: torch.Tensor | None = None
     _decode_order: torch.Tensor | None = None
+
+    def with_groups(self, slot_mappings: list[torch.Tensor],
+                    block_tables: list[torch.Tensor]) -> "AttentionMetadata":
+        """This metadata with one per group (the first group's slots and tables as its own)."""
+        self.groups = [dataclasses.replace(self, slot_mapping=s, block_tables=t)
+                       for s, t in zip(slot_mappings, block_tables)]
+        self.slot_mapping, self.block_tables = slot_mappings[0], block_tables[0]
+        return self
 
     @property
     def is_decode_only(self) -> bool:
@@ -271,10 +284,15 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window or None
         self.k_cache = torch.empty(0)  # set by the model runner once the cache is allocated
         self.v_cache = torch.empty(0)
+        self.kv_group = 0  # its block-table group (kv_layout.py), set with the cache
         self.backend: Backend = TorchAttentionBackend()
+
+    def meta_of(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The step's metadata for this layer's block-table group."""
+        return meta if meta.groups is None else meta.groups[self.kv_group]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         """k and v None: this step's K/V are in the cache already."""
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                    self.sliding_window)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, self.meta_of(meta),
+                                    self.scale, self.sliding_window)

@@ -108,7 +108,7 @@ class DecoderAttention(nn.Module):
                 qkv, positions, self.rotary_emb.cos_sin, self.num_heads, self.num_kv_heads,
                 norms[0].weight if norms else None, norms[1].weight if norms else None,
                 norms[0].eps if norms else 0.0, self.attn.k_cache, self.attn.v_cache,
-                meta.slot_mapping)
+                self.attn.meta_of(meta).slot_mapping)
             o = self.attn(q, None, None, meta)  # [T, H, D]
         else:
             q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -73,7 +73,8 @@ class RankWorker:
     def model_facts(self) -> dict[str, Any]:
         assert self.runner is not None, "load() first"
         return {"max_model_len": self.runner.max_model_len,
-                "vocab_size": self.runner.hf_config.vocab_size, "dtypes": self.runner.dtypes()}
+                "vocab_size": self.runner.hf_config.vocab_size, "dtypes": self.runner.dtypes(),
+                "kv_group_windows": self.runner.kv_layout.group_windows}
 
     def startup_phases(self) -> dict[str, float]:
         """This rank's start-up seconds by phase (startup_phases.py)."""

@@ -86,6 +86,7 @@ class RayExecutor:
         facts = ray.get(self.workers[0].model_facts.remote())
         self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
         self.dtypes = facts["dtypes"]
+        self.kv_group_windows = tuple(facts["kv_group_windows"])
 
     def _compile(self):  # noqa: ANN202 - ray.dag types are experimental
         from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415

@@ -6,6 +6,11 @@ entries from ``table_start`` on (0: the whole table). Each sequence gets a row o
 ``[max_rows, max_blocks]`` int32 table, mirrored on the host (the builder computes KV slots
 from it); only the entries that changed travel to the device, as (flat index, block id) pairs.
 
+With several block-table groups (``nvray/kv_layout.py``) a sequence's table is flat, entry
+``b * G + g`` for group ``g``'s logical block ``b``; on the device the tables are
+``[G, max_rows, max_blocks]``, so each group's rows are the ``[max_rows, max_blocks]`` table the
+attention kernels read (``group_tables[g]``).
+
 ``sync(seq_id, entries, table_start, out_idx, out_val)`` returns the sequence's row and its
 whole table (host), and appends the updates the device needs; ``release(seq_ids)`` drops the
 tables of freed sequences. A step that sends whole tables (``table_start`` 0: a new table, or
@@ -20,9 +25,12 @@ import torch
 
 
 class DeviceBlockTables:
-    def __init__(self, max_rows: int, max_blocks: int, device: torch.device) -> None:
-        self.max_rows, self.max_blocks = max_rows, max_blocks
-        self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device,
+                 num_groups: int = 1) -> None:
+        self.max_rows, self.max_blocks, self.num_groups = max_rows, max_blocks, num_groups
+        self.tables = torch.zeros(num_groups, max_rows, max_blocks, dtype=torch.int32,
+                                  device=device)
+        self.group_tables = list(self.tables.unbind(0))  # [max_rows, max_blocks] views
         self.reset()
 
     def reset(self) -> None:
@@ -49,11 +57,17 @@ class DeviceBlockTables:
             f"seq {seq_id} sent its block table from entry {table_start}, but this rank holds "
             f"{len(held)} entries")
         if entries:
-            end = table_start + len(entries)
+            groups = self.num_groups
+            end = -(-(table_start + len(entries)) // groups)
             assert end <= self.max_blocks, (
                 f"block table of {end} blocks exceeds max_model_len's {self.max_blocks}")
-            base = row * self.max_blocks + table_start
-            out_idx.extend(range(base, base + len(entries)))
+            if groups == 1:
+                base = row * self.max_blocks + table_start
+                out_idx.extend(range(base, base + len(entries)))
+            else:
+                rows, width = self.max_rows * self.max_blocks, self.max_blocks
+                out_idx.extend(e % groups * rows + row * width + e // groups
+                               for e in range(table_start, table_start + len(entries)))
             out_val.extend(entries)
         del held[table_start:]
         held.extend(entries)
@@ -70,7 +84,7 @@ class DeviceBlockTables:
     def apply(self, idx: torch.Tensor, val: torch.Tensor) -> None:
         """Write the updates gathered by ``sync`` (device tensors, int32)."""
         if idx.numel():
-            self.table.view(-1)[idx] = val
+            self.tables.view(-1)[idx] = val
 
     def _assign(self, seq_id: int) -> int:
         if not self.free:

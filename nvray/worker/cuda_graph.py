@@ -62,7 +62,7 @@ class StepGraphs:
         self.sizes = sizes
         self.prefill_sizes = list(prefill_sizes)
         self.max_model_len = max_model_len
-        self.ids, self.pos, self.slots, self.seq_lens, self.rows = inputs.static_views()
+        self.ids, self.pos, self.seq_lens, self.rows, self.group_slots = inputs.static_views()
         cap = inputs.graph_capacity
         self.query_start_loc = torch.arange(cap + 1, dtype=torch.int32, device=inputs.device)
         self.out = torch.zeros(cap, hidden_size, dtype=dtype, device=inputs.device)
@@ -72,22 +72,27 @@ class StepGraphs:
                                     for q in self.prefill_sizes}
         self.pool = None
 
+    def _meta(self, num_tokens: int, num_seqs: int, query_start_loc: torch.Tensor,
+              max_query_len: int) -> AttentionMetadata:
+        """A captured region's metadata: its block tables gathered inside the graph, one set
+        per block-table group."""
+        slots = [s[:num_tokens] for s in self.group_slots]
+        tables = [t.index_select(0, self.rows[:num_seqs]) for t in self.inputs.tables.group_tables]
+        meta = AttentionMetadata(
+            slot_mapping=slots[0], query_start_loc=query_start_loc,
+            seq_lens=self.seq_lens[:num_seqs], block_tables=tables[0],
+            max_query_len=max_query_len, max_seq_len=self.max_model_len, query_lens_cpu=[],
+            seq_lens_cpu=[])
+        return meta.with_groups(slots, tables) if len(tables) > 1 else meta
+
     def _run(self, bs: int) -> None:
         """The captured region: gather block tables, run the model, keep the hidden states."""
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.inputs.tables.table.index_select(0, self.rows[:bs]),
-            max_query_len=1, max_seq_len=self.max_model_len, query_lens_cpu=[], seq_lens_cpu=[])
+        meta = self._meta(bs, bs, self.query_start_loc[:bs + 1], 1)
         self.out[:bs] = self.forward(self.ids[:bs], self.pos[:bs], meta)
 
     def _run_prefill(self, q: int) -> None:
         """The captured region of a prefill graph: one sequence, a query of ``q`` tokens."""
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:q], query_start_loc=self.prefill_query_start[q],
-            seq_lens=self.seq_lens[:1],
-            block_tables=self.inputs.tables.table.index_select(0, self.rows[:1]),
-            max_query_len=q, max_seq_len=self.max_model_len, query_lens_cpu=[], seq_lens_cpu=[])
+        meta = self._meta(q, 1, self.prefill_query_start[q], q)
         self.out[:q] = self.forward(self.ids[:q], self.pos[:q], meta)
 
     def _capture_one(self, run: Callable[[int], None], size: int) -> torch.cuda.CUDAGraph:
@@ -124,7 +129,8 @@ class StepGraphs:
         each with its static inputs set: decode batches run the model once and write nothing,
         attend to nothing (slot -1, seq_len 0); a prefill of q tokens attends over a context of
         q positions (row 0 of the tables: block 0)."""
-        self.slots.fill_(-1)
+        for slots in self.group_slots:
+            slots.fill_(-1)
         self.seq_lens.zero_()
         try:
             for bs in decode:

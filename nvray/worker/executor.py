@@ -24,6 +24,7 @@ class InProcessExecutor:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
         self.dtypes = self.runner.dtypes()
+        self.kv_group_windows = self.runner.kv_layout.group_windows
         self.startup_phases = dict(self.runner.startup.seconds)
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -8,8 +8,13 @@ so only their changes travel, from the control plane and on to the device. On th
 buffer is used directly.
 
 A decode step that fits a captured CUDA graph writes instead into the graph's static inputs:
-``[ids | positions | slots | seq_lens | rows]``, each ``graph_capacity`` long, padded up to the
-graph's batch size with rows that attend to nothing (seq_len 0) and write nowhere (slot -1).
+``[ids | positions | seq_lens | rows | slots of each block-table group]``, each
+``graph_capacity`` long, padded up to the graph's batch size with rows that attend to nothing
+(seq_len 0) and write nowhere (slot -1).
+
+With several block-table groups (``nvray/kv_layout.py``) every token has a KV slot in each
+group (the flat table's entry ``b * G + g``), and the metadata carries one per group
+(``AttentionMetadata.groups``).
 A step that is one sequence's query chunk fitting a prefill graph (``cuda_graph.py``) writes its
 tokens there too, padded to the graph's query length with tokens that write nowhere; its
 context length is the chunk's start + the graph's query length.
@@ -34,7 +39,7 @@ from nvray.step_protocol import StepInput, placeholder_row
 from nvray.layers.attention import AttentionMetadata
 from nvray.worker.block_tables import DeviceBlockTables
 
-STATIC_FIELDS = 5  # ids, positions, slots, seq_lens, rows
+SHARED_FIELDS = 4  # ids, positions, seq_lens, rows; then one slots field per group
 _ALIGN = 4  # int32 elements: every tensor starts 16-byte aligned (Triton specializes on it)
 
 
@@ -58,10 +63,20 @@ class StepBatch(NamedTuple):
 _Fill = tuple[torch.Tensor, torch.Tensor]  # device (placeholder positions, sampled rows)
 
 
+class StaticInputs(NamedTuple):
+    """The CUDA graphs' static inputs (views of one device buffer)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    rows: torch.Tensor
+    slots: list[torch.Tensor]  # one per block-table group
+
+
 class _HostLists(NamedTuple):
     ids: list[int]
     pos: list[int]
-    slots: list[int]
+    slots: list[list[int]]  # one list per block-table group
     q_lens: list[int]
     seq_lens: list[int]
     rows: list[int]
@@ -79,21 +94,28 @@ class _HostLists(NamedTuple):
 
 class InputBuilder:
     def __init__(self, block_size: int, max_model_len: int, max_num_seqs: int,
-                 graph_capacity: int, device: torch.device) -> None:
+                 graph_capacity: int, device: torch.device, num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups
         self.max_positions = -(-max_model_len // block_size) * block_size  # the tables' reach
         self.device = device
         self.cuda = device.type == "cuda"
-        self.tables = DeviceBlockTables(2 * max_num_seqs + 2, -(-max_model_len // block_size), device)
+        self.tables = DeviceBlockTables(2 * max_num_seqs + 2, -(-max_model_len // block_size),
+                                        device, num_groups)
         self.graph_capacity = _aligned(graph_capacity)
-        self.static = torch.zeros(STATIC_FIELDS * self.graph_capacity, dtype=torch.int32, device=device)
+        self.static_fields = SHARED_FIELDS + num_groups
+        self.static = torch.zeros(self.static_fields * self.graph_capacity, dtype=torch.int32,
+                                  device=device)
         self.copy_done = torch.cuda.Event() if self.cuda else None
         self.host = torch.empty(0, dtype=torch.int32)
-        self._grow(STATIC_FIELDS * self.graph_capacity + 4096)
+        self._grow(self.static_fields * self.graph_capacity + 4096)
 
-    def static_views(self) -> list[torch.Tensor]:
-        """The graph's static inputs: ids, positions, slots, seq_lens, rows."""
-        return list(self.static.view(STATIC_FIELDS, -1).unbind(0)) if self.graph_capacity else []
+    def static_views(self) -> StaticInputs | None:
+        """The graphs' static inputs (None: no graphs)."""
+        if not self.graph_capacity:
+            return None
+        fields = self.static.view(self.static_fields, -1).unbind(0)
+        return StaticInputs(*fields[:SHARED_FIELDS], list(fields[SHARED_FIELDS:]))
 
     # ------------------------------------------------------------------ build
     def prepare(self, step: StepInput, graph_sizes: list[int],
@@ -128,11 +150,12 @@ class InputBuilder:
         return q if h.seq_lens[0] - h.q_lens[0] + q <= self.max_positions else 0
 
     def _collect(self, step: StepInput) -> _HostLists:
-        bs, tables = self.block_size, self.tables
+        bs, tables, groups = self.block_size, self.tables, self.num_groups
         tables.begin_step()
         if step.released:
             tables.release(step.released)
-        h = _HostLists([], [], [], [], [], [], [], [], [], [], [], [])
+        h = _HostLists([], [], [[] for _ in range(groups)], [], [], [], [], [], [], [], [], [])
+        slots = h.slots[0]
         for s in step.seqs:
             n, start = len(s.token_ids), s.start_pos
             end = start + n
@@ -146,29 +169,41 @@ class InputBuilder:
                 h.fill_dst.append(len(h.ids) - 1)
                 h.fill_src.append(placeholder_row(s.token_ids[-1]))
                 h.ids[-1] = 0
-            if n == 1:
+            if groups > 1:
+                h.pos.extend(range(start, end))
+                self._group_slots(h.slots, table, start, end)
+            elif n == 1:
                 h.pos.append(start)
-                h.slots.append(table[start // bs] * bs + start % bs)
+                slots.append(table[start // bs] * bs + start % bs)
             else:
                 h.pos.extend(range(start, end))
                 for b in range(start // bs, (end - 1) // bs + 1):  # whole runs of slots per block
                     lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
                     base = table[b] * bs - b * bs
-                    h.slots.extend(range(base + lo, base + hi))
+                    slots.extend(range(base + lo, base + hi))
             h.q_lens.append(n)
             h.seq_lens.append(end)
             if s.sample is not None:
                 h.sample.append(len(h.ids) - 1)
         return h
 
+    def _group_slots(self, slots: list[list[int]], table: list[int], start: int, end: int) -> None:
+        """The KV slots of positions ``start .. end - 1`` in each group's table."""
+        bs, groups = self.block_size, self.num_groups
+        for b in range(start // bs, (end - 1) // bs + 1):
+            lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
+            for g in range(groups):
+                base = table[b * groups + g] * bs - b * bs
+                slots[g].extend(range(base + lo, base + hi))
+
     def _prepare_graph(self, h: _HostLists, graph_bs: int) -> tuple[StepBatch, _Fill]:
         cap, n = self.graph_capacity, len(h.rows)
         a = self.host_np
-        for f, (values, pad) in enumerate(((h.ids, 0), (h.pos, 0), (h.slots, -1), (h.seq_lens, 0),
-                                           (h.rows, 0))):
+        fields = [(h.ids, 0), (h.pos, 0), (h.seq_lens, 0), (h.rows, 0)] + [(s, -1) for s in h.slots]
+        for f, (values, pad) in enumerate(fields):
             a[f * cap:f * cap + n] = values
             a[f * cap + n:f * cap + graph_bs] = pad
-        head = STATIC_FIELDS * cap
+        head = self.static_fields * cap
         sample_all = len(h.sample) == n and not h.score
         gathered = [] if sample_all else h.gathered
         tail = self._fill(head, gathered, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
@@ -178,19 +213,18 @@ class InputBuilder:
             head, tail, [num_idx, len(h.upd_idx), len(h.upd_val), len(h.fill_dst), len(h.fill_src)])
         self.tables.apply(upd_idx, upd_val)
         self._record()
-        ids, pos = self.static_views()[:2]
+        ids, pos = self.static_views()[:2]  # type: ignore[index]
         return StepBatch(ids[:graph_bs], pos[:graph_bs], None, None if sample_all else sample,
                          len(h.sample), n, graph_bs, num_scores=len(h.score)), (dst, src)
 
     def _prepare_prefill_graph(self, h: _HostLists, q: int) -> tuple[StepBatch, _Fill]:
         cap, n = self.graph_capacity, len(h.ids)
         a = self.host_np
-        for f, (values, pad, length) in enumerate((
-                (h.ids, 0, q), (h.pos, 0, q), (h.slots, -1, q),
-                ([h.seq_lens[0] - n + q], 0, 1), (h.rows, 0, 1))):
+        fields = [(h.ids, 0, q), (h.pos, 0, q), ([h.seq_lens[0] - n + q], 0, 1), (h.rows, 0, 1)]
+        for f, (values, pad, length) in enumerate(fields + [(s, -1, q) for s in h.slots]):
             a[f * cap:f * cap + len(values)] = values
             a[f * cap + len(values):f * cap + length] = pad
-        head = STATIC_FIELDS * cap
+        head = self.static_fields * cap
         gathered = h.gathered
         tail = self._fill(head, gathered, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
         self.static.copy_(self.host[:head], non_blocking=True)
@@ -199,7 +233,7 @@ class InputBuilder:
                          len(h.fill_src)])
         self.tables.apply(upd_idx, upd_val)
         self._record()
-        ids, pos = self.static_views()[:2]
+        ids, pos = self.static_views()[:2]  # type: ignore[index]
         return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q,
                          num_scores=len(h.score)), (dst, src)
 
@@ -207,20 +241,24 @@ class InputBuilder:
         cu = [0]
         for q in h.q_lens:
             cu.append(cu[-1] + q)
-        parts = [h.ids, h.pos, h.slots, cu, h.seq_lens, h.rows, h.gathered, h.upd_idx, h.upd_val,
+        groups = self.num_groups
+        parts = [h.ids, h.pos, *h.slots, cu, h.seq_lens, h.rows, h.gathered, h.upd_idx, h.upd_val,
                  h.fill_dst, h.fill_src]
         end = self._fill(0, *parts)
         views = self._upload(0, end, [len(p) for p in parts])
-        ids, pos, slots, cu_q, seq_lens, rows, sample, upd_idx, upd_val, dst, src = views
+        ids, pos, slots = views[0], views[1], views[2:2 + groups]
+        cu_q, seq_lens, rows, sample, upd_idx, upd_val, dst, src = views[2 + groups:]
         self.tables.apply(upd_idx, upd_val)
         max_seq_len = max(h.seq_lens)
         width = -(-max_seq_len // self.block_size)
-        block_tables = self.tables.table[:, :width].index_select(0, rows)  # [B, width]
+        tables = [t[:, :width].index_select(0, rows) for t in self.tables.group_tables]  # [B, width]
         self._record()
-        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=cu_q, seq_lens=seq_lens,
-                                 block_tables=block_tables, max_query_len=max(h.q_lens),
+        meta = AttentionMetadata(slot_mapping=slots[0], query_start_loc=cu_q, seq_lens=seq_lens,
+                                 block_tables=tables[0], max_query_len=max(h.q_lens),
                                  max_seq_len=max_seq_len, query_lens_cpu=h.q_lens,
                                  seq_lens_cpu=h.seq_lens)
+        if groups > 1:
+            meta.with_groups(slots, tables)
         sample_all = not h.score and h.sample == list(range(len(h.sample)))  # e.g. decodes
         return StepBatch(ids, pos, meta, None if sample_all else sample, len(h.sample),
                          len(h.rows), 0, num_scores=len(h.score)), (dst, src)

@@ -30,6 +30,7 @@ from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.tp import broadcast_from_first, tp_rank
+from nvray.kv_layout import plan_kv_layout
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
@@ -81,6 +82,9 @@ class ModelRunner:
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
                                      config.seed, self.quant_config, config.load_format)
         self.attention_layers = self.model.attention_layers()
+        self.kv_layout = plan_kv_layout([layer.sliding_window for layer in self.attention_layers])
+        for layer, (group, _) in zip(self.attention_layers, self.kv_layout.layer_slots):
+            layer.kv_group = group
         check_fp8_device(self.device, self.quant_config is not None, fp8_kv)
         self.backend = select_backend(config.attention_backend, self.device, self.block_size,
                                       fp8_kv_cache=fp8_kv)
@@ -96,12 +100,13 @@ class ModelRunner:
         self.prefill_sizes = prefill_graph_sizes(config.max_prefill_graph_tokens) if graphs else []
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    max([*self.graph_sizes, *self.prefill_sizes], default=0),
-                                   self.device)
+                                   self.device, self.kv_layout.num_groups)
         self.graphs: StepGraphs | None = None
         self.memory_report: GpuMemoryReport | None = None
         self.graph_memory = 0
         self.num_graph_replays = 0
         self.num_blocks = 0
+        self.kv_caches: list[torch.Tensor] = []  # every K and V tensor of the cache, once
         self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
@@ -129,9 +134,10 @@ class ModelRunner:
     # ----------------------------------------------------------------- KV cache
     @property
     def kv_block_bytes(self) -> int:
-        layer = self.attention_layers[0]
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
-        return len(self.attention_layers) * self.block_size * per_token
+        """A physical block: ``slots_per_block`` layers' KV of ``block_size`` tokens
+        (``nvray/kv_layout.py``; one layer's worth per slot)."""
+        per_token = max(2 * layer.num_kv_heads * layer.head_dim for layer in self.attention_layers)
+        return self.kv_layout.slots_per_block * self.block_size * per_token * self.kv_dtype.itemsize
 
     def decode_scratch_bytes(self, batch: int) -> int:
         """What one layer's decode attention allocates besides its output for ``batch``
@@ -150,15 +156,24 @@ class ModelRunner:
             self.graphs = None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """A zeroed cache of ``num_blocks`` blocks in every layer (0: none); graphs captured
-        over the old cache are dropped first."""
+        """A zeroed cache of ``num_blocks`` blocks (0: none): one K and one V tensor per slot of
+        the KV layout, shared by the layers of that slot in every group (``kv_layout.py``; one
+        group: a tensor per layer); graphs captured over the old cache are dropped first."""
         self._release_graphs()
         self.num_blocks = num_blocks
         for layer in self.attention_layers:
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = layer.v_cache = torch.empty(0)  # free the old cache first
-            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, (_, slot) in zip(self.attention_layers, self.kv_layout.layer_slots):
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            if slot not in pools:
+                pools[slot] = (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            assert pools[slot][0].shape == shape, (
+                f"layers sharing KV slot {slot} differ in shape: {tuple(pools[slot][0].shape)} "
+                f"and {shape}")
+            layer.k_cache, layer.v_cache = pools[slot]
+        self.kv_caches = [cache for pool in pools.values() for cache in pool]
 
     def close(self) -> None:
         """Drop graphs, cache and weights and give their memory back: the modules hold reference
@@ -199,11 +214,10 @@ class ModelRunner:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
         src = to_device([c[0] for c in copies], self.device)
         dst = to_device([c[1] for c in copies], self.device)
-        for layer in self.attention_layers:
-            for cache in (layer.k_cache, layer.v_cache):
-                # as bytes: torch has no index_copy_ for float8 (an FP8 cache)
-                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-                raw.index_copy_(0, dst, raw.index_select(0, src))
+        for cache in self.kv_caches:
+            # as bytes: torch has no index_copy_ for float8 (an FP8 cache)
+            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+            raw.index_copy_(0, dst, raw.index_select(0, src))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

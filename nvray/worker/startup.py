@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from nvray.kv_layout import peak_blocks
 from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from nvray.worker.compile_ahead import ahead_threads, compile_ahead
 from nvray.worker.gemm_warmup import warm_gemms
@@ -49,7 +50,9 @@ def num_kvcache_blocks(runner: ModelRunner) -> int:
         logger.info("GPU memory: %s", where)
     block_bytes, block_size = runner.kv_block_bytes, runner.block_size
     num_blocks = max(budget, 0) // block_bytes
-    needed = -(-runner.max_model_len // block_size)
+    chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else runner.max_model_len
+    needed = peak_blocks(runner.kv_layout.group_windows, runner.max_model_len, block_size,
+                         min(chunk, runner.max_model_len))
     if num_blocks < needed:
         raise ValueError(
             f"KV cache too small: {max(budget, 0) / 2**30:.2f} GiB holds {num_blocks} blocks of "
@@ -126,7 +129,8 @@ def warmup(runner: ModelRunner) -> None:
     num_seqs = max(1, min(config.max_num_seqs, tokens))
     tokens = min(tokens, num_seqs * runner.max_model_len)
     lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
-    seqs = [SeqStep(-1 - i, [0] * n, 0, [0] * -(-n // block_size), _WARMUP_SAMPLE)
+    groups = runner.kv_layout.num_groups  # a table entry per group for each logical block
+    seqs = [SeqStep(-1 - i, [0] * n, 0, [0] * (-(-n // block_size) * groups), _WARMUP_SAMPLE)
             for i, n in enumerate(lens)]
     runner.execute(StepInput(seqs))
     runner.inputs.tables.reset()
@@ -188,7 +192,7 @@ def warm_kernel_steps(runner: ModelRunner) -> None:
         for context in sorted({query_len, max(wide, query_len), wide + 3 * block_size}):
             if context > runner.max_model_len:
                 continue
-            table = [0] * -(-context // block_size)
+            table = [0] * (-(-context // block_size) * runner.kv_layout.num_groups)
             seqs = [SeqStep(-1 - i, [0] * query_len, context - query_len, table,
                             spec._replace(temperature=spec.temperature * (1 - i)))
                     for i in range(1 + (query_len == 33))]  # and one step of 2 rows

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nvray.engine.block_manager import BlockManager
+from nvray.engine.block_manager import NO_PREFIX, BlockManager
 from nvray.engine.sequence import Sequence
 from nvray.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ def test_chained_hash_does_not_match_a_block_with_a_different_prefix():
     bm = BlockManager(num_blocks=10, block_size=4)
     run_prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     other = seq_of([0, 0, 0, 0, 5, 6, 7, 8, 9])  # same second block, different first
-    assert bm.find_cached_prefix(other) == []
+    assert bm.find_cached_prefix(other).blocks == []
 
 
 def test_a_block_is_found_only_after_the_prefix_it_was_computed_after():
@@ -49,7 +49,7 @@ def test_a_block_is_found_only_after_the_prefix_it_was_computed_after():
     second = seq_of([0, 0, 0, 0, 5, 6, 7, 8, 9])
     run_prefill(bm, second)
     assert second.num_cached_tokens == 0  # its first block differs: nothing reused
-    assert bm.find_cached_prefix(seq_of([0, 0, 0, 0, 5, 6, 7, 8, 10])) == second.block_table[:2]
+    assert bm.find_cached_prefix(seq_of([0, 0, 0, 0, 5, 6, 7, 8, 10])).blocks == second.block_table[:2]
 
 
 def test_a_cached_block_is_not_reused_after_a_different_cached_prefix():
@@ -57,7 +57,7 @@ def test_a_cached_block_is_not_reused_after_a_different_cached_prefix():
     run_prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     other = seq_of([0, 0, 0, 0, 9])
     run_prefill(bm, other)  # [0, 0, 0, 0] is cached too, as a first block
-    assert bm.find_cached_prefix(seq_of([0, 0, 0, 0, 5, 6, 7, 8, 9])) == other.block_table[:1]
+    assert bm.find_cached_prefix(seq_of([0, 0, 0, 0, 5, 6, 7, 8, 9])).blocks == other.block_table[:1]
 
 
 def test_token_equality_guards_against_hash_collisions():
@@ -66,14 +66,14 @@ def test_token_equality_guards_against_hash_collisions():
     run_prefill(bm, a)
     block = bm.blocks[a.block_table[0]]
     block.token_ids = (9, 9, 9, 9)  # simulate a colliding hash holding other tokens
-    assert bm.find_cached_prefix(seq_of([1, 2, 3, 4, 5])) == []
+    assert bm.find_cached_prefix(seq_of([1, 2, 3, 4, 5])).blocks == []
 
 
 def test_full_prompt_hit_leaves_at_least_one_token_to_compute():
     bm = BlockManager(num_blocks=10, block_size=4)
     run_prefill(bm, seq_of(list(range(8))))
     again = seq_of(list(range(8)))
-    assert len(bm.find_cached_prefix(again)) == 1  # 2 full blocks cached, only 1 reused
+    assert len(bm.find_cached_prefix(again).blocks) == 1  # 2 full blocks cached, only 1 reused
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_lru():
@@ -86,10 +86,10 @@ def test_freed_blocks_stay_cached_and_are_evicted_lru():
     assert bm.num_free_blocks == 4
     hog = seq_of([50, 51, 52])  # needs 2 blocks: the 2 uncached partial blocks go first
     run_prefill(bm, hog)
-    assert bm.find_cached_prefix(seq_of([1, 2, 3])) and bm.find_cached_prefix(seq_of([7, 8, 9]))
+    assert bm.find_cached_prefix(seq_of([1, 2, 3])).blocks and bm.find_cached_prefix(seq_of([7, 8, 9])).blocks
     run_prefill(bm, seq_of([60, 61]))  # 1 block: evicts old's cached block, freed earlier
-    assert bm.find_cached_prefix(seq_of([1, 2, 3])) == []
-    assert bm.find_cached_prefix(seq_of([7, 8, 9])) != []
+    assert bm.find_cached_prefix(seq_of([1, 2, 3])).blocks == []
+    assert bm.find_cached_prefix(seq_of([7, 8, 9])).blocks != []
 
 
 def test_reused_block_drops_its_stale_hash():
@@ -99,8 +99,8 @@ def test_reused_block_drops_its_stale_hash():
     bm.free(a)
     b = seq_of([5, 6])
     run_prefill(bm, b)
-    assert bm.find_cached_prefix(seq_of([1, 2, 9])) == []
-    assert bm.find_cached_prefix(seq_of([5, 6, 9])) == [b.block_table[0]]
+    assert bm.find_cached_prefix(seq_of([1, 2, 9])).blocks == []
+    assert bm.find_cached_prefix(seq_of([5, 6, 9])).blocks == [b.block_table[0]]
 
 
 def test_no_block_leaks_after_every_sequence_is_freed():
@@ -127,7 +127,7 @@ def test_can_allocate_counts_revived_cached_blocks():
     bm.free(a)
     b = seq_of([1, 2, 3, 4, 5, 6, 7])
     cached = bm.find_cached_prefix(b)
-    assert len(cached) == 2
+    assert len(cached.blocks) == 2
     assert bm.can_allocate(cached, 6)  # 2 revived + 1 new = 3 free
     assert not bm.can_allocate(cached, 8)
 
@@ -142,19 +142,19 @@ def test_blocks_filled_by_decoding_are_found_by_a_later_prompt():
         a.num_computed_tokens += 1
         bm.cache_full_blocks(a)
     b = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
-    assert bm.find_cached_prefix(b) == a.block_table[:2]
+    assert bm.find_cached_prefix(b).blocks == a.block_table[:2]
 
 
 def test_only_blocks_whose_kv_is_written_are_cached():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = seq_of(list(range(9)))
-    bm.allocate_prefix(a, [])
+    bm.allocate_prefix(a, NO_PREFIX)
     bm.append_slots(a, 9)
     a.num_computed_tokens = 9  # launched, but only the first block's KV is written so far
     bm.cache_full_blocks(a, num_written=4)
-    assert bm.find_cached_prefix(seq_of(list(range(10)))) == a.block_table[:1]
+    assert bm.find_cached_prefix(seq_of(list(range(10)))).blocks == a.block_table[:1]
     bm.cache_full_blocks(a)
-    assert bm.find_cached_prefix(seq_of(list(range(10)))) == a.block_table[:2]
+    assert bm.find_cached_prefix(seq_of(list(range(10)))).blocks == a.block_table[:2]
 
 
 def test_content_computed_again_after_its_block_was_reused_is_cached_again():
@@ -174,7 +174,7 @@ def test_content_computed_again_after_its_block_was_reused_is_cached_again():
     again = seq_of([1, 2, 9])
     run_prefill(bm, again)
     assert again.block_table[0] != old_block
-    assert bm.find_cached_prefix(seq_of([1, 2, 3])) == again.block_table[:1]
+    assert bm.find_cached_prefix(seq_of([1, 2, 3])).blocks == again.block_table[:1]
 
 
 def test_hit_rate_counts_every_lookup():

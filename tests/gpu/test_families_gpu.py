@@ -42,13 +42,15 @@ def test_prefill_and_graph_decode_logits_match_hf_in_float32(family_path):
     from nvray.worker.startup import prepare_kv_cache
 
     config = EngineConfig(model=family_path, max_model_len=512, max_num_seqs=4,
-                          num_kvcache_blocks=64, dtype="float32")
+                          num_kvcache_blocks=128, dtype="float32")
     runner = ModelRunner(config, family_path)
     try:
-        prepare_kv_cache(runner, 64)
+        prepare_kv_cache(runner, 128)
         assert runner.graphs is not None
         prompts = [random_prompts(1, n, n, seed=i)[0] for i, n in enumerate([5, 37, 130, 200])]
-        tables = [list(range(16 * i + 15, 16 * i - 1, -1)) for i in range(4)]
+        # 32 shuffled blocks each: a block-table entry per group for each logical block (Gemma's
+        # global and local layers are two groups, kv_layout.py)
+        tables = [list(range(32 * i + 31, 32 * i - 1, -1)) for i in range(4)]
         step = StepInput([SeqStep(i, p, 0, tables[i], GREEDY_SPEC) for i, p in enumerate(prompts)])
         seqs = [list(p) for p in prompts]
         for decode_step in range(4):
