@@ -223,7 +223,8 @@ def _align_scatter_kernel(ids_ptr, offsets_ptr, pad_end_ptr, total_ptr, sorted_p
     start = tl.load(offsets_ptr + pid * BLOCK_E + experts)
     earlier = tl.cumsum(onehot, axis=0) - onehot
     dest = tl.sum(onehot * (earlier + start[None, :]), axis=1)
-    tl.store(sorted_ptr + dest, pair, mask=tl.sum(onehot, axis=1) > 0)
+    in_range = (dest >= 0) & (dest < num_blocks * BLOCK_M)  # see _safe_indices
+    tl.store(sorted_ptr + dest, pair, mask=(tl.sum(onehot, axis=1) > 0) & in_range)
     pad_end = tl.load(pad_end_ptr + experts)
     total = tl.load(total_ptr)
     for b0 in range(pid * CHUNK, num_blocks, tl.num_programs(0) * CHUNK):
@@ -235,6 +236,12 @@ def _align_scatter_kernel(ids_ptr, offsets_ptr, pad_end_ptr, total_ptr, sorted_p
 
 
 # --- kernels -------------------------------------------------------------------------------------
+# _safe_indices: the kernels that index memory with what an earlier kernel computed (pairs, expert
+# ids, scatter destinations) drop indices out of range rather than trust them. Valid align output
+# never has any; but start-up's compile-ahead rehearsal (nvray/worker/compile_ahead.py) skips the
+# launches of kernels not yet compiled, leaving their outputs as whatever memory held, and a
+# kernel downstream must not fault on that (an illegal address seen once on an H100 start-up of
+# the Qwen3-30B-A3B shape with FP8 experts).
 
 @triton.jit
 def _dot(a, w, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -249,7 +256,7 @@ def _dot(a, w, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _moe_gemm1_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
-                      num_pairs, H, I, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn,
+                      num_pairs, num_experts, H, I, stride_xt, stride_we, stride_wn, stride_wse, stride_wsn,
                       stride_om, TOPK: tl.constexpr, FP8_W: tl.constexpr, BN_SCALE: tl.constexpr,
                       BK_SCALE: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -257,9 +264,11 @@ def _moe_gemm1_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, expert_ptr, tot
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if (e < 0) | (e >= num_experts):  # (an expert id never out of range: see _safe_indices)
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)
-    mask_m = pair < num_pairs
+    mask_m = (pair >= 0) & (pair < num_pairs)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -295,7 +304,7 @@ def _moe_gemm1_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, expert_ptr, tot
 
 @triton.jit
 def _moe_gemm2_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
-                      topk_w_ptr, num_pairs, H, I, stride_am, stride_we, stride_wn, stride_wse,
+                      topk_w_ptr, num_pairs, num_experts, H, I, stride_am, stride_we, stride_wn, stride_wse,
                       stride_wsn, stride_om, FP8_W: tl.constexpr, BN_SCALE: tl.constexpr,
                       BK_SCALE: tl.constexpr, DOT_F32: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -304,9 +313,11 @@ def _moe_gemm2_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, expert_ptr, tot
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    if (e < 0) | (e >= num_experts):  # (an expert id never out of range: see _safe_indices)
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)
-    mask_m = pair < num_pairs
+    mask_m = (pair >= 0) & (pair < num_pairs)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
@@ -446,7 +457,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     inter_cache = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
     _moe_gemm1_kernel[(num_blocks, triton.cdiv(inter, block_n1))](
-        x, w13, ws13, inter_cache, sorted_ids, expert_ids, total, num_pairs, h, inter,
+        x, w13, ws13, inter_cache, sorted_ids, expert_ids, total, num_pairs, e, h, inter,
         x.stride(0), w13.stride(0), w13.stride(1), *ws13_strides, inter_cache.stride(0),
         TOPK=top_k, FP8_W=fp8, BN_SCALE=bn_scale, BK_SCALE=bk_scale, DOT_F32=dot_f32,
         DOT_PRECISION=dot_precision, BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k,
@@ -455,7 +466,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     per_pair = torch.empty(num_pairs, h, dtype=torch.float32, device=x.device)
     _moe_gemm2_kernel[(num_blocks, triton.cdiv(h, block_n2))](
         inter_cache, w2, ws2, per_pair, sorted_ids, expert_ids, total,
-        topk_weights.reshape(-1), num_pairs, h, inter, inter_cache.stride(0), w2.stride(0),
+        topk_weights.reshape(-1), num_pairs, e, h, inter, inter_cache.stride(0), w2.stride(0),
         w2.stride(1), *ws2_strides, per_pair.stride(0), FP8_W=fp8, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, DOT_F32=dot_f32, DOT_PRECISION=dot_precision, BLOCK_M=block_m,
         BLOCK_N=block_n2, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)

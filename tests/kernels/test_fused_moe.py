@@ -141,6 +141,24 @@ def test_every_token_picks_expert_0(top_k):
     _check(x, w13, w2, topk_weights, topk_ids)
 
 
+def test_out_of_range_indices_from_an_earlier_kernel_are_dropped(monkeypatch):
+    """The GEMMs read pairs and expert ids another kernel wrote; when that kernel did not run
+    (start-up's compile-ahead rehearsal skips launches of kernels not yet compiled) they are
+    whatever memory held: out-of-range ones are dropped, never dereferenced."""
+    g = torch.Generator().manual_seed(3)
+    x = _x(5, 64, torch.float32, g)
+    w13, w2 = _weights(4, 64, 32, torch.float32, g)
+    topk_weights, topk_ids = _routing(5, 4, 2, g)
+    block_m = fused_moe_module._config(10, 4, torch.float32)[0]
+    sorted_ids = torch.tensor([-7, 2**30, 3, -1] * block_m, dtype=torch.int32, device=DEVICE)
+    garbage = (sorted_ids[:4 * block_m],
+               torch.tensor([2**30, -3, 1, 9], dtype=torch.int32, device=DEVICE),
+               torch.tensor([2**31 - 1], dtype=torch.int32, device=DEVICE))
+    monkeypatch.setattr(fused_moe_module, "moe_align", lambda *args: garbage)
+    out = kernels.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    assert out.shape == (5, 64)
+
+
 def test_no_tokens():
     g = torch.Generator().manual_seed(0)
     w13, w2 = _weights(4, 64, 32, torch.bfloat16, g)
