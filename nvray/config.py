@@ -21,6 +21,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the compute dtype; fp8: e4m3, scale 1
 RUNTIMES = ("ray", "inprocess")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights on the device, config.json only
 RAY_DISPATCH = ("compiled", "actor_calls")
+# auto: decode-sized TP all-reduces over P2P shared memory when every rank is on one host
+# (nvray/layers/p2p_allreduce.py), NCCL for the rest; nccl: NCCL for all
+ALL_REDUCES = ("auto", "nccl")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 # The Serve app's step token budget (deployments/args.py): smaller prefill chunks than the
 # offline default keep streams' inter-token latency low while long prompts prefill.
@@ -68,6 +71,7 @@ class EngineConfig:
     seed: int = 0
     runtime: str = "ray"  # "ray": driver + rank actors; "inprocess": TP=1 in the calling process
     ray_dispatch: str = "compiled"  # per-step calls to the ranks: a Ray compiled graph or plain calls
+    all_reduce: str = "auto"  # TP all-reduce: "auto" (P2P for decode sizes on one host) or "nccl"
     placement_strategy: str = "STRICT_PACK"
     num_cpus_per_rank: float = 0.9  # CPU per rank actor (CPU engines): TP=2 + driver fit 2 cores
     num_gpus_per_rank: float = 1.0  # GPU share per rank actor: 0.5 lets two TP=1 engines share one
@@ -125,6 +129,7 @@ class EngineConfig:
                               ("runtime", RUNTIMES),
                               ("load_format", LOAD_FORMATS),
                               ("ray_dispatch", RAY_DISPATCH),
+                              ("all_reduce", ALL_REDUCES),
                               ("placement_strategy", PLACEMENT_STRATEGIES)):
             value = getattr(self, name)
             _require(value in allowed, name, value, f"must be one of {list(allowed)}")

@@ -21,11 +21,19 @@ def _bench(*args: str, cmd: str = "throughput") -> subprocess.CompletedProcess:
     (("--tensor-parallel-size", "two"), "give sizes"),
     (("--runtimes", "inprocess,cuda"), "choose from inprocess, ray"),
     (("--shape", "9b"), "invalid choice: '9b'"),
+    (("--all-reduce", "auto,nvls"), "--all-reduce 'auto,nvls': give auto, nccl"),
 ])
 def test_throughput_refuses_what_it_cannot_run(args: tuple[str, ...], message: str) -> None:
     result = _bench(*args)
     assert result.returncode != 0
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_allreduce_needs_two_gpus() -> None:
+    result = _bench(cmd="allreduce")
+    assert result.returncode != 0
+    assert "allreduce: needs two or more GPUs" in result.stderr
     assert "Traceback" not in result.stderr
 
 

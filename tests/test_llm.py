@@ -124,6 +124,8 @@ def test_unknown_engine_option_is_rejected():
         LLM("tiny", runtime="inprocess", max_batch=3)
     with pytest.raises(ValueError, match="scheduling_policy='lifo'"):
         LLM("tiny", runtime="inprocess", scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="all_reduce='nvls'"):
+        LLM("tiny", runtime="inprocess", all_reduce="nvls")
     with pytest.raises(ValueError, match="not a local checkpoint directory"):
         LLM("/no/such/model", runtime="inprocess")
 

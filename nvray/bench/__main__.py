@@ -23,6 +23,9 @@ Subcommands:
   ``--max-num-batched-tokens 8192,16384`` compares token budgets per step. Each run also gives
   its steps and their wall time by kind (``prefill_steps_s``: steps that launch prompt tokens;
   ``decode_steps_s``: the others), from the engine's stats (``nvray/bench/throughput.py``).
+- ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
+  over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
+  ``throughput --all-reduce auto,nccl`` compares them in the engine.
 - ``sampler``: the sampler's GPU and host time per step for each filter mix, sorting the
   vocabulary and with the sort-free kernel (``nvray/bench/sampler.py``).
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
@@ -53,9 +56,10 @@ import json
 from typing import Any
 
 from nvray.bench import scaleup, serve, soak, startup
+from nvray.bench.allreduce import ROWS as ALLREDUCE_ROWS
 from nvray.bench.checkpoints import QWEN3_SHAPES, SHAPES
 from nvray.bench.throughput import FEATURES, bench_throughput, resolve_placements
-from nvray.config import KV_CACHE_DTYPES
+from nvray.config import ALL_REDUCES, KV_CACHE_DTYPES
 
 
 def _word_list(flag: str, text: str, values: dict[str, Any]) -> tuple[Any, ...]:
@@ -135,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV caches to compare, comma-separated: auto (the compute dtype), fp8")
     tp.add_argument("--features", default="plain",
                     help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
+    tp.add_argument("--all-reduce", default="auto",
+                    help="TP all-reduces to compare, comma-separated: auto (P2P for decode "
+                         "sizes on one host), nccl")
+    ar = sub.add_parser("allreduce", parents=[common],
+                        help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
+    ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
+    ar.add_argument("--hidden", type=int, default=4096)
+    ar.add_argument("--rows", default=",".join(map(str, ALLREDUCE_ROWS)))
     gb = sub.add_parser("gpu-busy", parents=[common],
                         help="GPU busy share of decode steps (torch profiler), overlap on and off")
     gb.add_argument("--model", default=None)
@@ -200,10 +212,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         overlaps = _word_list("--overlap", args.overlap, {"on": True, "off": False})
         quantizations = _word_list("--quantization", args.quantization, {"none": None, "fp8": "fp8"})
         kv_dtypes = _word_list("--kv-cache-dtype", args.kv_cache_dtype, {d: d for d in KV_CACHE_DTYPES})
+        all_reduces = _word_list("--all-reduce", args.all_reduce, {a: a for a in ALL_REDUCES})
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
                                 args.max_model_len, args.floor, overlaps,
                                 _features(args.features), _budgets(args.max_num_batched_tokens),
-                                sizes, args.shape, quantizations, kv_dtypes)
+                                sizes, args.shape, quantizations, kv_dtypes, all_reduces)
+    if args.cmd == "allreduce":
+        from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
+
+        return bench_allreduce(args.world_size, args.hidden,
+                               tuple(int(r) for r in args.rows.split(",")))
     if args.cmd == "sampler":
         from nvray.bench.sampler import bench_sampler  # noqa: PLC0415
 

@@ -119,7 +119,8 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      tensor_parallel_sizes: tuple[int, ...] = (1,),
                      shape: str = "0.6b",
                      quantizations: tuple[str | None, ...] = (None,),
-                     kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
+                     kv_cache_dtypes: tuple[str, ...] = ("auto",),
+                     all_reduces: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     placements = resolve_placements(runtimes, tensor_parallel_sizes)
@@ -135,18 +136,20 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
         prompts, params = bench_workload(num_seqs, **FEATURES[feature])
-        for (runtime, tp), overlap, budget, quant, kv in (
-                (p, o, b, q, kv) for kv in kv_cache_dtypes for q in quantizations
-                for b in token_budgets for o in overlaps for p in placements):
+        for (runtime, tp), overlap, budget, quant, kv, reduce in (
+                (p, o, b, q, kv, a) for a in all_reduces for kv in kv_cache_dtypes
+                for q in quantizations for b in token_budgets for o in overlaps
+                for p in placements if p[1] > 1 or a == all_reduces[0]):  # TP=1: no all-reduce
             options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
-                       "tensor_parallel_size": tp, "quantization": quant, "kv_cache_dtype": kv}
+                       "tensor_parallel_size": tp, "quantization": quant, "kv_cache_dtype": kv,
+                       "all_reduce": reduce}
             if dummy:
                 options["load_format"] = "dummy"
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
             runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
                          "tensor_parallel_size": tp, "quantization": quant,
-                         "kv_cache_dtype": kv,
+                         "kv_cache_dtype": kv, "all_reduce": reduce,
                          **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
@@ -193,7 +196,7 @@ def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None
     if run["tensor_parallel_size"] == 1:
         return
     same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling",
-            "quantization", "kv_cache_dtype")
+            "quantization", "kv_cache_dtype")  # (not all_reduce: TP=1 has none)
     for other in runs:
         if (other["runtime"] == "ray" and other["tensor_parallel_size"] == 1
                 and all(other[k] == run[k] for k in same)):

@@ -2,6 +2,8 @@
 
 The group is torch.distributed's default process group (NCCL on GPU, gloo on CPU), set up by
 the runtime before the model is built; without one, rank 0 of a group of one is assumed.
+``all_reduce`` sends a message that fits the P2P all-reduce (``p2p_allreduce.py``, set by
+``use_p2p_all_reduce`` once the ranks made one) through it, every other through the group.
 Inside ``collectives_off()`` the collectives do nothing, for work whose values are thrown away
 and that each rank does on its own (compiling kernels ahead, ``worker/compile_ahead.py``).
 """
@@ -9,12 +11,13 @@ and that each rank does on its own (compiling kernels ahead, ``worker/compile_ah
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 _collectives_on = True
+_p2p: Any = None  # a P2pAllReduce, or None: every all-reduce goes to the group
 
 
 @contextlib.contextmanager
@@ -38,9 +41,19 @@ def tp_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def use_p2p_all_reduce(p2p: Any) -> None:
+    """All-reduces that fit ``p2p`` go through it from now on (None: all through the group)."""
+    global _p2p
+    _p2p = p2p
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place."""
     if tp_size() > 1 and _collectives_on:
-        dist.all_reduce(x)
+        if _p2p is not None and _p2p.fits(x):
+            _p2p(x)
+        else:
+            dist.all_reduce(x)
     return x
 
 

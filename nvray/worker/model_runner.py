@@ -29,7 +29,8 @@ import torch
 from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
-from nvray.layers.tp import broadcast_from_first, tp_rank
+from nvray.layers.p2p_allreduce import create_p2p_all_reduce
+from nvray.layers.tp import broadcast_from_first, tp_rank, tp_size, use_p2p_all_reduce
 from nvray.kv_layout import plan_kv_layout
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
@@ -82,6 +83,7 @@ class ModelRunner:
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
                                      config.seed, self.quant_config, config.load_format)
         self.attention_layers = self.model.attention_layers()
+        self._set_up_all_reduce()
         self.kv_layout = plan_kv_layout([layer.sliding_window for layer in self.attention_layers])
         for layer, (group, _) in zip(self.attention_layers, self.kv_layout.layer_slots):
             layer.kv_group = group
@@ -114,6 +116,13 @@ class ModelRunner:
         vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
                                           config.max_num_seqs, self.device)
+
+    def _set_up_all_reduce(self) -> None:
+        """Collective: decode-sized all-reduces over P2P shared memory where the ranks can
+        (``all_reduce="auto"``, CUDA, TP > 1, one host), NCCL for the rest."""
+        use_p2p_all_reduce(None)
+        if self.config.all_reduce == "auto" and self.device.type == "cuda" and tp_size() > 1:
+            use_p2p_all_reduce(create_p2p_all_reduce(self.dtype, self.device))
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -180,6 +189,7 @@ class ModelRunner:
         cycles, so this collects them (callers unfreeze start-up's objects first, gc_freeze.py)
         and, on the GPU, empties the allocator's cache."""
         self.allocate_kv_cache(0)
+        use_p2p_all_reduce(None)  # its buffer goes with the process group
         self.model = None  # type: ignore[assignment]
         self.attention_layers = []
         if self.device.type == "cuda":

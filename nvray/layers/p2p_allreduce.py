@@ -1,0 +1,119 @@
+"""P2pAllReduce: the tensor-parallel all-reduce of decode-sized messages over memory the ranks
+share, NCCL beyond.
+
+A decode step makes two all-reduces a layer of a few hundred rows; NCCL's latency there is a
+large share of a TP step (issue 49's probe, 2x H100 over NVLink: 32.7 us for 256 x 4096 bf16
+against 14.1 us for torch symmetric memory's two-shot all-reduce). Each rank allocates one
+buffer of ``max_bytes`` in torch's symmetric memory (``torch.distributed._symmetric_memory``:
+CUDA IPC handles exchanged once, every rank's buffer mapped into every other's address space);
+an all-reduce copies the message into the buffer, runs ``two_shot`` (reduce-scatter then
+all-gather through the peers' buffers: each rank reads 1/n of each) and copies the sum back;
+``one_shot`` (each rank reads every peer's whole buffer) is there for the bench. Both are
+captured in CUDA graphs. Messages under ``MIN_BYTES`` or over ``max_bytes``, of another dtype,
+or not contiguous go to NCCL. Measured on 2x H100 (NVLink, one process a GPU, CUDA-graph
+replays, staging copies included; ``python -m nvray.bench allreduce``), rows x 4096 bf16, NCCL /
+one-shot / two-shot in us: 1 row 11.0 / 13.5 / 13.4; 32: 14.1 / 13.8 / 13.5; 256 (a decode
+batch): 33.5 / 25.2 / 21.1; 1,024: 53.9 / 62.2 / 45.9; 2,048: 83.5 / 111.5 / 80.6; 8,192:
+256.8 / 422.2 / 314.6. Hence two-shot from 256 KiB to 16 MiB, NCCL outside.
+
+It never uses NVLink multicast (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the
+buffer is made, unless the environment says otherwise): multicast objects can put a host's
+GPUs out of service (the GPU machines forbid them), and the two kernels here do not need them.
+
+``create_p2p_all_reduce(dtype, device, max_bytes)`` is collective: every rank calls it; it
+returns None on every rank (NCCL stays) when a rank sees fewer GPUs than there are ranks (a
+Ray rank actor sees its own GPU only: symmetric memory tells peers apart by device index, so
+the engine's Ray ranks use NCCL until they see their node's GPUs), when the ranks are on more
+than one host, or when symmetric memory cannot be set up on one of them (the reason logged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 16 << 20  # 2,048 rows of 4,096 bf16: beyond, NCCL's bandwidth wins
+MIN_BYTES = 256 << 10  # 32 rows of 4,096 bf16: below, the staging copies cost what P2P saves
+_ALIGN_BYTES = 16  # each rank's share of a two-shot message starts 16-byte aligned
+
+
+class P2pAllReduce:
+    def __init__(self, buffer: torch.Tensor, group_name: str, world_size: int,
+                 min_bytes: int = MIN_BYTES) -> None:
+        self.buffer = buffer  # [max elements] in symmetric memory, rendezvoused
+        self.group_name = group_name
+        self.world_size = world_size
+        self.min_bytes = min_bytes
+        self.align = world_size * _ALIGN_BYTES // buffer.element_size()
+
+    def fits(self, x: torch.Tensor, any_size: bool = False) -> bool:
+        """Whether ``x`` goes through here (``any_size``: whatever its size, for the bench)."""
+        padded = -(-x.numel() // self.align) * self.align
+        return (x.dtype == self.buffer.dtype and x.is_contiguous()
+                and padded <= self.buffer.numel()
+                and (any_size or x.numel() * x.element_size() >= self.min_bytes))
+
+    def choose(self, num_bytes: int) -> str:
+        """The method for a message of ``num_bytes`` (two-shot: measured, module docstring)."""
+        return "two_shot"
+
+    def __call__(self, x: torch.Tensor, method: str | None = None) -> torch.Tensor:
+        """Sum ``x`` over the ranks in place (``fits(x)`` must hold)."""
+        n = x.numel()
+        flat = x.view(-1)
+        method = method or self.choose(n * x.element_size())
+        if method == "one_shot":
+            staged = self.buffer[:n]
+            staged.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+            return x
+        padded = -(-n // self.align) * self.align  # the tail past n: stale values, never read
+        staged = self.buffer[:padded]
+        staged[:n].copy_(flat)
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
+        flat.copy_(staged[:n])
+        return x
+
+
+def create_p2p_all_reduce(dtype: torch.dtype, device: torch.device,
+                          max_bytes: int = DEFAULT_MAX_BYTES) -> P2pAllReduce | None:
+    """Collective: the P2P all-reduce of the default group, or None (NCCL) on every rank."""
+    world = dist.get_world_size()
+    if torch.cuda.device_count() < world:  # Ray's rank actors: each sees its own GPU only
+        logger.info("all-reduce: NCCL (each rank sees %d GPU(s); the P2P buffers need the "
+                    "peers' GPUs visible)", torch.cuda.device_count())
+        return None
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    if len(set(hosts)) > 1:
+        logger.info("all-reduce: NCCL (the ranks span %d hosts)", len(set(hosts)))
+        return None
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    buffer, reason = None, ""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem  # noqa: PLC0415
+
+        buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+    except Exception as e:  # noqa: BLE001 - any failure: NCCL stays
+        reason = f"{type(e).__name__}: {e}"
+    ok = torch.tensor([buffer is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        logger.warning("all-reduce: NCCL (symmetric memory unavailable on a rank%s)",
+                       f": {reason}" if reason else "")
+        return None
+    group_name = dist.group.WORLD.group_name
+    try:  # it fails on every rank alike (it checks what all of them exchanged)
+        symm_mem.rendezvous(buffer, group_name)
+    except RuntimeError as e:  # e.g. two ranks on one GPU
+        logger.warning("all-reduce: NCCL (symmetric memory rendezvous failed: %s)", e)
+        return None
+    logger.info("all-reduce: P2P two-shot over symmetric memory from %d KiB to %d MiB, NCCL "
+                "outside", MIN_BYTES >> 10, max_bytes >> 20)
+    return P2pAllReduce(buffer, group_name, world)
