@@ -4,15 +4,15 @@ GEMMs.
 Contract
 --------
 ``fused_moe(x, w13, w2, topk_weights, topk_ids, *, w13_scale=None, w2_scale=None,
-block_shape=None) -> out``
+block_shape=None, skips_pairs=False) -> out``
 
 * ``x``: ``[T, H]`` float32 / float16 / bfloat16, contiguous. ``T`` may be 0 (an empty result).
 * ``w13``: ``[E, 2 * I, H]``, x's dtype, contiguous: per expert HF's ``gate_proj.weight``
   ``[I, H]`` stacked over ``up_proj.weight`` ``[I, H]``.
 * ``w2``: ``[E, H, I]``, x's dtype, contiguous: per expert HF's ``down_proj.weight``.
 * ``topk_weights``: ``[T, K]`` float32; ``topk_ids``: ``[T, K]`` int32 / int64 with values in
-  ``[0, E)`` (not checked: that would take a host sync; an id out of range is undefined
-  behaviour).
+  ``[0, E)`` (not checked: that would take a host sync), or, with ``skips_pairs``, also ids
+  outside it (another rank's experts under expert parallelism): those pairs add nothing.
 * returns ``[T, H]`` in x's dtype: ``out[t] = Σ_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I]
   @ x[t]) * (w13[e, I:] @ x[t]))`` with ``e = topk_ids[t, k]``. Products are accumulated in
   float32; the activation ``silu(gate) * up`` is rounded once to x's dtype (it is the second
@@ -432,9 +432,11 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype, fp8: bool = Fa
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None,
-              block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+              block_shape: tuple[int, int] | None = None,
+              skips_pairs: bool = False) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs, weighted and summed per token (see the module
-    docstring)."""
+    docstring); ``skips_pairs``: some ids are outside ``[0, E)`` (experts of other ranks, under
+    expert parallelism): those pairs add nothing."""
     fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     if x.device.type != "cuda" and not _INTERPRET:
         raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
@@ -465,7 +467,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         DOT_PRECISION=dot_precision, BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages)
 
-    per_pair = torch.empty(num_pairs, h, dtype=torch.float32, device=x.device)
+    # skips_pairs: a pair whose id is outside [0, E) (another rank's expert) is never written
+    per_pair = (torch.zeros if skips_pairs else torch.empty)(num_pairs, h, dtype=torch.float32,
+                                                             device=x.device)
     _moe_gemm2_kernel[(num_blocks, triton.cdiv(h, block_n2))](
         inter_cache, w2, ws2, per_pair, sorted_ids, expert_ids, total,
         topk_weights.reshape(-1), num_pairs, e, h, inter, inter_cache.stride(0), w2.stride(0),

@@ -59,6 +59,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 512  # CUDA graphs for one-sequence prefills up to this; 0: off
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of slices
     overlap_scheduling: bool = True  # schedule step N+1 while the device runs step N
     scheduling_policy: str = "fcfs"
     sjf_aging_s: float = 10.0  # SJF: a request waiting this long goes ahead of shorter ones

@@ -5,8 +5,10 @@ the token's output is the routing-weighted sum of those experts' SwiGLU MLPs.
 expert's weights stacked: ``w13_weight`` ``[E, 2 * I_local, H]`` (each expert's gate rows, then
 its up rows) and ``w2_weight`` ``[E, H, I_local]``. Tensor parallelism shards every expert along
 its intermediate dimension (``I_local = I / tp``) and all-reduces the output, as the dense MLP
-does; expert parallelism (whole experts per rank) would replace ``weight_loader``'s slicing and the
-reduce. Checkpoints store experts one by one (``mlp.experts.<e>.gate_proj.weight``, ...): the
+does. Expert parallelism (``tp.expert_parallel()``, ``enable_expert_parallel``) instead gives each
+rank ``E / tp`` whole experts (``E_local``, from ``first_expert`` on): every rank routes every
+token, computes the pairs whose expert it holds (the others' ids become -1, which the experts
+skip) and the same all-reduce sums the ranks' parts. Checkpoints store experts one by one (``mlp.experts.<e>.gate_proj.weight``, ...): the
 loader routes each to ``weight_loader(param, tensor, (expert, proj))``; ``expected_shards`` on
 each parameter tells it which it must see.
 
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nvray.layers.tp import all_reduce, divide, tp_rank, tp_size
+from nvray.layers.tp import all_reduce, divide, expert_parallel, tp_rank, tp_size
 from nvray.quantization import Fp8Config
 from nvray.quantization.fp8_math import FP8_DTYPE, dequantize, quantize_per_block
 
@@ -51,13 +53,17 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: tor
 def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     weights: torch.Tensor, ids: torch.Tensor, *,
                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                    block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+                    block_shape: tuple[int, int] | None = None,
+                    skips_pairs: bool = True) -> torch.Tensor:
     """The experts' weighted sum, one expert at a time (the CPU path and the reference); FP8
-    experts (``w13_scale``/``w2_scale`` per ``block_shape``) dequantized as they are used."""
+    experts (``w13_scale``/``w2_scale`` per ``block_shape``) dequantized as they are used; a
+    pair whose id is outside ``[0, E)`` (another rank's expert) is skipped."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    num_experts = w13.shape[0]
     flat_ids = ids.flatten().long()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
+    order = torch.argsort(flat_ids, stable=True)  # skipped pairs last
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
     tokens = order // ids.shape[1]
     start = 0
     for expert, count in enumerate(counts):
@@ -84,14 +90,19 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
-        self.local_inter = divide(intermediate_size, tp_size(), "moe_intermediate_size")
+        ep = expert_parallel()
+        self.local_experts = divide(num_experts, tp_size(), "num_experts") if ep else num_experts
+        self.first_expert = tp_rank() * self.local_experts if ep else 0
+        self.width_rank = 0 if ep else tp_rank()  # whole experts: no slice of their width
+        self.local_inter = intermediate_size if ep else divide(intermediate_size, tp_size(),
+                                                               "moe_intermediate_size")
         # FP8: 128x128 blocks when quantized at load (the kernel's block-scaled path)
         self.block = (quant.block or (128, 128)) if quant is not None else None
         self.on_the_fly = quant is not None and quant.quantize_on_load
         dtype = FP8_DTYPE if quant is not None else None
-        self.w13_weight = self._param(num_experts, 2 * self.local_inter, hidden_size, dtype)
-        self.w2_weight = self._param(num_experts, hidden_size, self.local_inter, dtype)
-        experts = range(num_experts)
+        self.w13_weight = self._param(self.local_experts, 2 * self.local_inter, hidden_size, dtype)
+        self.w2_weight = self._param(self.local_experts, hidden_size, self.local_inter, dtype)
+        experts = range(self.first_expert, self.first_expert + self.local_experts)
         w13_shards = {(e, p) for e in experts for p in _PROJ_ROWS}
         w2_shards = {(e, "down_proj") for e in experts}
         self.w13_weight.expected_shards = w13_shards  # type: ignore[attr-defined]
@@ -116,7 +127,7 @@ class FusedMoE(nn.Module):
         if self.local_inter % bn or self.local_inter % bk:
             raise ValueError(f"moe_intermediate_size per rank of {self.local_inter} does not "
                              f"split into {bn}x{bk} FP8 weight blocks")
-        e, cols = self.num_experts, -(-hidden // bk)
+        e, cols = self.local_experts, -(-hidden // bk)
         w13 = self._param(e, 2 * self.local_inter // bn, cols, torch.float32)
         w2 = self._param(e, -(-hidden // bn), self.local_inter // bk, torch.float32)
         w13.expected_shards, w2.expected_shards = w13_shards, w2_shards  # type: ignore[attr-defined]
@@ -131,6 +142,9 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
         expert, proj = args[0]  # type: ignore[misc]
+        expert -= self.first_expert  # its index among this rank's experts
+        if not 0 <= expert < self.local_experts:
+            return  # another rank's expert
         is_scale = param.dtype == torch.float32 and self.scale_names is not None
         if self.on_the_fly and not is_scale and loaded.dtype.itemsize > 1:
             q, scale = quantize_per_block(loaded.to(param.device), self.block)
@@ -149,12 +163,12 @@ class FusedMoE(nn.Module):
         if proj == "down_proj":  # [H, I]: split the columns
             n = self.local_inter // cols
             expected = (param.shape[1], self.intermediate_size // cols)
-            target, source = param.data[expert], loaded.narrow(1, n * tp_rank(), n)
+            target, source = param.data[expert], loaded.narrow(1, n * self.width_rank, n)
         else:  # [I, H]: this projection's rows of w13, split
             n = self.local_inter // rows
             expected = (self.intermediate_size // rows, param.shape[2])
             target = param.data[expert].narrow(0, _PROJ_ROWS[proj] * n, n)
-            source = loaded.narrow(0, n * tp_rank(), n)
+            source = loaded.narrow(0, n * self.width_rank, n)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
         target.copy_(source)
@@ -169,8 +183,12 @@ class FusedMoE(nn.Module):
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
+        if self.local_experts < self.num_experts:  # expert parallel: this rank's pairs only
+            ids = ids - self.first_expert
+            ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
         w13_scale, w2_scale = self._scales()
         scales = {} if w13_scale is None else {"w13_scale": w13_scale, "w2_scale": w2_scale,
                                                "block_shape": self.block}
-        out = self._experts(x, self.w13_weight, self.w2_weight, weights.float(), ids, **scales)
+        out = self._experts(x, self.w13_weight, self.w2_weight, weights.float(), ids,
+                            skips_pairs=self.local_experts < self.num_experts, **scales)
         return all_reduce(out)

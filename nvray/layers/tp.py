@@ -4,6 +4,8 @@ The group is torch.distributed's default process group (NCCL on GPU, gloo on CPU
 the runtime before the model is built; without one, rank 0 of a group of one is assumed.
 ``all_reduce`` sends a message that fits the P2P all-reduce (``p2p_allreduce.py``, set by
 ``use_p2p_all_reduce`` once the ranks made one) through it, every other through the group.
+``expert_parallel()``: MoE layers built now place whole experts on ranks (``set_expert_parallel``,
+from ``EngineConfig.enable_expert_parallel``; the group's ranks are the experts' ranks).
 Inside ``collectives_off()`` the collectives do nothing, for work whose values are thrown away
 and that each rank does on its own (compiling kernels ahead, ``worker/compile_ahead.py``).
 """
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 _collectives_on = True
 _p2p: Any = None  # a P2pAllReduce, or None: every all-reduce goes to the group
+_expert_parallel = False
 
 
 @contextlib.contextmanager
@@ -39,6 +42,16 @@ def tp_size() -> int:
 
 def tp_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def set_expert_parallel(on: bool) -> None:
+    global _expert_parallel
+    _expert_parallel = on
+
+
+def expert_parallel() -> bool:
+    """Whether MoE layers place whole experts on the ranks (and there is more than one)."""
+    return _expert_parallel and tp_size() > 1
 
 
 def use_p2p_all_reduce(p2p: Any) -> None:

@@ -30,7 +30,8 @@ from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.p2p_allreduce import create_p2p_all_reduce
-from nvray.layers.tp import broadcast_from_first, tp_rank, tp_size, use_p2p_all_reduce
+from nvray.layers.tp import (broadcast_from_first, set_expert_parallel, tp_rank, tp_size,
+                             use_p2p_all_reduce)
 from nvray.kv_layout import plan_kv_layout
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
@@ -80,6 +81,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.startup = StartupPhases()  # this rank's start-up, by phase (startup_phases.py)
         with self.startup.phase("model_and_weights"):
+            set_expert_parallel(config.enable_expert_parallel)
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
                                      config.seed, self.quant_config, config.load_format)
         self.attention_layers = self.model.attention_layers()

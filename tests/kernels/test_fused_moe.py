@@ -159,6 +159,22 @@ def test_out_of_range_indices_from_an_earlier_kernel_are_dropped(monkeypatch):
     assert out.shape == (5, 64)
 
 
+def test_pairs_of_other_ranks_experts_add_nothing():
+    """Expert parallelism: ids outside [0, E) are other ranks' experts; with ``skips_pairs``
+    those pairs add nothing, the rest is the layer's sum."""
+    g = torch.Generator().manual_seed(11)
+    x = _x(9, 64, torch.float32, g)
+    w13, w2 = _weights(4, 64, 32, torch.float32, g)
+    topk_weights, topk_ids = _routing(9, 4, 2, g)
+    ids = topk_ids.clone()
+    ids[::2, 0] = -1
+    ids[1::3, 1] = 7
+    got = kernels.fused_moe(x, w13, w2, topk_weights, ids, skips_pairs=True)
+    keep = (ids >= 0) & (ids < 4)
+    want = kernels.fused_moe_ref(x, w13, w2, topk_weights * keep, torch.where(keep, ids, 0))
+    torch.testing.assert_close(got, want, **TOL_REF[torch.float32])
+
+
 def test_no_tokens():
     g = torch.Generator().manual_seed(0)
     w13, w2 = _weights(4, 64, 32, torch.bfloat16, g)

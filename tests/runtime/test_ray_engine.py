@@ -54,14 +54,16 @@ def test_tp2_matches_tp1_and_hf_on_a_model_with_uneven_heads(ray_cluster, uneven
         assert b.token_ids == a.token_ids == hf_greedy(uneven_qwen3_path, prompt, 10)
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe-mixed", "gemma3", "llama3"])
-def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family):
-    """Experts sharded along their width (a dense layer among them), Gemma's windowed and
-    global layers, Llama's rope scaling: TP=2 over gloo gives HF's greedy tokens, prefix hits
-    and prefill chunks included."""
+@pytest.mark.parametrize("family,expert_parallel", [
+    ("qwen3-moe-mixed", False), ("qwen3-moe-mixed", True), ("gemma3", False), ("llama3", False)])
+def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family, expert_parallel):
+    """Experts sharded along their width (a dense layer among them), or whole experts per rank
+    (expert parallelism), Gemma's windowed and global layers, Llama's rope scaling: TP=2 over
+    gloo gives HF's greedy tokens, prefix hits and prefill chunks included."""
     path = family_path(family)
     prompts = random_prompts(3, 20, 60, seed=33)
-    llm = LLM(path, tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32)
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32,
+              enable_expert_parallel=expert_parallel)
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         again = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
