@@ -1,6 +1,6 @@
 """Triton kernels of nvray: paged KV-cache store, paged decode and prefill attention, the
 attention prologue (per-head q/k RMSNorm + rotary, optionally fused with the KV store), the
-hidden-state RMSNorm (with the residual add), the MLP's gated activation (both optionally
+hidden-state RMSNorm (with the residual add, and the TP all-reduce's sum), the MLP's gated activation (both optionally
 quantizing their output for the FP8 layer they feed), the sampler's
 greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds, grammar token
 masks applied to chosen logits rows, and FP8 linear layers (activation quantization, the
@@ -62,7 +62,8 @@ from .decode_attention import (decode_scratch_bytes, paged_decode_attention,  # 
                                paged_decode_attention_ref)
 from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_store  # noqa: E402
-from .rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref  # noqa: E402
+from .rms_norm import (rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref,  # noqa: E402
+                       sum_rms_norm, sum_rms_norm_ref)
 from .sample_race import race_sample, race_sample_ref  # noqa: E402
 from .silu_mul import (silu_and_mul, silu_and_mul_fp8, silu_and_mul_fp8_ref,  # noqa: E402
                        silu_and_mul_ref)
@@ -91,6 +92,8 @@ __all__ = [
     "rms_norm_ref",
     "rms_norm_fp8",
     "rms_norm_fp8_ref",
+    "sum_rms_norm",
+    "sum_rms_norm_ref",
     "filter_thresholds",
     "filter_thresholds_ref",
     "mask_logits",

@@ -31,6 +31,19 @@ computing. One program per token; ``hidden`` up to 16384.
   columns, a power of two dividing ``hidden``, or None for one per row. Saves the 16-bit
   output's write and read and one launch per layer input.
 ``rms_norm_fp8_ref`` is its reference: ``rms_norm_ref`` then ``quantize_activation``.
+
+``sum_rms_norm(peer_ptrs, residual, weight, eps, group=False)`` -> ``(out, new_residual)``
+
+* the tensor-parallel all-reduce fused in: ``x`` is the sum of the ``[num_tokens, hidden]``
+  contiguous tensors in residual's dtype at the addresses ``peer_ptrs`` holds (an int64 tensor
+  on residual's device, one address per rank: each rank's partial sum in memory every rank
+  maps, ``nvray/layers/p2p_allreduce.py``), summed in float32 in rank order and rounded to the
+  dtype once (what an all-reduce then :func:`rms_norm` compute); then as :func:`rms_norm` with
+  ``residual``. ``group``: False for a 16/32-bit ``out``, else as :func:`rms_norm_fp8`'s (None:
+  a scale per row), ``out`` then an ``Fp8Activation``. Saves the all-reduce's copies and a
+  launch; the caller makes sure every rank's tensor is written before the launch.
+``sum_rms_norm_ref(parts, residual, weight, eps, group=False)`` is its reference over the
+partial sums themselves.
 """
 
 from __future__ import annotations
@@ -43,7 +56,8 @@ from kernels.fp8_gemm import quantize_groups
 from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
                                          check_group, quantize_activation)
 
-__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fp8", "rms_norm_fp8_ref"]
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fp8", "rms_norm_fp8_ref", "sum_rms_norm",
+           "sum_rms_norm_ref"]
 
 _MAX_HIDDEN = 16384
 
@@ -54,13 +68,22 @@ def _rms_norm_kernel(
     stride_x, stride_res, hidden, eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    NUM_PEERS: tl.constexpr,  # 0: x at x_ptr; n: x the sum of the n tensors at x_ptr's addresses
     QUANT_GROUP: tl.constexpr,  # 0: a 16/32-bit output; else e4m3 with a scale per group
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    if NUM_PEERS == 0:
+        x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    else:
+        dtype_in = res_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(NUM_PEERS):
+            part = tl.load(x_ptr + r).to(tl.pointer_type(dtype_in))
+            acc += tl.load(part + t * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(dtype_in)
     if HAS_RESIDUAL:
         x = x + tl.load(res_ptr + t * stride_res + offs, mask=mask, other=0.0)
         tl.store(res_out_ptr + t * hidden + offs, x, mask=mask)
@@ -101,8 +124,10 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | No
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-            out: torch.Tensor, scale: torch.Tensor, quant_group: int) -> torch.Tensor:
-    """Runs the kernel into ``out`` (and ``scale``); returns the new residual (or ``out``)."""
+            out: torch.Tensor, scale: torch.Tensor, quant_group: int,
+            peer_ptrs: torch.Tensor | None = None) -> torch.Tensor:
+    """Runs the kernel into ``out`` (and ``scale``); returns the new residual (or ``out``).
+    With ``peer_ptrs``, ``x`` only gives the shape: the kernel sums the tensors there."""
     if x.device.type != "cuda" and not _INTERPRET:
         raise ValueError(f"x: expected a CUDA tensor, got device {x.device} (CPU tensors need "
                          "TRITON_INTERPRET=1 set before triton kernels are imported)")
@@ -112,9 +137,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     if num_tokens:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(num_tokens,)](
-            x, residual if residual is not None else x, weight, out, new_residual, scale,
+            x if peer_ptrs is None else peer_ptrs, residual if residual is not None else x,
+            weight, out, new_residual, scale,
             x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT_GROUP=quant_group,
+            BLOCK=block, HAS_RESIDUAL=residual is not None,
+            NUM_PEERS=0 if peer_ptrs is None else peer_ptrs.numel(), QUANT_GROUP=quant_group,
             FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=min(max(block // 256, 1), 8))
     return new_residual
 
@@ -149,6 +176,41 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
     new_residual = _launch(x, weight, eps, residual, q, scale, kernel_group)
     act = Fp8Activation(q, scale, x.dtype)
     return act if residual is None else (act, new_residual)
+
+
+def sum_rms_norm(peer_ptrs: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float, group: int | None | bool = False
+                 ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+    """:func:`rms_norm` (``group`` False) or :func:`rms_norm_fp8` with ``residual`` of the sum
+    of the tensors at ``peer_ptrs`` (module docstring)."""
+    _validate(residual, weight, None)
+    if (peer_ptrs.dtype != torch.int64 or peer_ptrs.dim() != 1 or not 1 <= peer_ptrs.numel() <= 16
+            or peer_ptrs.device != residual.device):
+        raise ValueError(f"peer_ptrs: expected 1 to 16 int64 addresses on {residual.device}, got "
+                         f"{peer_ptrs.dtype} of shape {tuple(peer_ptrs.shape)} on "
+                         f"{peer_ptrs.device}")
+    if group is False:
+        out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+        return out, _launch(residual, weight, eps, residual, out, out, 0, peer_ptrs)
+    kernel_group = _kernel_group(residual.shape[1], group)  # type: ignore[arg-type]
+    q = torch.empty(residual.shape, dtype=FP8_DTYPE, device=residual.device)
+    scale = torch.empty(residual.shape[0], -(-residual.shape[1] // kernel_group),
+                        dtype=torch.float32, device=residual.device)
+    new_residual = _launch(residual, weight, eps, residual, q, scale, kernel_group, peer_ptrs)
+    return Fp8Activation(q, scale, residual.dtype), new_residual
+
+
+def sum_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float, group: int | None | bool = False
+                     ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+    """Pure-torch reference of :func:`sum_rms_norm`, given the partial sums themselves."""
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    x = total.to(residual.dtype)
+    if group is False:
+        return rms_norm_ref(x, weight, eps, residual)  # type: ignore[return-value]
+    return rms_norm_fp8_ref(x, weight, eps, residual, group)  # type: ignore[arg-type,return-value]
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -49,7 +49,8 @@ def create_engine(config: EngineConfig,
                              eos_token_ids=eos_token_ids(model_path, tokenizer),
                              dtypes=dict(executor.dtypes),
                              architecture=architecture_of(model_path),
-                             kv_group_windows=tuple(executor.kv_group_windows))
+                             kv_group_windows=tuple(executor.kv_group_windows),
+                             parallelism=dict(executor.parallelism))
         engine = LLMEngine(config, tokenizer, executor, limits,
                            grammar_compiler=functools.partial(grammar_compiler, model_path,
                                                               executor.vocab_size))

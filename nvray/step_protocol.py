@@ -46,7 +46,7 @@ of each sequence in step order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from nvray.outputs import TokenLogprobs
 from nvray.structured_outputs import GrammarSpec
@@ -174,6 +174,7 @@ class Executor(Protocol):
     max_model_len: int  # prompt + output tokens a sequence may reach
     vocab_size: int
     dtypes: dict[str, str]  # {"weights", "compute", "kv_cache"}: what the ranks hold, in words
+    parallelism: dict[str, Any]  # tensor_parallel_size, expert_parallel, all_reduce (in words)
 
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` to completion; rank 0's answer."""

@@ -25,7 +25,8 @@ Subcommands:
   ``decode_steps_s``: the others), from the engine's stats (``nvray/bench/throughput.py``).
 - ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
   over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
-  ``throughput --all-reduce auto,nccl`` compares them in the engine.
+  ``throughput --all-reduce auto,nccl`` compares them in the engine; ``throughput --profile DIR``
+  writes each rank's kernel times over 20 decode steps (one configuration at a time).
 - ``sampler``: the sampler's GPU and host time per step for each filter mix, sorting the
   vocabulary and with the sort-free kernel (``nvray/bench/sampler.py``).
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
@@ -51,6 +52,7 @@ Subcommands:
 
 from __future__ import annotations
 
+import os
 import argparse
 import json
 from typing import Any
@@ -142,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--all-reduce", default="auto",
                     help="TP all-reduces to compare, comma-separated: auto (P2P for decode "
                          "sizes on one host), nccl")
+    tp.add_argument("--profile", default=None, metavar="DIR",
+                    help="write each rank's kernel times over 20 decode steps under DIR "
+                         "(nvray/worker/step_profiler.py)")
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
@@ -213,6 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         quantizations = _word_list("--quantization", args.quantization, {"none": None, "fp8": "fp8"})
         kv_dtypes = _word_list("--kv-cache-dtype", args.kv_cache_dtype, {d: d for d in KV_CACHE_DTYPES})
         all_reduces = _word_list("--all-reduce", args.all_reduce, {a: a for a in ALL_REDUCES})
+        if args.profile:  # read by the ranks (Ray's local workers inherit this environment)
+            os.environ["NVRAY_PROFILE_DIR"] = args.profile
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
                                 args.max_model_len, args.floor, overlaps,
                                 _features(args.features), _budgets(args.max_num_batched_tokens),

@@ -4,7 +4,10 @@ sizes: NCCL against the P2P one-shot and two-shot over symmetric memory
 and copied back). One process per GPU, bf16 ``[rows, hidden]`` messages; each method is
 captured in a CUDA graph of ``calls`` all-reduces, and a call's time is a replay's median
 (of ``replays``) over ``calls``. Each size also checks the P2P sums against NCCL's on the
-same input (``max_abs_diff``). Run on a machine with two or more GPUs.
+same input (``max_abs_diff``). ``nccl_norm`` / ``fused_norm``: the all-reduce followed by the
+residual add and RMSNorm the decoder runs after it (``kernels.rms_norm``), against the P2P
+all-reduce fused into the norm's kernel (``P2pAllReduce.reduce_add_norm``), with the difference
+of their outputs. Run on a machine with two or more GPUs.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def _rank(rank: int, world: int, port: int, hidden: int, rows: tuple[int, ...], 
                     got = x.clone()
                     methods[name](got)
                     row[f"{name}_max_abs_diff"] = (got.float() - ref.float()).abs().max().item()
+            if p2p is not None and p2p.fits_fused(x):
+                row.update(_norm_rows(p2p, x, calls, replays))
             results.append(row)
             if rank == 0:
                 print(json.dumps(row), flush=True)
@@ -88,8 +93,40 @@ def _rank(rank: int, world: int, port: int, hidden: int, rows: tuple[int, ...], 
         dist.destroy_process_group()
 
 
-def _graph_us(fn: Callable[[Any], Any], x: Any, calls: int, replays: int) -> float:
-    """Microseconds per call of ``fn(x)``, ``calls`` of them captured in one CUDA graph."""
+def _norm_rows(p2p: Any, x: Any, calls: int, replays: int) -> dict[str, Any]:
+    """The all-reduce then the add + RMSNorm, unfused (NCCL) and fused (P2P): times and the
+    largest difference of the normed outputs and of the new residuals."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import kernels  # noqa: PLC0415
+
+    hidden = x.shape[1]
+    gen = torch.Generator(x.device).manual_seed(7)  # the same residual and weight on every rank
+    residual = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=gen)
+    weight = 1 + 0.5 * torch.randn(hidden, dtype=x.dtype, device=x.device, generator=gen)
+
+    def unfused(t: Any) -> Any:
+        dist.all_reduce(t)
+        return kernels.rms_norm(t, weight, 1e-6, residual)
+
+    def fused(t: Any) -> Any:
+        return p2p.reduce_add_norm(t, residual, weight, 1e-6)
+
+    row = {"nccl_norm_us": round(_graph_us(unfused, x.clone(), calls, replays), 1),
+           "fused_norm_us": round(_graph_us(fused, x.clone(), calls, replays,
+                                            after=p2p.end_forward), 1)}
+    want, got = unfused(x.clone()), fused(x.clone())
+    p2p.end_forward()
+    row["fused_norm_max_abs_diff"] = max((g.float() - w.float()).abs().max().item()
+                                         for g, w in zip(got, want))
+    return row
+
+
+def _graph_us(fn: Callable[[Any], Any], x: Any, calls: int, replays: int,
+              after: Callable[[], Any] = lambda: None) -> float:
+    """Microseconds per call of ``fn(x)``, ``calls`` of them captured in one CUDA graph
+    (then ``after()``, as a model's forward ends)."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -98,12 +135,14 @@ def _graph_us(fn: Callable[[Any], Any], x: Any, calls: int, replays: int) -> flo
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn(x)
+        after()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn(x)
+        after()
     dist.barrier()
     for _ in range(3):
         graph.replay()

@@ -356,4 +356,5 @@ class LLMEngine:
                 "steps": dict(self.num_steps),
                 "startup": self.startup,
                 "dtypes": self.limits.dtypes,
+                "parallelism": self.limits.parallelism,
                 **self.metrics.snapshot()}

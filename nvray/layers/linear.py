@@ -5,7 +5,8 @@ checkpoint tensor onto this rank.
 - MergedColumnParallelLinear: several column layers fused (gate_proj + up_proj).
 - QKVParallelLinear: q, k, v fused; heads split across ranks, KV heads replicated when there are
   fewer KV heads than ranks.
-- RowParallelLinear: input features split; outputs summed with an all-reduce.
+- RowParallelLinear: input features split; outputs summed over the ranks by the norm they feed
+  (a ``tp.PartialSum``; with a bias, by an all-reduce here).
 
 Every layer takes an optional ``Fp8Config`` (``nvray/quantization``): its weight is then FP8
 with a scale tensor beside it, and the loaders shard the scale along the same axis as the
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nvray.layers.tp import all_reduce, divide, tp_rank, tp_size
+from nvray.layers.tp import PartialSum, all_reduce, divide, tp_rank, tp_size
 from nvray.quantization import Fp8Config, Fp8LinearMethod
 
 
@@ -163,6 +164,11 @@ class RowParallelLinear(LinearBase):
         _check_shape(param, loaded, (param.shape[0], _units(param, 1, self.full_in)))
         param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self._matmul(x, None))
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
+        """The rank's partial sum, for the norm it feeds to finish (``tp.PartialSum``); the
+        sum itself with a bias (added once, after it) or on one rank."""
+        y = self._matmul(x, None)
+        if self.bias is None and tp_size() > 1:
+            return PartialSum(y)
+        y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -4,11 +4,11 @@ the token's output is the routing-weighted sum of those experts' SwiGLU MLPs.
 ``FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)`` holds every
 expert's weights stacked: ``w13_weight`` ``[E, 2 * I_local, H]`` (each expert's gate rows, then
 its up rows) and ``w2_weight`` ``[E, H, I_local]``. Tensor parallelism shards every expert along
-its intermediate dimension (``I_local = I / tp``) and all-reduces the output, as the dense MLP
-does. Expert parallelism (``tp.expert_parallel()``, ``enable_expert_parallel``) instead gives each
+its intermediate dimension (``I_local = I / tp``) and returns its share of the output for the
+next norm to sum over the ranks (``tp.PartialSum``), as the dense MLP does. Expert parallelism (``tp.expert_parallel()``, ``enable_expert_parallel``) instead gives each
 rank ``E / tp`` whole experts (``E_local``, from ``first_expert`` on): every rank routes every
 token, computes the pairs whose expert it holds (the others' ids become -1, which the experts
-skip) and the same all-reduce sums the ranks' parts. Checkpoints store experts one by one (``mlp.experts.<e>.gate_proj.weight``, ...): the
+skip) and the same sum over the ranks adds the parts up. Checkpoints store experts one by one (``mlp.experts.<e>.gate_proj.weight``, ...): the
 loader routes each to ``weight_loader(param, tensor, (expert, proj))``; ``expected_shards`` on
 each parameter tells it which it must see.
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nvray.layers.tp import all_reduce, divide, expert_parallel, tp_rank, tp_size
+from nvray.layers.tp import PartialSum, divide, expert_parallel, tp_rank, tp_size
 from nvray.quantization import Fp8Config
 from nvray.quantization.fp8_math import FP8_DTYPE, dequantize, quantize_per_block
 
@@ -179,7 +179,9 @@ class FusedMoE(nn.Module):
 
         self._experts = fused_moe
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor | PartialSum:
+        """The experts' weighted sum: the rank's share of it (``tp.PartialSum``, for the norm
+        it feeds to finish) when the experts are split over ranks."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
@@ -191,4 +193,4 @@ class FusedMoE(nn.Module):
                                                "block_shape": self.block}
         out = self._experts(x, self.w13_weight, self.w2_weight, weights.float(), ids,
                             skips_pairs=self.local_experts < self.num_experts, **scales)
-        return all_reduce(out)
+        return PartialSum(out) if tp_size() > 1 else out

@@ -8,6 +8,11 @@ steps. A norm built with ``quantize_for`` (the FP8 layer its output feeds) then 
 output already quantized for that layer (an ``Fp8Activation``, from ``rms_norm_fp8``) where the
 layer's activation groups are a power of two wide (``fused_input_group``): one kernel instead
 of two, quantizing the same rounded values.
+
+Under tensor parallelism the norm's input may be a row-parallel layer's ``tp.PartialSum``: the
+norm sums it over the ranks first, or, with the Triton kernels, a residual and the P2P
+all-reduce able to (``tp.fused_reducer``), sums it inside its own kernel
+(``P2pAllReduce.reduce_add_norm``: the same values).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from nvray.layers.compiled import compiled
+from nvray.layers.tp import PartialSum, finish, fused_reducer
 from nvray.quantization import Fp8LinearMethod, fused_input_group
 
 
@@ -40,6 +46,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.quantize_for = quantize_for
         self._norm, self._add_norm = rms_norm, add_rms_norm
+        self._quant_group: int | None | bool = False  # the fused reduce's output (False: 16-bit)
+        self._fuses_reduce = False
 
     def enable_torch_compile(self) -> None:
         self._norm, self._add_norm = compiled(rms_norm), compiled(add_rms_norm)
@@ -48,6 +56,8 @@ class RMSNorm(nn.Module):
         import kernels  # noqa: PLC0415 - GPU-only import
 
         fused, group = fused_input_group(self.quantize_for)
+        self._fuses_reduce = True
+        self._quant_group = group if fused else False
         if fused:
             self._norm = lambda x, weight, eps: kernels.rms_norm_fp8(x, weight, eps, None, group)
             self._add_norm = lambda x, residual, weight, eps: kernels.rms_norm_fp8(
@@ -56,8 +66,14 @@ class RMSNorm(nn.Module):
         self._norm = kernels.rms_norm
         self._add_norm = lambda x, residual, weight, eps: kernels.rms_norm(x, weight, eps, residual)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | PartialSum, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, PartialSum):
+            reducer = fused_reducer(x) if residual is not None and self._fuses_reduce else None
+            if reducer is not None:
+                return reducer.reduce_add_norm(x.partial, residual, self.weight, self.eps,
+                                               self._quant_group)
+            x = finish(x)
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)

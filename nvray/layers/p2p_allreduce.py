@@ -16,15 +16,27 @@ one-shot / two-shot in us: 1 row 11.0 / 13.5 / 13.4; 32: 14.1 / 13.8 / 13.5; 256
 batch): 33.5 / 25.2 / 21.1; 1,024: 53.9 / 62.2 / 45.9; 2,048: 83.5 / 111.5 / 80.6; 8,192:
 256.8 / 422.2 / 314.6. Hence two-shot from 256 KiB to 16 MiB, NCCL outside.
 
+The all-reduce before an RMSNorm with a residual (every row-parallel layer's output in the
+shared decoder: ``tp.PartialSum``) is fused into the norm instead (``reduce_add_norm``): the
+rank copies its partial sum into one of two regions of the buffer (alternating: the barrier of
+a call proves every peer is done reading the region before last, so one barrier a call is
+enough), passes a barrier (every rank's partial written), and one kernel
+(``kernels.sum_rms_norm``) reads all ranks' partials where they lie, sums them, adds the
+residual and norms (quantizing for an FP8 layer where the norm does): one copy, one barrier and
+one kernel instead of the all-reduce's two copies and two-shot kernel and the norm's kernel.
+Up to ``FUSED_MAX_BYTES`` a message (decode batches; each rank reads every partial); a forward
+that makes an odd number of such calls ends with a barrier (``end_forward``), so the next one
+starts on the first region again, as CUDA graphs captured that way expect.
+
 It never uses NVLink multicast (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the
 buffer is made, unless the environment says otherwise): multicast objects can put a host's
 GPUs out of service (the GPU machines forbid them), and the two kernels here do not need them.
 
 ``create_p2p_all_reduce(dtype, device, max_bytes)`` is collective: every rank calls it; it
-returns None on every rank (NCCL stays) when a rank sees fewer GPUs than there are ranks (a
-Ray rank actor sees its own GPU only: symmetric memory tells peers apart by device index, so
-the engine's Ray ranks use NCCL until they see their node's GPUs), when the ranks are on more
-than one host, or when symmetric memory cannot be set up on one of them (the reason logged).
+returns None on every rank (NCCL stays) when a rank sees fewer GPUs than there are ranks
+(symmetric memory tells peers apart by device index: the engine's Ray ranks see all their
+node's engine GPUs, ``runtime/rank_worker.py``), when the ranks are on more than one host, or
+when symmetric memory cannot be set up on one of them (the reason logged).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,17 +53,53 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 16 << 20  # 2,048 rows of 4,096 bf16: beyond, NCCL's bandwidth wins
 MIN_BYTES = 256 << 10  # 32 rows of 4,096 bf16: below, the staging copies cost what P2P saves
+FUSED_MAX_BYTES = 4 << 20  # 512 rows of 4,096 bf16, per region (two regions)
 _ALIGN_BYTES = 16  # each rank's share of a two-shot message starts 16-byte aligned
 
 
 class P2pAllReduce:
-    def __init__(self, buffer: torch.Tensor, group_name: str, world_size: int,
-                 min_bytes: int = MIN_BYTES) -> None:
-        self.buffer = buffer  # [max elements] in symmetric memory, rendezvoused
+    def __init__(self, memory: torch.Tensor, handle: Any, group_name: str, max_bytes: int,
+                 min_bytes: int = MIN_BYTES, fused_bytes: int = FUSED_MAX_BYTES) -> None:
+        """``memory``: the rendezvoused symmetric tensor (``handle``): ``max_bytes`` for
+        two-shot, then the two regions of ``fused_bytes`` for ``reduce_add_norm``."""
+        size = memory.element_size()
+        self.buffer = memory[:max_bytes // size]
+        fused = fused_bytes // size
+        self.regions = [memory[len(self.buffer) + i * fused:][:fused] for i in range(2)]
+        self.handle = handle
         self.group_name = group_name
-        self.world_size = world_size
+        self.world_size = world_size = handle.world_size
         self.min_bytes = min_bytes
-        self.align = world_size * _ALIGN_BYTES // buffer.element_size()
+        self.align = world_size * _ALIGN_BYTES // size
+        own = handle.buffer_ptrs[handle.rank]
+        self.peer_ptrs = [torch.tensor([base + region.data_ptr() - own for base in handle.buffer_ptrs],
+                                       dtype=torch.int64, device=memory.device)
+                          for region in self.regions]  # per region: every rank's, rank order
+        self.fused_calls = 0  # in this forward
+
+    def fits_fused(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s all-reduce can be fused into the norm it feeds (``reduce_add_norm``)."""
+        return (x.dtype == self.buffer.dtype and x.is_contiguous() and x.dim() == 2
+                and x.numel() <= self.regions[0].numel())
+
+    def reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float, group: int | None | bool = False) -> tuple[Any, torch.Tensor]:
+        """``kernels.sum_rms_norm`` of every rank's ``x`` (``fits_fused(x)`` must hold):
+        (the norm of the sum plus ``residual``, that new residual)."""
+        import kernels  # noqa: PLC0415 - GPU-only import
+
+        phase = self.fused_calls % 2
+        self.fused_calls += 1
+        self.regions[phase][:x.numel()].copy_(x.view(-1))
+        self.handle.barrier(channel=0)
+        return kernels.sum_rms_norm(self.peer_ptrs[phase], residual, weight, eps, group)
+
+    def end_forward(self) -> None:
+        """After a forward's last ``reduce_add_norm``: the next forward starts on region 0, so
+        after an odd count every rank must be done reading region 0 first."""
+        if self.fused_calls % 2:
+            self.handle.barrier(channel=0)
+        self.fused_calls = 0
 
     def fits(self, x: torch.Tensor, any_size: bool = False) -> bool:
         """Whether ``x`` goes through here (``any_size``: whatever its size, for the bench)."""
@@ -58,6 +107,12 @@ class P2pAllReduce:
         return (x.dtype == self.buffer.dtype and x.is_contiguous()
                 and padded <= self.buffer.numel()
                 and (any_size or x.numel() * x.element_size() >= self.min_bytes))
+
+    def describe(self) -> str:
+        size = self.buffer.element_size()
+        return (f"p2p: fused into the next norm up to {self.regions[0].numel() * size >> 20} MiB, "
+                f"two-shot {self.min_bytes >> 10} KiB-{self.buffer.numel() * size >> 20} MiB, "
+                "nccl beyond")
 
     def choose(self, num_bytes: int) -> str:
         """The method for a message of ``num_bytes`` (two-shot: measured, module docstring)."""
@@ -85,7 +140,7 @@ def create_p2p_all_reduce(dtype: torch.dtype, device: torch.device,
                           max_bytes: int = DEFAULT_MAX_BYTES) -> P2pAllReduce | None:
     """Collective: the P2P all-reduce of the default group, or None (NCCL) on every rank."""
     world = dist.get_world_size()
-    if torch.cuda.device_count() < world:  # Ray's rank actors: each sees its own GPU only
+    if torch.cuda.device_count() < world:  # e.g. ranks on several hosts, or one GPU each
         logger.info("all-reduce: NCCL (each rank sees %d GPU(s); the P2P buffers need the "
                     "peers' GPUs visible)", torch.cuda.device_count())
         return None
@@ -99,7 +154,8 @@ def create_p2p_all_reduce(dtype: torch.dtype, device: torch.device,
     try:
         from torch.distributed import _symmetric_memory as symm_mem  # noqa: PLC0415
 
-        buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        buffer = symm_mem.empty((max_bytes + 2 * FUSED_MAX_BYTES) // dtype.itemsize, dtype=dtype,
+                                device=device)
     except Exception as e:  # noqa: BLE001 - any failure: NCCL stays
         reason = f"{type(e).__name__}: {e}"
     ok = torch.tensor([buffer is not None], dtype=torch.int32, device=device)
@@ -110,10 +166,10 @@ def create_p2p_all_reduce(dtype: torch.dtype, device: torch.device,
         return None
     group_name = dist.group.WORLD.group_name
     try:  # it fails on every rank alike (it checks what all of them exchanged)
-        symm_mem.rendezvous(buffer, group_name)
+        handle = symm_mem.rendezvous(buffer, group_name)
     except RuntimeError as e:  # e.g. two ranks on one GPU
         logger.warning("all-reduce: NCCL (symmetric memory rendezvous failed: %s)", e)
         return None
     logger.info("all-reduce: P2P two-shot over symmetric memory from %d KiB to %d MiB, NCCL "
                 "outside", MIN_BYTES >> 10, max_bytes >> 20)
-    return P2pAllReduce(buffer, group_name, world)
+    return P2pAllReduce(buffer, handle, group_name, max_bytes)

@@ -4,6 +4,9 @@ The group is torch.distributed's default process group (NCCL on GPU, gloo on CPU
 the runtime before the model is built; without one, rank 0 of a group of one is assumed.
 ``all_reduce`` sends a message that fits the P2P all-reduce (``p2p_allreduce.py``, set by
 ``use_p2p_all_reduce`` once the ranks made one) through it, every other through the group.
+A row-parallel layer returns its rank's ``PartialSum`` instead of reducing it: the RMSNorm it
+feeds finishes the sum (``finish``), fused with its own work where the P2P all-reduce can
+(``fused_reducer``); a model's forward ends with ``end_forward()``.
 ``expert_parallel()``: MoE layers built now place whole experts on ranks (``set_expert_parallel``,
 from ``EngineConfig.enable_expert_parallel``; the group's ranks are the experts' ranks).
 Inside ``collectives_off()`` the collectives do nothing, for work whose values are thrown away
@@ -13,7 +16,7 @@ and that each rank does on its own (compiling kernels ahead, ``worker/compile_ah
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +61,30 @@ def use_p2p_all_reduce(p2p: Any) -> None:
     """All-reduces that fit ``p2p`` go through it from now on (None: all through the group)."""
     global _p2p
     _p2p = p2p
+
+
+class PartialSum(NamedTuple):
+    """A rank's share of a sum over the ranks, still to be all-reduced by its consumer."""
+
+    partial: torch.Tensor
+
+
+def finish(x: torch.Tensor | PartialSum) -> torch.Tensor:
+    """``x`` summed over the ranks (a plain tensor is already whole)."""
+    return all_reduce(x.partial) if isinstance(x, PartialSum) else x
+
+
+def fused_reducer(x: PartialSum) -> Any:
+    """The P2P all-reduce that can fuse ``x``'s sum into the norm it feeds, or None."""
+    if _p2p is not None and _collectives_on and tp_size() > 1 and _p2p.fits_fused(x.partial):
+        return _p2p
+    return None
+
+
+def end_forward() -> None:
+    """Call once a model's forward has queued its last layer."""
+    if _p2p is not None and _collectives_on:
+        _p2p.end_forward()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

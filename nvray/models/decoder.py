@@ -11,7 +11,9 @@ rotary and KV-cache store then run as one fused kernel (heads rotated whole; a p
 keeps the torch path), and the norms and activation before FP8 projections quantize their
 outputs for them. With an ``Fp8Config`` each linear layer is FP8 unless the config leaves the
 checkpoint modules it fuses unquantized (layers are named by their checkpoint prefix, e.g.
-``model.layers.0.self_attn.q_proj``).
+``model.layers.0.self_attn.q_proj``). Under tensor parallelism the row-parallel projections
+(o_proj, down_proj, the experts) hand their ranks' partial sums to the norm they feed
+(``tp.PartialSum``), which sums them over the ranks, on the GPU inside its own kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from nvray.layers.attention import Attention, AttentionMetadata
 from nvray.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nvray.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nvray.layers.norm import RMSNorm
+from nvray.layers.tp import PartialSum, end_forward
 from nvray.layers.rotary import get_rope, rope_max_positions, rope_spec_of
 from nvray.quantization import Fp8Config
 
@@ -100,7 +103,8 @@ class DecoderAttention(nn.Module):
         if not self.rotary_emb.is_partial:
             self.fused_prologue = qk_norm_rope_store
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor | PartialSum:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         if self.fused_prologue is not None:  # k and v go straight into the cache
             norms = (self.q_norm, self.k_norm) if self.q_norm is not None else None
@@ -137,7 +141,7 @@ class GatedMLP(nn.Module):
                                            quant=quant_for(quant, prefix, ["down_proj"]))
         self.act_fn = SiluAndMul(quantize_for=self.down_proj.quant_method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -191,6 +195,7 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
+        end_forward()  # the fused all-reduces' bookkeeping (layers/tp.py)
         return x
 
 

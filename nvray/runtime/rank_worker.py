@@ -2,9 +2,14 @@
 
 It joins the engine's torch.distributed group (NCCL on GPU, gloo on CPU) at rank 0's node IP
 and a free port rank 0 picked, builds its ModelRunner (model shard + paged KV cache) and runs
-steps. Inside the actor the rank's GPU, if any, is ``cuda:0``. A step that raises on one rank
-makes it leave a gloo process group, so the others fail at once instead of waiting in a
-collective (with NCCL they wait out the group's 120 s timeout).
+steps. Ray gives a GPU rank actor its own GPU only (``CUDA_VISIBLE_DEVICES``); before CUDA
+starts, ``init_distributed`` widens that to the GPUs of all the engine's ranks on its node, so
+the ranks of a node can map each other's memory (the P2P all-reduce,
+``layers/p2p_allreduce.py``). CUDA's current device belongs to a thread and Ray runs an
+actor's calls on several threads, so every call that works on the GPU selects the rank's own
+first (``@on_own_gpu``). A step that raises on one rank makes it leave a gloo process group,
+so the others fail at once instead of waiting in a collective (with NCCL they wait out the
+group's 120 s timeout).
 
 This module imports torch and the model code only in the actor (its constructor), so the
 processes that merely start ranks (``LLM()``, a Serve replica, the driver) never load them.
@@ -15,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import functools
 import socket
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import ray
 
@@ -29,6 +35,19 @@ if TYPE_CHECKING:
     from nvray.worker.model_runner import ModelRunner
 
 _DIST_TIMEOUT = datetime.timedelta(seconds=120)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def on_own_gpu(method: F) -> F:
+    """Run ``method`` with the rank's GPU as the calling thread's current CUDA device."""
+    @functools.wraps(method)
+    def wrapper(self: RankWorker, *args: Any, **kwargs: Any) -> Any:
+        if self.gpu_index is not None:
+            import torch  # noqa: PLC0415 - see the module's docstring
+
+            torch.cuda.set_device(self.gpu_index)
+        return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 class RankWorker:
@@ -39,6 +58,7 @@ class RankWorker:
         self.config = config
         self.rank = rank
         self.runner: ModelRunner | None = None
+        self.gpu_index: int | None = None  # among the GPUs visible here, once chosen
         if config.device != "cuda":
             torch.set_num_threads(max(1, int(config.num_cpus_per_rank)))
 
@@ -49,7 +69,14 @@ class RankWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_distributed(self, host: str, port: int) -> None:
+    def gpu_placement(self) -> tuple[str, list[str]]:
+        """This rank's node and the ids of the GPUs Ray gave it (none on CPU)."""
+        ids = [str(i) for i in ray.get_gpu_ids()] if self.config.device == "cuda" else []
+        return ray.get_runtime_context().get_node_id(), ids
+
+    def init_distributed(self, host: str, port: int, node_gpus: list[str] | None = None) -> None:
+        """Join the ranks' group; ``node_gpus``: the GPU ids of all the engine's ranks on this
+        node (``node_gpu_lists``), made visible here before CUDA starts."""
         world = self.config.tensor_parallel_size
         if world == 1:
             return
@@ -58,10 +85,19 @@ class RankWorker:
 
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(0)  # the actor sees one GPU
+            self.gpu_index = _select_own_gpu(node_gpus)
+            torch.cuda.set_device(self.gpu_index)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=world, timeout=_DIST_TIMEOUT)
 
+    @on_own_gpu
+    def visible_gpu(self) -> tuple[str, int]:
+        """``CUDA_VISIBLE_DEVICES`` and the current device index, as this rank runs."""
+        import torch  # noqa: PLC0415 - see the module's docstring
+
+        return os.environ.get("CUDA_VISIBLE_DEVICES", ""), torch.cuda.current_device()
+
+    @on_own_gpu
     def load(self, model_path: str) -> int:
         """Build the model shard; returns how many KV blocks fit on this rank."""
         from nvray.worker.model_runner import ModelRunner  # noqa: PLC0415 - see the docstring
@@ -74,13 +110,15 @@ class RankWorker:
         assert self.runner is not None, "load() first"
         return {"max_model_len": self.runner.max_model_len,
                 "vocab_size": self.runner.hf_config.vocab_size, "dtypes": self.runner.dtypes(),
-                "kv_group_windows": self.runner.kv_layout.group_windows}
+                "kv_group_windows": self.runner.kv_layout.group_windows,
+                "parallelism": self.runner.parallelism()}
 
     def startup_phases(self) -> dict[str, float]:
         """This rank's start-up seconds by phase (startup_phases.py)."""
         assert self.runner is not None, "load() first"
         return dict(self.runner.startup.seconds)
 
+    @on_own_gpu
     def allocate_kv_cache(self, num_blocks: int) -> None:
         from nvray.worker.startup import prepare_kv_cache  # noqa: PLC0415 - see the docstring
 
@@ -88,11 +126,13 @@ class RankWorker:
         prepare_kv_cache(self.runner, num_blocks)
         freeze_startup_objects()  # the rank's start-up is done (cache and CUDA graphs exist)
 
+    @on_own_gpu
     def execute(self, step: StepInput) -> StepOutput:
         assert self.runner is not None, "load() first"
         with self._failing_fast():
             return self.runner.execute(step)
 
+    @on_own_gpu
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         assert self.runner is not None, "load() first"
         with self._failing_fast():
@@ -117,6 +157,7 @@ class RankWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    @on_own_gpu
     def shutdown(self) -> None:
         if self.runner is not None:
             release_frozen_objects()  # first: start-up froze the model's reference cycles
@@ -126,3 +167,23 @@ class RankWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def node_gpu_lists(placements: list[tuple[str, list[str]]]) -> list[list[str] | None]:
+    """For each rank (``gpu_placement`` answers, in rank order): the GPU ids of every rank on
+    its node, in rank order (None for a rank without GPUs)."""
+    by_node: dict[str, list[str]] = {}
+    for node, ids in placements:
+        listed = by_node.setdefault(node, [])
+        listed.extend(i for i in ids if i not in listed)
+    return [by_node[node] if ids else None for node, ids in placements]
+
+
+def _select_own_gpu(node_gpus: list[str] | None) -> int:
+    """Make ``node_gpus`` visible (CUDA not started yet) and return this rank's index among
+    them; without a list, the one GPU Ray left visible."""
+    own = [str(i) for i in ray.get_gpu_ids()]
+    if not node_gpus or not own or own[0] not in node_gpus:
+        return 0
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
+    return node_gpus.index(own[0])

@@ -39,7 +39,7 @@ from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import release_frozen_objects
 from nvray.runtime.errors import EngineDeadError
 from nvray.runtime.placement import in_bundle, rank_resources
-from nvray.runtime.rank_worker import RankWorker
+from nvray.runtime.rank_worker import RankWorker, node_gpu_lists
 from nvray.startup_phases import StartupPhases
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ class RayExecutor:
         phases = StartupPhases()
         with phases.phase("rank_actors"):  # what their start leaves to wait for
             host, port = ray.get(self.workers[0].rendezvous_address.remote())
-            ray.get([w.init_distributed.remote(host, port) for w in self.workers])
+            gpus = node_gpu_lists(ray.get([w.gpu_placement.remote() for w in self.workers]))
+            ray.get([w.init_distributed.remote(host, port, g) for w, g in zip(self.workers, gpus)])
         start = time.perf_counter()
         self._setup(model_path)
         rank0 = ray.get(self.workers[0].startup_phases.remote())  # the ranks' own phases
@@ -87,6 +88,7 @@ class RayExecutor:
         self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
         self.dtypes = facts["dtypes"]
         self.kv_group_windows = tuple(facts["kv_group_windows"])
+        self.parallelism = facts["parallelism"]
 
     def _compile(self):  # noqa: ANN202 - ray.dag types are experimental
         from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415

@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,8 +30,8 @@ from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.p2p_allreduce import create_p2p_all_reduce
-from nvray.layers.tp import (broadcast_from_first, set_expert_parallel, tp_rank, tp_size,
-                             use_p2p_all_reduce)
+from nvray.layers.tp import (broadcast_from_first, expert_parallel, set_expert_parallel, tp_rank,
+                             tp_size, use_p2p_all_reduce)
 from nvray.kv_layout import plan_kv_layout
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
@@ -41,6 +41,7 @@ from nvray.step_protocol import SampleSpec, StepInput, StepOutput
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
 from nvray.grammar import grammar_compiler
 from nvray.worker.device_lists import to_device
+from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.inputs import InputBuilder
 from nvray.worker.logits_processors import adjust_logits
@@ -115,6 +116,7 @@ class ModelRunner:
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
         self.host_ids = HostIds(config.max_num_seqs, self.device)
+        self.profiler = StepProfiler(tp_rank())  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
         vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
                                           config.max_num_seqs, self.device)
@@ -123,8 +125,18 @@ class ModelRunner:
         """Collective: decode-sized all-reduces over P2P shared memory where the ranks can
         (``all_reduce="auto"``, CUDA, TP > 1, one host), NCCL for the rest."""
         use_p2p_all_reduce(None)
-        if self.config.all_reduce == "auto" and self.device.type == "cuda" and tp_size() > 1:
-            use_p2p_all_reduce(create_p2p_all_reduce(self.dtype, self.device))
+        self.all_reduce_in_use = "nccl" if self.device.type == "cuda" else "gloo"
+        if tp_size() == 1:
+            self.all_reduce_in_use = "none"
+        elif self.config.all_reduce == "auto" and self.device.type == "cuda":
+            p2p = create_p2p_all_reduce(self.dtype, self.device)
+            use_p2p_all_reduce(p2p)
+            self.all_reduce_in_use = p2p.describe() if p2p is not None else "nccl"
+
+    def parallelism(self) -> dict[str, Any]:
+        """How the ranks split the model and talk, for stats and the model card."""
+        return {"tensor_parallel_size": tp_size(), "expert_parallel": expert_parallel(),
+                "all_reduce": self.all_reduce_in_use}
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -235,6 +247,7 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` and return its sampled ids and log-probabilities (rank 0; empty
         elsewhere)."""
+        self.profiler.step()
         return self._sample(self._forward_step(step), share_ids=False).result()
 
     @torch.inference_mode()
@@ -246,6 +259,7 @@ class ModelRunner:
         A step with constrained rows queues its forward pass only: its sampling is queued at
         the next call, before the next forward, so that the caller reads the step before and
         schedules the next one while the grammar masks are filled (``grammar_masks.py``)."""
+        self.profiler.step()
         if self.deferred is not None:
             self.in_flight.append(self._sample(self.deferred, share_ids=True))
             self.deferred = None

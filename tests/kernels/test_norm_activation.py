@@ -206,3 +206,41 @@ def test_layers_fuse_only_groups_the_kernels_take():
         assert isinstance(out, Fp8Activation) == fused, block
         if fused:
             assert out.scale.shape == (3, 1 if block is None else 768 // block[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(5, 1024), (3, 96)])
+@pytest.mark.parametrize("num_parts", [1, 2, 4])
+@pytest.mark.parametrize("group", [False, None, 32])
+def test_sum_rms_norm_equals_the_all_reduce_then_the_norm(dtype, num_tokens, hidden, num_parts,
+                                                          group):
+    """The TP all-reduce fused into the norm (each part: one rank's partial sum, read where it
+    lies) gives what summing the parts, rounding once and norming them gives."""
+    parts = [_rows(num_tokens, hidden, dtype, seed=10 * hidden + p) for p in range(num_parts)]
+    residual = _rows(num_tokens, hidden, dtype, seed=hidden, extra_cols=8)
+    weight = (1 + 0.5 * torch.randn(hidden, generator=torch.Generator().manual_seed(3))).to(
+        dtype=dtype, device=DEVICE)
+    ptrs = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64, device=DEVICE)
+    out, new_residual = kernels.sum_rms_norm(ptrs, residual, weight, 1e-6, group)
+    summed = torch.stack([p.float() for p in parts]).sum(0).to(dtype)
+    if group is False:
+        want, want_residual = kernels.rms_norm(summed, weight, 1e-6, residual)
+        assert torch.equal(out, want)
+    else:
+        want, want_residual = kernels.rms_norm_fp8(summed, weight, 1e-6, residual, group)
+        assert torch.equal(out.q.float(), want.q.float()) and torch.equal(out.scale, want.scale)
+    assert torch.equal(new_residual, want_residual)
+    ref, ref_residual = kernels.sum_rms_norm_ref(parts, residual, weight, 1e-6, group)
+    assert torch.equal(ref_residual, want_residual)
+    if group is False:
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(out, ref, **tol)
+
+
+def test_sum_rms_norm_names_bad_peer_addresses():
+    residual = torch.zeros(2, 64, device=DEVICE)
+    weight = torch.ones(64, device=DEVICE)
+    for bad in (torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                torch.zeros(0, dtype=torch.int64, device=DEVICE)):
+        with pytest.raises(ValueError, match="peer_ptrs"):
+            kernels.sum_rms_norm(bad, residual, weight, 1e-6)

@@ -12,6 +12,7 @@ import pytest
 from nvray import LLM, EngineConfig, SamplingParams
 from nvray.bench.proc_cpu import cores_in_use
 from nvray.runtime import EngineDeadError, start_engine
+from nvray.runtime.rank_worker import node_gpu_lists
 from oracle import hf_greedy, random_prompts
 from ray_state import live_actors, live_placement_groups
 
@@ -67,11 +68,22 @@ def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family, 
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         again = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+        parallelism = llm.stats()["parallelism"]
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts + prompts[:1], outs + again):
         assert out.token_ids == hf_greedy(path, prompt, 10)
     assert again[0].num_cached_tokens >= 16
+    assert parallelism == {"tensor_parallel_size": 2, "expert_parallel": expert_parallel,
+                           "all_reduce": "gloo"}
+
+
+def test_each_gpu_rank_sees_the_gpus_of_its_nodes_engine_ranks():
+    """What a rank makes visible before CUDA starts (so a node's ranks can map each other's
+    memory): its node's engine GPUs in rank order, never another node's or another engine's."""
+    placements = [("node-a", ["3"]), ("node-b", ["0"]), ("node-a", ["1"]), ("node-b", ["2"])]
+    assert node_gpu_lists(placements) == [["3", "1"], ["0", "2"], ["3", "1"], ["0", "2"]]
+    assert node_gpu_lists([("node-a", []), ("node-a", [])]) == [None, None]
 
 
 def test_tp2_on_the_tiny_model_matches_hf_with_prefix_hits_and_chunks(tp2, tiny_path):
