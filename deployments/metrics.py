@@ -14,6 +14,9 @@ _GAUGES = (
     ("step_time_ms_median", "step_time_ms_median", "Median duration of the engine's last 256 steps, in milliseconds"),
     ("driver_resident_memory_bytes", "driver_resident_memory_bytes", "Resident memory of the engine's driver process, in bytes"),
 )
+_OPTIONAL_GAUGES = (  # present in some engines' stats only (expert parallel)
+    ("expert_load_imbalance", "expert_load_imbalance", "Expert parallel: the busiest rank's (token, expert) pairs over the ranks' mean"),
+)
 _COUNTERS = (
     ("prompt_tokens_total", "prompt_tokens", "Prompt tokens accepted"),
     ("generation_tokens_total", "generation_tokens", "Tokens generated"),
@@ -29,6 +32,8 @@ _LABELLED_COUNTERS = (  # name, stats key (a dict: label value -> count), label,
      "Engine steps, by what each launched: prefill (computes prompt tokens) or decode"),
     ("step_seconds_total", "step_seconds", "kind",
      "Wall time of the engine's steps, by what each launched: prefill or decode"),
+    ("expert_pairs_total", "expert_pairs_by_rank", "rank",
+     "Expert parallel: (token, expert) pairs the experts of each rank computed"),
 )
 _HISTOGRAMS = (
     ("time_to_first_token_seconds", "Time from arrival to first generated token"),
@@ -71,7 +76,13 @@ def render_metrics(stats_by_engine: dict[str | None, dict[str, Any]], model: str
         full = f"{prefix}_{name}"
         lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
         lines += [f"{full}{_fmt_labels({**labels, label: value})} {count}"
-                  for labels, stats in healthy for value, count in sorted(stats[key].items())]
+                  for labels, stats in healthy
+                  for value, count in sorted(stats.get(key, {}).items())]
+    for name, key, help_text in _OPTIONAL_GAUGES:
+        full = f"{prefix}_{name}"
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} gauge"]
+        lines += [f"{full}{_fmt_labels(labels)} {stats[key]}" for labels, stats in healthy
+                  if key in stats]
     full = f"{prefix}_startup_total_seconds"
     lines += [f"# HELP {full} The engine's whole start-up, seconds", f"# TYPE {full} gauge"]
     lines += [f"{full}{_fmt_labels(labels)} {stats['startup']['total_s']}"

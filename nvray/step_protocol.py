@@ -189,6 +189,10 @@ class Executor(Protocol):
     def check_health(self) -> None:
         """Raise if the ranks can no longer run steps."""
 
+    def expert_load(self) -> list[list[int]]:
+        """Per rank, the (token, expert) pairs each of its experts computed since start-up
+        (expert parallel; empty lists otherwise)."""
+
     def idle(self) -> None:
         """Nothing is in flight and nothing waits: the ranks may stop polling for steps (the
         next step wakes them)."""

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--all-reduce", default="auto",
                     help="TP all-reduces to compare, comma-separated: auto (P2P for decode "
                          "sizes on one host), nccl")
+    tp.add_argument("--expert-parallel", default="off",
+                    help="MoE experts at TP>1 to compare, comma-separated: off (each expert's "
+                         "width split over the ranks), on (whole experts per rank)")
     tp.add_argument("--profile", default=None, metavar="DIR",
                     help="write each rank's kernel times over 20 decode steps under DIR "
                          "(nvray/worker/step_profiler.py)")
@@ -218,12 +221,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         quantizations = _word_list("--quantization", args.quantization, {"none": None, "fp8": "fp8"})
         kv_dtypes = _word_list("--kv-cache-dtype", args.kv_cache_dtype, {d: d for d in KV_CACHE_DTYPES})
         all_reduces = _word_list("--all-reduce", args.all_reduce, {a: a for a in ALL_REDUCES})
+        expert_parallels = _word_list("--expert-parallel", args.expert_parallel,
+                                      {"off": False, "on": True})
         if args.profile:  # read by the ranks (Ray's local workers inherit this environment)
             os.environ["NVRAY_PROFILE_DIR"] = args.profile
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
                                 args.max_model_len, args.floor, overlaps,
                                 _features(args.features), _budgets(args.max_num_batched_tokens),
-                                sizes, args.shape, quantizations, kv_dtypes, all_reduces)
+                                sizes, args.shape, quantizations, kv_dtypes, all_reduces,
+                                expert_parallels)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

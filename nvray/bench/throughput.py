@@ -97,6 +97,8 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
             "total_tok_per_s": round((output_tokens + sum(len(p) for p in prompts)) / elapsed, 1),
             "num_kvcache_blocks": stats.get("num_kvcache_blocks"),
             "num_preemptions": stats.get("num_preemptions"),
+            **({"expert_load_imbalance": stats["expert_load_imbalance"]}
+               if "expert_load_imbalance" in stats else {}),
             **_steps_by_kind(before, stats)}
 
 
@@ -120,7 +122,8 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      shape: str = "0.6b",
                      quantizations: tuple[str | None, ...] = (None,),
                      kv_cache_dtypes: tuple[str, ...] = ("auto",),
-                     all_reduces: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
+                     all_reduces: tuple[str, ...] = ("auto",),
+                     expert_parallels: tuple[bool, ...] = (False,)) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     placements = resolve_placements(runtimes, tensor_parallel_sizes)
@@ -136,20 +139,21 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
         prompts, params = bench_workload(num_seqs, **FEATURES[feature])
-        for (runtime, tp), overlap, budget, quant, kv, reduce in (
-                (p, o, b, q, kv, a) for a in all_reduces for kv in kv_cache_dtypes
+        split = [(a, ep) for a in all_reduces for ep in expert_parallels]  # how TP>1 splits
+        for (runtime, tp), overlap, budget, quant, kv, (reduce, ep) in (
+                (p, o, b, q, kv, s) for s in split for kv in kv_cache_dtypes
                 for q in quantizations for b in token_budgets for o in overlaps
-                for p in placements if p[1] > 1 or a == all_reduces[0]):  # TP=1: no all-reduce
+                for p in placements if p[1] > 1 or s == split[0]):  # TP=1: one way
             options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
                        "tensor_parallel_size": tp, "quantization": quant, "kv_cache_dtype": kv,
-                       "all_reduce": reduce}
+                       "all_reduce": reduce, "enable_expert_parallel": ep}
             if dummy:
                 options["load_format"] = "dummy"
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
             runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
                          "tensor_parallel_size": tp, "quantization": quant,
-                         "kv_cache_dtype": kv, "all_reduce": reduce,
+                         "kv_cache_dtype": kv, "all_reduce": reduce, "expert_parallel": ep,
                          **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
             print(json.dumps(runs[-1]), flush=True)
             if cuda:
@@ -196,7 +200,7 @@ def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None
     if run["tensor_parallel_size"] == 1:
         return
     same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling",
-            "quantization", "kv_cache_dtype")  # (not all_reduce: TP=1 has none)
+            "quantization", "kv_cache_dtype")  # (not all_reduce, expert_parallel: TP>1's)
     for other in runs:
         if (other["runtime"] == "ray" and other["tensor_parallel_size"] == 1
                 and all(other[k] == run[k] for k in same)):

@@ -336,7 +336,24 @@ class LLMEngine:
         logger.info("engine started in %s%s", describe(phases, total),
                     f" (beside them: {describe(beside)})" if beside else "")
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
+        return {**self._base_stats(), **self._expert_load()}
+
+    def _expert_load(self) -> dict[str, Any]:
+        """Expert parallel: the (token, expert) pairs each rank's experts computed since
+        start-up (``expert_pairs_by_rank``; by expert in checkpoint order:
+        ``expert_pairs_by_expert``) and the busiest rank's share over the mean
+        (``expert_load_imbalance``, 1.0 when even)."""
+        if not self.limits.parallelism.get("expert_parallel"):
+            return {}
+        per_rank = self.executor.expert_load()
+        totals = [sum(load) for load in per_rank]
+        mean = sum(totals) / len(totals)
+        return {"expert_pairs_by_rank": {str(r): n for r, n in enumerate(totals)},
+                "expert_pairs_by_expert": [n for load in per_rank for n in load],
+                "expert_load_imbalance": round(max(totals) / mean, 4) if mean else 1.0}
+
+    def _base_stats(self) -> dict[str, Any]:
         bm = self.block_manager
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting),

@@ -58,6 +58,7 @@ class AttentionMetadata:
 
     _cu_seqlens_k: torch.Tensor | None = None
     _decode_order: torch.Tensor | None = None
+    _real_tokens: torch.Tensor | None = None
 
     def with_groups(self, slot_mappings: list[torch.Tensor],
                     block_tables: list[torch.Tensor]) -> "AttentionMetadata":
@@ -70,6 +71,13 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def real_tokens(self) -> torch.Tensor:
+        """[T] bool: the rows that are tokens, not a CUDA graph's padding (which writes no KV
+        slot); computed once per step."""
+        if self._real_tokens is None:
+            self._real_tokens = self.slot_mapping >= 0
+        return self._real_tokens
 
     def cu_seqlens_k(self) -> torch.Tensor:
         """[B+1] int32 cumulative context lengths (computed once per step, on the device)."""

@@ -115,6 +115,11 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             param.loads_any_dtype = self.on_the_fly  # type: ignore[attr-defined]
         self._experts: Callable[..., torch.Tensor] = moe_experts_ref
+        # expert parallel: (token, expert) pairs each local expert computed (the last entry
+        # takes the other ranks' pairs), real tokens only (``expert_load``)
+        self.register_buffer("pairs_per_expert",
+                             torch.zeros(self.local_experts + 1, dtype=torch.int64),
+                             persistent=False)
 
     @staticmethod
     def _param(*shape: int | torch.dtype | None) -> nn.Parameter:
@@ -173,21 +178,40 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expected shape {expected}, checkpoint has {tuple(loaded.shape)}")
         target.copy_(source)
 
+    def _count_pairs(self, local_ids: torch.Tensor, real_tokens: torch.Tensor) -> None:
+        """Add each local expert's pairs of real tokens (-1, another rank's, counts last)."""
+        slots = local_ids.remainder(self.local_experts + 1).flatten()
+        counts = real_tokens.to(torch.int64).repeat_interleave(self.top_k)
+        self.pairs_per_expert.index_add_(0, slots, counts)
+
+    @property
+    def counts_load(self) -> bool:
+        """Whether this layer counts its experts' load (expert parallel)."""
+        return self.local_experts < self.num_experts
+
+    def reset_load(self) -> None:
+        self.pairs_per_expert.zero_()
+
     def use_triton_kernels(self) -> None:
         """The fused Triton kernel for the experts (GPU only)."""
         from kernels import fused_moe  # noqa: PLC0415
 
         self._experts = fused_moe
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor | PartialSum:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                real_tokens: torch.Tensor | None = None) -> torch.Tensor | PartialSum:
         """The experts' weighted sum: the rank's share of it (``tp.PartialSum``, for the norm
-        it feeds to finish) when the experts are split over ranks."""
+        it feeds to finish) when the experts are split over ranks. ``real_tokens``: [T] bool,
+        the rows that are tokens (not a CUDA graph's padding), whose pairs an expert-parallel
+        rank counts (``expert_load``)."""
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         if self.local_experts < self.num_experts:  # expert parallel: this rank's pairs only
             ids = ids - self.first_expert
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
+            if real_tokens is not None:
+                self._count_pairs(ids, real_tokens)
         w13_scale, w2_scale = self._scales()
         scales = {} if w13_scale is None else {"w13_scale": w13_scale, "w2_scale": w2_scale,
                                                "block_shape": self.block}

@@ -141,7 +141,9 @@ class GatedMLP(nn.Module):
                                            quant=quant_for(quant, prefix, ["down_proj"]))
         self.act_fn = SiluAndMul(quantize_for=self.down_proj.quant_method)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None
+                ) -> torch.Tensor | PartialSum:
+        """(``meta``: the step's, which a dense MLP does not need; an MoE block's does.)"""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
@@ -171,7 +173,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, meta), residual
 
 
 class DecoderModel(nn.Module):

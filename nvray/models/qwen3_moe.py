@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nvray.layers.attention import AttentionMetadata
 from nvray.layers.moe import FusedMoE
+from nvray.layers.tp import PartialSum
 from nvray.models.decoder import CausalLM, check_hidden_act, quant_for
 from nvray.quantization import Fp8Config
 
@@ -31,8 +33,10 @@ class SparseMoeBlock(nn.Module):
                                 cfg.moe_intermediate_size, bool(cfg.norm_topk_prob),
                                 quant_for(quant, prefix, ["experts"]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, F.linear(x, self.gate.weight))
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None
+                ) -> torch.Tensor | PartialSum:
+        real = meta.real_tokens() if meta is not None and self.experts.counts_load else None
+        return self.experts(x, F.linear(x, self.gate.weight), real)
 
 
 def is_sparse_layer(cfg: Any, index: int) -> bool:

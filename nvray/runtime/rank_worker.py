@@ -154,6 +154,12 @@ class RankWorker:
                 dist.destroy_process_group()
             raise
 
+    @on_own_gpu
+    def expert_load(self) -> list[int]:
+        """Pairs this rank's experts computed (``ModelRunner.expert_load``)."""
+        assert self.runner is not None, "load() first"
+        return self.runner.expert_load()
+
     def ping(self) -> int:
         return os.getpid()
 

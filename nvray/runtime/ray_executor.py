@@ -175,6 +175,12 @@ class RayExecutor:
             raise EngineDeadError(self.dead) from None
         return results[0]
 
+    def expert_load(self) -> list[list[int]]:
+        """Each rank's pairs per local expert (expert parallel; empty lists otherwise)."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        return ray.get([w.expert_load.remote() for w in self.workers], timeout=_PING_TIMEOUT_S)
+
     def check_health(self) -> None:
         """Raise EngineDeadError unless every rank answers a ping."""
         if self.dead:

@@ -37,6 +37,9 @@ class InProcessExecutor:
     def discard_in_flight(self) -> None:
         self.runner.discard_in_flight()
 
+    def expert_load(self) -> list[list[int]]:
+        return [self.runner.expert_load()]
+
     def check_health(self) -> None:
         """The runner lives in this process: it cannot die on its own."""
 

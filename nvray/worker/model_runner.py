@@ -29,6 +29,7 @@ import torch
 from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
+from nvray.layers.moe import FusedMoE
 from nvray.layers.p2p_allreduce import create_p2p_all_reduce
 from nvray.layers.tp import (broadcast_from_first, expert_parallel, set_expert_parallel, tp_rank,
                              tp_size, use_p2p_all_reduce)
@@ -132,6 +133,21 @@ class ModelRunner:
             p2p = create_p2p_all_reduce(self.dtype, self.device)
             use_p2p_all_reduce(p2p)
             self.all_reduce_in_use = p2p.describe() if p2p is not None else "nccl"
+
+    def _moe_layers(self) -> list[FusedMoE]:
+        return [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.counts_load]
+
+    def expert_load(self) -> list[int]:
+        """Expert parallel: the (token, expert) pairs each of this rank's experts computed
+        since start-up, over all layers (empty without expert parallelism)."""
+        layers = self._moe_layers()
+        if not layers:
+            return []
+        return torch.stack([m.pairs_per_expert[:m.local_experts] for m in layers]).sum(0).tolist()
+
+    def reset_expert_load(self) -> None:
+        for m in self._moe_layers():
+            m.reset_load()
 
     def parallelism(self) -> dict[str, Any]:
         """How the ranks split the model and talk, for stats and the model card."""

@@ -146,6 +146,7 @@ def prepare_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     if runner.graph_sizes:
         with runner.startup.phase("cuda_graphs"):
             capture_graphs(runner)
+    runner.reset_expert_load()  # what the warm-ups and captures routed is no load
 
 
 def capture_graphs(runner: ModelRunner) -> None:

@@ -102,3 +102,31 @@ def test_p2p_all_reduce_sums_equal_nccl_at_odd_and_decode_sizes():
         assert row["two_shot_max_abs_diff"] <= 0.0625, row
         assert row["p2p_choice"] in ("one_shot", "two_shot")
         assert row["fused_norm_max_abs_diff"] == 0, row
+
+
+def test_expert_parallel_moe_with_graphs_gives_oracle_tokens_and_counts_real_tokens_only(
+        gpu_ray, tmp_path):
+    """Expert parallelism on two GPUs (each rank holds half the experts, fused MoE kernel, P2P
+    all-reduce fused into the norms, CUDA graphs whose padded rows route too): greedy tokens
+    are the fp32 oracle's argmaxes, and the expert load counts each computed token's pairs
+    once (three sequences decode in a graph of four rows: padding counted would exceed it)."""
+    from expert_load_check import check_expert_load
+    from hf_checkpoints import SHAPES, write_hf_checkpoint
+    from nvray.models.tiny import tiny_model_path
+
+    path = write_hf_checkpoint(str(tmp_path), SHAPES["qwen3-moe-mixed"], tiny_model_path(),
+                               seed=5)
+    prompts = random_prompts(3, 10, 16, seed=23)
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, max_model_len=256,
+              dtype="float32", gpu_memory_utilization=0.3)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
+                                                    ignore_eos=True), use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert stats["parallelism"]["expert_parallel"]
+    assert stats["parallelism"]["all_reduce"].startswith("p2p"), stats["parallelism"]
+    for prompt, out in zip(prompts, outs):
+        check_greedy_near_argmax(path, prompt, out.token_ids)
+    check_expert_load(stats, path, num_requests=len(prompts))

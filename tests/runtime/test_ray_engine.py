@@ -13,6 +13,7 @@ from nvray import LLM, EngineConfig, SamplingParams
 from nvray.bench.proc_cpu import cores_in_use
 from nvray.runtime import EngineDeadError, start_engine
 from nvray.runtime.rank_worker import node_gpu_lists
+from expert_load_check import check_expert_load
 from oracle import hf_greedy, random_prompts
 from ray_state import live_actors, live_placement_groups
 
@@ -68,14 +69,17 @@ def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family, 
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         again = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
-        parallelism = llm.stats()["parallelism"]
+        stats = llm.stats()
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts + prompts[:1], outs + again):
         assert out.token_ids == hf_greedy(path, prompt, 10)
     assert again[0].num_cached_tokens >= 16
-    assert parallelism == {"tensor_parallel_size": 2, "expert_parallel": expert_parallel,
-                           "all_reduce": "gloo"}
+    assert stats["parallelism"] == {"tensor_parallel_size": 2, "expert_parallel": expert_parallel,
+                                    "all_reduce": "gloo"}
+    if expert_parallel:
+        check_expert_load(stats, path, num_requests=len(prompts) + 1)
+
 
 
 def test_each_gpu_rank_sees_the_gpus_of_its_nodes_engine_ranks():
