@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, rows: tuple[int, ...], 
             if p2p is not None and p2p.fits(x, any_size=True):
                 methods["one_shot"] = lambda t: p2p(t, "one_shot")
                 methods["two_shot"] = lambda t: p2p(t, "two_shot")
-                row["p2p_choice"] = p2p.choose(x.numel() * 2)
+                row["engine_path"] = p2p.path_for(x)
             for name, fn in methods.items():
                 row[f"{name}_us"] = round(_graph_us(fn, x.clone(), calls, replays), 1)
             ref = x.clone()
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, port: int, hidden: int, rows: tuple[int, ...], 
                     got = x.clone()
                     methods[name](got)
                     row[f"{name}_max_abs_diff"] = (got.float() - ref.float()).abs().max().item()
-            if p2p is not None and p2p.fits_fused(x):
+            if p2p is not None and p2p.fits_fused(x, any_size=True):
                 row.update(_norm_rows(p2p, x, calls, replays))
             results.append(row)
             if rank == 0:

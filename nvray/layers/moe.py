@@ -57,7 +57,8 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     skips_pairs: bool = True) -> torch.Tensor:
     """The experts' weighted sum, one expert at a time (the CPU path and the reference); FP8
     experts (``w13_scale``/``w2_scale`` per ``block_shape``) dequantized as they are used; a
-    pair whose id is outside ``[0, E)`` (another rank's expert) is skipped."""
+    pair whose id is outside ``[0, E)`` (another rank's expert) is skipped, whatever
+    ``skips_pairs`` says (the kernel's flag, taken so that either runs the experts)."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     num_experts = w13.shape[0]
     flat_ids = ids.flatten().long()

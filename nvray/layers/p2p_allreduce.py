@@ -14,7 +14,10 @@ or not contiguous go to NCCL. Measured on 2x H100 (NVLink, one process a GPU, CU
 replays, staging copies included; ``python -m nvray.bench allreduce``), rows x 4096 bf16, NCCL /
 one-shot / two-shot in us: 1 row 11.0 / 13.5 / 13.4; 32: 14.1 / 13.8 / 13.5; 256 (a decode
 batch): 33.5 / 25.2 / 21.1; 1,024: 53.9 / 62.2 / 45.9; 2,048: 83.5 / 111.5 / 80.6; 8,192:
-256.8 / 422.2 / 314.6. Hence two-shot from 256 KiB to 16 MiB, NCCL outside.
+256.8 / 422.2 / 314.6. On 4x H100 (all pairs NV18): 32 rows 16.7 / 17.2 / 14.5; 256: 31.3 /
+33.8 / 26.1; 512: 45.7 / 54.9 / 37.1; 2,048: 101.8 / 180.9 / 114.0. Hence two-shot from 256 KiB
+to 16 MiB over two ranks, to 8 MiB over four (``max_bytes`` halved per doubling past two), NCCL
+outside.
 
 The all-reduce before an RMSNorm with a residual (every row-parallel layer's output in the
 shared decoder: ``tp.PartialSum``) is fused into the norm instead (``reduce_add_norm``): the
@@ -24,7 +27,10 @@ enough), passes a barrier (every rank's partial written), and one kernel
 (``kernels.sum_rms_norm``) reads all ranks' partials where they lie, sums them, adds the
 residual and norms (quantizing for an FP8 layer where the norm does): one copy, one barrier and
 one kernel instead of the all-reduce's two copies and two-shot kernel and the norm's kernel.
-Up to ``FUSED_MAX_BYTES`` a message (decode batches; each rank reads every partial); a forward
+Each rank reads every partial, so the fused path pays while the bytes read from peers are few:
+up to ``FUSED_PEER_BYTES / (world - 1)`` a message (measured, 4,096-wide bf16 rows, fused /
+all-reduce then norm, in us: 2x H100 256 rows 16.0 / 32.9, 512 rows 21.9 / 36.9; 4x H100 32 rows
+13.8 / 15.3, 256 rows 34.4 / 31.5: 3 MiB of peers' rows is about where the two meet); a forward
 that makes an odd number of such calls ends with a barrier (``end_forward``), so the next one
 starts on the first region again, as CUDA graphs captured that way expect.
 
@@ -54,6 +60,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 16 << 20  # 2,048 rows of 4,096 bf16: beyond, NCCL's bandwidth wins
 MIN_BYTES = 256 << 10  # 32 rows of 4,096 bf16: below, the staging copies cost what P2P saves
 FUSED_MAX_BYTES = 4 << 20  # 512 rows of 4,096 bf16, per region (two regions)
+FUSED_PEER_BYTES = 3 << 20  # fused while a rank reads at most this much of its peers' rows
 _ALIGN_BYTES = 16  # each rank's share of a two-shot message starts 16-byte aligned
 
 
@@ -76,11 +83,15 @@ class P2pAllReduce:
                                        dtype=torch.int64, device=memory.device)
                           for region in self.regions]  # per region: every rank's, rank order
         self.fused_calls = 0  # in this forward
+        self.fused_limit = min(fused_bytes, FUSED_PEER_BYTES // max(world_size - 1, 1)) // size
+        self.two_shot_limit = self.buffer.numel() * 2 // max(world_size, 2)
 
-    def fits_fused(self, x: torch.Tensor) -> bool:
-        """Whether ``x``'s all-reduce can be fused into the norm it feeds (``reduce_add_norm``)."""
+    def fits_fused(self, x: torch.Tensor, any_size: bool = False) -> bool:
+        """Whether ``x``'s all-reduce is fused into the norm it feeds (``reduce_add_norm``;
+        ``any_size``: whatever its size up to a region's, for the bench)."""
+        limit = self.regions[0].numel() if any_size else self.fused_limit
         return (x.dtype == self.buffer.dtype and x.is_contiguous() and x.dim() == 2
-                and x.numel() <= self.regions[0].numel())
+                and x.numel() <= limit)
 
     def reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float, group: int | None | bool = False) -> tuple[Any, torch.Tensor]:
@@ -102,27 +113,28 @@ class P2pAllReduce:
         self.fused_calls = 0
 
     def fits(self, x: torch.Tensor, any_size: bool = False) -> bool:
-        """Whether ``x`` goes through here (``any_size``: whatever its size, for the bench)."""
+        """Whether ``x`` goes through here (``any_size``: whatever its size up to the
+        buffer's, for the bench)."""
         padded = -(-x.numel() // self.align) * self.align
-        return (x.dtype == self.buffer.dtype and x.is_contiguous()
-                and padded <= self.buffer.numel()
+        limit = self.buffer.numel() if any_size else self.two_shot_limit
+        return (x.dtype == self.buffer.dtype and x.is_contiguous() and padded <= limit
                 and (any_size or x.numel() * x.element_size() >= self.min_bytes))
 
     def describe(self) -> str:
         size = self.buffer.element_size()
-        return (f"p2p: fused into the next norm up to {self.regions[0].numel() * size >> 20} MiB, "
-                f"two-shot {self.min_bytes >> 10} KiB-{self.buffer.numel() * size >> 20} MiB, "
+        return (f"p2p: fused into the next norm up to {self.fused_limit * size >> 10} KiB, "
+                f"two-shot {self.min_bytes >> 10} KiB-{self.two_shot_limit * size >> 20} MiB, "
                 "nccl beyond")
 
-    def choose(self, num_bytes: int) -> str:
-        """The method for a message of ``num_bytes`` (two-shot: measured, module docstring)."""
-        return "two_shot"
+    def path_for(self, x: torch.Tensor) -> str:
+        """How the engine sums ``x`` before a norm with a residual: fused, two_shot or nccl."""
+        return "fused" if self.fits_fused(x) else "two_shot" if self.fits(x) else "nccl"
 
-    def __call__(self, x: torch.Tensor, method: str | None = None) -> torch.Tensor:
-        """Sum ``x`` over the ranks in place (``fits(x)`` must hold)."""
+    def __call__(self, x: torch.Tensor, method: str = "two_shot") -> torch.Tensor:
+        """Sum ``x`` over the ranks in place (``fits(x)`` must hold); two-shot (measured,
+        module docstring), or ``one_shot`` for the bench."""
         n = x.numel()
         flat = x.view(-1)
-        method = method or self.choose(n * x.element_size())
         if method == "one_shot":
             staged = self.buffer[:n]
             staged.copy_(flat)
