@@ -165,6 +165,9 @@ class BlockManager:
         blocks its window reaches from position ``k * block_size``."""
         bs, groups = self.block_size, self.num_groups
         hashes = hash_blocks(_ROOT_HASH, tokens[:(len(tokens) - 1) // bs * bs], bs)
+        for g, window in enumerate(self.group_windows):  # a full group's first miss ends it
+            if window is None:
+                hashes = hashes[:self._num_cached_leading(hashes, g, tokens)]
         cached = [[self._cached_block(h, g, tokens[i * bs:(i + 1) * bs])
                    for i, h in enumerate(hashes)] for g in range(groups)]
         best = 0
@@ -177,6 +180,14 @@ class BlockManager:
         blocks = [cached[g][i] if i >= lows[g] else -1  # type: ignore[misc]
                   for i in range(best) for g in range(groups)]
         return CachedPrefix(blocks, hashes[:best])
+
+    def _num_cached_leading(self, hashes: list[int], group: int, tokens: list[int]) -> int:
+        """How many of the first blocks ``hashes`` names ``group`` caches, up to its first miss."""
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            if self._cached_block(h, group, tokens[i * bs:(i + 1) * bs]) is None:
+                return i
+        return len(hashes)
 
     def _cached_block(self, block_hash: int, group: int, block_tokens: list[int]) -> int | None:
         block_id = self.hash_to_block.get(group_key(block_hash, group))

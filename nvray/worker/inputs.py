@@ -169,18 +169,12 @@ class InputBuilder:
                 h.fill_dst.append(len(h.ids) - 1)
                 h.fill_src.append(placeholder_row(s.token_ids[-1]))
                 h.ids[-1] = 0
-            if groups > 1:
-                h.pos.extend(range(start, end))
-                self._group_slots(h.slots, table, start, end)
-            elif n == 1:
+            if n == 1 and groups == 1:  # the decode token of a one-group model: the hot path
                 h.pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 h.pos.extend(range(start, end))
-                for b in range(start // bs, (end - 1) // bs + 1):  # whole runs of slots per block
-                    lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
-                    base = table[b] * bs - b * bs
-                    slots.extend(range(base + lo, base + hi))
+                self._group_slots(h.slots, table, start, end)
             h.q_lens.append(n)
             h.seq_lens.append(end)
             if s.sample is not None:
@@ -188,7 +182,8 @@ class InputBuilder:
         return h
 
     def _group_slots(self, slots: list[list[int]], table: list[int], start: int, end: int) -> None:
-        """The KV slots of positions ``start .. end - 1`` in each group's table."""
+        """The KV slots of positions ``start .. end - 1`` in each group's table (whole runs of
+        slots per block)."""
         bs, groups = self.block_size, self.num_groups
         for b in range(start // bs, (end - 1) // bs + 1):
             lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
