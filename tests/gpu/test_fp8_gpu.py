@@ -8,6 +8,8 @@ where two GPUs are."""
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import pytest
 import torch
@@ -119,7 +121,11 @@ def _oracle_argmax_rates(path: str, oracle_logits, prompts: list[list[int]],
                          outs: list[list[int]]) -> list[float]:
     """Asserts every greedy token is the oracle's argmax (``oracle_logits(path, ids, dtype)``)
     up to its bf16 noise, once that noise is shown to tell tokens apart; returns the share of
-    exact fp32 argmaxes per prompt."""
+    exact fp32 argmaxes per prompt. (transformers reads a compressed-tensors checkpoint only
+    with that package, which a GPU machine may lack: the engine's part ran, the oracle's skips.)"""
+    with open(os.path.join(path, "config.json")) as f:
+        if json.load(f)["quantization_config"]["quant_method"] == "compressed-tensors":
+            pytest.importorskip("compressed_tensors", reason="the oracle reads compressed-tensors")
     logits = functools.partial(oracle_logits, path)
     _assert_noise_discriminates(logits, prompts[0] + outs[0])
     return [check_greedy_near_argmax(path, p, o, logits)["fp32_argmax_rate"]

@@ -200,15 +200,20 @@ def fail_forward_after(worker, steps: int):  # noqa: ANN001, ANN201 - runs insid
     return worker.__ray_call__.remote(inject)
 
 
-@pytest.mark.parametrize("fault", ["rank killed", "forward raises"])
-def test_a_rank_fault_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(ray_cluster, fault):
+@pytest.mark.parametrize("fault,expert_parallel", [
+    ("rank killed", False), ("forward raises", False), ("rank killed", True)])
+def test_a_rank_fault_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(
+        ray_cluster, family_path, fault, expert_parallel):
+    """(With expert parallelism: an MoE model whose ranks hold half the experts each.)"""
     from nvray.request import EngineRequest
 
     ray = ray_cluster
     before_actors, before_pgs = live_nvray_actors(), live_placement_groups()
-    client = start_engine(EngineConfig(model="tiny", tensor_parallel_size=2, max_model_len=2048))
+    model, length = (family_path("qwen3-moe-mixed"), 1024) if expert_parallel else ("tiny", 2048)
+    client = start_engine(EngineConfig(model=model, tensor_parallel_size=2, max_model_len=length,
+                                       enable_expert_parallel=expert_parallel))
     assert len(live_nvray_actors() - before_actors) == 3  # a driver and two ranks
-    long = {"max_tokens": 1500, "ignore_eos": True}
+    long = {"max_tokens": length - 100, "ignore_eos": True}
     sink = client.submit([EngineRequest(f"long request {i}", long) for i in range(3)],
                          all_or_nothing=False)
     time.sleep(1.0)
