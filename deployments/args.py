@@ -29,6 +29,11 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(None, description="name clients pass as 'model'; "
                                                             "default: 'tiny' or the directory name")
     tensor_parallel_size: int = Field(_ENGINE.tensor_parallel_size, ge=1, le=64, description="GPUs (rank actors) per engine")
+    enable_expert_parallel: bool = Field(_ENGINE.enable_expert_parallel, description="MoE: whole "
+                                         "experts per rank instead of a slice of each")
+    all_reduce: Literal["auto", "nccl"] = Field(_ENGINE.all_reduce, description="TP all-reduce: "
+                                                "'auto' (over shared GPU memory where it pays) "
+                                                "or 'nccl'")
     device: Literal["auto", "cpu", "cuda"] = Field(_ENGINE.device, description="'auto': cuda when a GPU "
                                                                        "is visible, else cpu")
     max_model_len: int | None = Field(None, ge=1, description="prompt + completion limit; "
@@ -147,7 +152,8 @@ class AppArgs(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         fields = {k: getattr(self, k) for k in (
-            "tensor_parallel_size", "device", "max_model_len", "max_num_seqs",
+            "tensor_parallel_size", "enable_expert_parallel", "all_reduce", "device",
+            "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
             "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
             "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides")}

@@ -163,7 +163,7 @@ class NvrayServer:
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "nvray", "max_model_len": info.get("max_model_len"),
                 "vocab_size": info.get("vocab_size"), "dtypes": info.get("dtypes"),
-                "architecture": info.get("architecture")}
+                "architecture": info.get("architecture"), "parallelism": info.get("parallelism")}
 
     async def _lease(self, prompts: list[Any]) -> Lease:
         """An engine for these prompts (routed by the first one's prefix, with routing on)."""

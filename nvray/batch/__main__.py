@@ -31,7 +31,7 @@ from typing import Any
 
 from nvray.batch.io import InputSpec, OutputWriter, check_output_path, output_schema, \
     validate_input
-from nvray.config import KV_CACHE_DTYPES, EngineConfig
+from nvray.config import ALL_REDUCES, KV_CACHE_DTYPES, EngineConfig
 from nvray.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
@@ -132,6 +132,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default=_ENGINE.quantization, choices=["fp8"],
                    help="'fp8': quantize a 16/32-bit checkpoint's linear layers at load "
                         "(FP8 checkpoints are detected)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: whole experts per tensor-parallel rank instead of a slice of each")
+    p.add_argument("--all-reduce", default=_ENGINE.all_reduce, choices=ALL_REDUCES,
+                   help="TP all-reduce: 'auto' (over shared GPU memory where it pays) or 'nccl'")
     p.add_argument("--kv-cache-dtype", default=_ENGINE.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="'fp8': keys and values stored as e4m3, about twice the KV cache tokens")
     p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
@@ -177,6 +181,8 @@ def _read_schema(path: str) -> Any:
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options as EngineConfig keyword arguments, validated."""
     kwargs = {"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+              "enable_expert_parallel": args.enable_expert_parallel,
+              "all_reduce": args.all_reduce,
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
               "num_cpus_per_rank": args.num_cpus_per_rank, "device": args.device,
               "dtype": args.dtype, "quantization": args.quantization,

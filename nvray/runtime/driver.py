@@ -88,6 +88,7 @@ class EngineDriver:
                 "device": cfg.device, "tensor_parallel_size": cfg.tensor_parallel_size,
                 "cuda_graphs": cfg.device == "cuda" and not cfg.enforce_eager,
                 "dtypes": lim.dtypes, "architecture": lim.architecture,
+                "parallelism": lim.parallelism,
                 "startup_s": engine.startup.get("total_s") if engine.startup else None}
 
     # ---------------------------------------------------------------- requests

@@ -332,6 +332,20 @@ def test_fp8_flags_reach_the_engine_options():
         parse_args(["--input", "in.jsonl", "--output", "out.jsonl", "--kv-cache-dtype", "int8"])
 
 
+def test_parallelism_flags_reach_the_engine_options():
+    from nvray.batch.__main__ import engine_kwargs_from_args, parse_args
+
+    base = ["--input", "in.jsonl", "--output", "out.jsonl"]
+    kwargs = engine_kwargs_from_args(parse_args(base + [
+        "--tensor-parallel-size", "2", "--enable-expert-parallel", "--all-reduce", "nccl"]))
+    assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"],
+            kwargs["all_reduce"]) == (2, True, "nccl")
+    defaults = engine_kwargs_from_args(parse_args(base))
+    assert (defaults["enable_expert_parallel"], defaults["all_reduce"]) == (False, "auto")
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--all-reduce", "mpi"])
+
+
 def test_input_directory_and_output_path_checks(tmp_path):
     from nvray.batch.io import check_output_path, find_input_files, validate_input
 

@@ -17,7 +17,7 @@ import requests
 from ray import serve
 
 from deployments import build_app
-from deployments.args import AppArgs
+from deployments.args import AppArgs, parse_args
 from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
@@ -109,6 +109,16 @@ def test_building_the_app_warns_nothing_and_keeps_the_metrics_interval():
     assert autoscaling.metrics_interval_s == 2.5 and autoscaling.look_back_period_s == 10.0
 
 
+def test_parallelism_app_arguments_reach_the_engine_config_or_are_refused_by_name():
+    config = parse_args({"tensor_parallel_size": "2", "enable_expert_parallel": "true",
+                         "all_reduce": "nccl"}).engine_config()
+    assert (config.tensor_parallel_size, config.enable_expert_parallel, config.all_reduce) == (
+        2, True, "nccl")
+    assert AppArgs().engine_config().all_reduce == EngineConfig().all_reduce == "auto"
+    with pytest.raises(ValueError, match="all_reduce"):
+        parse_args({"all_reduce": "mpi"})
+
+
 def test_fp8_app_arguments_reach_the_engine_config():
     config = AppArgs(quantization="fp8", kv_cache_dtype="fp8").engine_config()
     assert (config.quantization, config.kv_cache_dtype) == ("fp8", "fp8")
@@ -123,6 +133,8 @@ def test_an_fp8_app_serves_what_an_fp8_llm_generates(serve_http):
     try:
         [card] = requests.get(f"{base}/v1/models", timeout=60).json()["data"]
         assert card["dtypes"]["weights"].startswith("fp8 e4m3 (on-the-fly")
+        assert card["parallelism"] == {"tensor_parallel_size": 1, "expert_parallel": False,
+                                       "all_reduce": "none"}
         assert card["dtypes"]["kv_cache"] == "fp8 e4m3 (scale 1)"
         body = requests.post(f"{base}/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": "The engine schedules", "max_tokens": 12,
