@@ -55,6 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nvray.layers.tp import tp_group
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 16 << 20  # 2,048 rows of 4,096 bf16: beyond, NCCL's bandwidth wins
@@ -150,14 +152,16 @@ class P2pAllReduce:
 
 def create_p2p_all_reduce(dtype: torch.dtype, device: torch.device,
                           max_bytes: int = DEFAULT_MAX_BYTES) -> P2pAllReduce | None:
-    """Collective: the P2P all-reduce of the default group, or None (NCCL) on every rank."""
-    world = dist.get_world_size()
+    """Collective over the tensor-parallel group (``tp.tp_group()``): its P2P all-reduce, or
+    None (NCCL) on every rank."""
+    group = tp_group()
+    world = dist.get_world_size(group)
     if torch.cuda.device_count() < world:  # e.g. ranks on several hosts, or one GPU each
         logger.info("all-reduce: NCCL (each rank sees %d GPU(s); the P2P buffers need the "
                     "peers' GPUs visible)", torch.cuda.device_count())
         return None
     hosts: list[str | None] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:
         logger.info("all-reduce: NCCL (the ranks span %d hosts)", len(set(hosts)))
         return None
@@ -171,12 +175,12 @@ def create_p2p_all_reduce(dtype: torch.dtype, device: torch.device,
     except Exception as e:  # noqa: BLE001 - any failure: NCCL stays
         reason = f"{type(e).__name__}: {e}"
     ok = torch.tensor([buffer is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if not ok.item():
         logger.warning("all-reduce: NCCL (symmetric memory unavailable on a rank%s)",
                        f": {reason}" if reason else "")
         return None
-    group_name = dist.group.WORLD.group_name
+    group_name = group.group_name
     try:  # it fails on every rank alike (it checks what all of them exchanged)
         handle = symm_mem.rendezvous(buffer, group_name)
     except RuntimeError as e:  # e.g. two ranks on one GPU

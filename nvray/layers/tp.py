@@ -1,7 +1,9 @@
 """Tensor-parallel group access: rank, size and the collectives the layers need.
 
 The group is torch.distributed's default process group (NCCL on GPU, gloo on CPU), set up by
-the runtime before the model is built; without one, rank 0 of a group of one is assumed.
+the runtime before the model is built, or the subgroup ``set_tp_group`` names (the ranks of one
+tensor-parallel group among more: every collective here stays inside it); without one, rank 0
+of a group of one is assumed.
 ``all_reduce`` sends a message that fits the P2P all-reduce (``p2p_allreduce.py``, set by
 ``use_p2p_all_reduce`` once the ranks made one) through it, every other through the group.
 A row-parallel layer returns its rank's ``PartialSum`` instead of reducing it: the RMSNorm it
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 _collectives_on = True
+_group: Any = None  # the tensor-parallel group; None: the default group (every rank)
 _p2p: Any = None  # a P2pAllReduce, or None: every all-reduce goes to the group
 _expert_parallel = False
 
@@ -39,12 +42,23 @@ def collectives_off() -> Iterator[None]:
         _collectives_on = before
 
 
+def set_tp_group(group: Any) -> None:
+    """The ranks' tensor-parallel group from now on (None: the default group)."""
+    global _group
+    _group = group
+
+
+def tp_group() -> Any:
+    """The tensor-parallel process group (the default group unless ``set_tp_group`` said)."""
+    return _group if _group is not None else dist.group.WORLD
+
+
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size(_group) if dist.is_initialized() else 1
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank(_group) if dist.is_initialized() else 0
 
 
 def set_expert_parallel(on: bool) -> None:
@@ -93,14 +107,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         if _p2p is not None and _p2p.fits(x):
             _p2p(x)
         else:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=_group)
     return x
 
 
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """Every rank gets rank 0's ``x`` (in place)."""
     if tp_size() > 1 and _collectives_on:
-        dist.broadcast(x, src=0)
+        dist.broadcast(x, group=_group, group_src=0)
     return x
 
 
@@ -110,7 +124,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
         return x
     parts = [torch.empty_like(x) for _ in range(tp_size())] if tp_rank() == 0 else None
     if _collectives_on:
-        dist.gather(x.contiguous(), parts, dst=0)
+        dist.gather(x.contiguous(), parts, group=_group, group_dst=0)
     elif parts is not None:
         parts[0] = x
     return torch.cat(parts, dim=-1) if parts is not None else None

@@ -42,3 +42,35 @@ def test_collectives_combine_ranks_and_do_nothing_when_off():
         got = dict(results)
     assert got[0] == ((1.0, 1.0), (3.0, 1.0), [1.0, 2.0], [1.0])
     assert got[1] == ((2.0, 2.0), (3.0, 1.0), None, None)
+
+
+def _rank_in_two_groups(rank: int, port: int, results) -> None:
+    from nvray.layers import tp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4, timeout=__import__("datetime").timedelta(seconds=30))
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes each
+        tp.set_tp_group(groups[rank // 2])
+        mine = torch.tensor([float(rank + 1)])
+        summed = tp.all_reduce(mine.clone()).item()
+        first = tp.broadcast_from_first(mine.clone()).item()
+        gathered = tp.gather_last_dim(mine.clone())
+        results[rank] = (tp.tp_rank(), tp.tp_size(), summed, first,
+                         None if gathered is None else gathered.tolist())
+    finally:
+        tp.set_tp_group(None)
+        dist.destroy_process_group()
+
+
+def test_collectives_stay_inside_the_tensor_parallel_group():
+    """Four ranks as two tensor-parallel groups of two (as pipeline stages would be): each
+    group's sums, broadcasts and gathers are its own ranks' only."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_in_two_groups, args=(_free_port(), results), nprocs=4, join=True)
+        got = dict(results)
+    assert got[0] == (0, 2, 3.0, 1.0, [1.0, 2.0])
+    assert got[1] == (1, 2, 3.0, 1.0, None)
+    assert got[2] == (0, 2, 7.0, 3.0, [3.0, 4.0])
+    assert got[3] == (1, 2, 7.0, 3.0, None)
