@@ -191,7 +191,7 @@ class Executor(Protocol):
 
     def expert_load(self) -> list[list[int]]:
         """Per rank, the (token, expert) pairs each of its experts computed since start-up
-        (expert parallel; empty lists otherwise)."""
+        (expert parallel; empty lists otherwise); an empty list where the ranks cannot say."""
 
     def idle(self) -> None:
         """Nothing is in flight and nothing waits: the ranks may stop polling for steps (the

@@ -347,6 +347,8 @@ class LLMEngine:
         if not self.limits.parallelism.get("expert_parallel"):
             return {}
         per_rank = self.executor.expert_load()
+        if not per_rank:  # a rank did not answer: the health check reports it
+            return {}
         totals = [sum(load) for load in per_rank]
         mean = sum(totals) / len(totals)
         return {"expert_pairs_by_rank": {str(r): n for r, n in enumerate(totals)},

@@ -176,10 +176,16 @@ class RayExecutor:
         return results[0]
 
     def expert_load(self) -> list[list[int]]:
-        """Each rank's pairs per local expert (expert parallel; empty lists otherwise)."""
+        """Each rank's pairs per local expert (expert parallel; empty lists otherwise); none
+        at all where a rank does not answer (the health check tells that)."""
         if self.dead:
-            raise EngineDeadError(self.dead)
-        return ray.get([w.expert_load.remote() for w in self.workers], timeout=_PING_TIMEOUT_S)
+            return []
+        try:
+            return ray.get([w.expert_load.remote() for w in self.workers],
+                           timeout=_PING_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - stats go on without the load
+            logger.warning("expert load unavailable: %s", _first_line(e))
+            return []
 
     def check_health(self) -> None:
         """Raise EngineDeadError unless every rank answers a ping."""
