@@ -91,7 +91,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.intermediate_size = intermediate_size
-        ep = expert_parallel()
+        self.expert_parallel = ep = expert_parallel()  # whole experts per rank, counting load
         self.local_experts = divide(num_experts, tp_size(), "num_experts") if ep else num_experts
         self.first_expert = tp_rank() * self.local_experts if ep else 0
         self.width_rank = 0 if ep else tp_rank()  # whole experts: no slice of their width
@@ -185,11 +185,6 @@ class FusedMoE(nn.Module):
         counts = real_tokens.to(torch.int64).repeat_interleave(self.top_k)
         self.pairs_per_expert.index_add_(0, slots, counts)
 
-    @property
-    def counts_load(self) -> bool:
-        """Whether this layer counts its experts' load (expert parallel)."""
-        return self.local_experts < self.num_experts
-
     def reset_load(self) -> None:
         self.pairs_per_expert.zero_()
 
@@ -208,7 +203,7 @@ class FusedMoE(nn.Module):
         weights, ids = route(router_logits, self.top_k, self.renormalize, x.dtype)
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        if self.local_experts < self.num_experts:  # expert parallel: this rank's pairs only
+        if self.expert_parallel:  # this rank's pairs only
             ids = ids - self.first_expert
             ids = torch.where((ids >= 0) & (ids < self.local_experts), ids, -1)
             if real_tokens is not None:
@@ -217,5 +212,5 @@ class FusedMoE(nn.Module):
         scales = {} if w13_scale is None else {"w13_scale": w13_scale, "w2_scale": w2_scale,
                                                "block_shape": self.block}
         out = self._experts(x, self.w13_weight, self.w2_weight, weights.float(), ids,
-                            skips_pairs=self.local_experts < self.num_experts, **scales)
+                            skips_pairs=self.expert_parallel, **scales)
         return PartialSum(out) if tp_size() > 1 else out

@@ -35,7 +35,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None
                 ) -> torch.Tensor | PartialSum:
-        real = meta.real_tokens() if meta is not None and self.experts.counts_load else None
+        real = meta.real_tokens() if meta is not None and self.experts.expert_parallel else None
         return self.experts(x, F.linear(x, self.gate.weight), real)
 
 

@@ -91,13 +91,6 @@ class RankWorker:
                                 world_size=world, timeout=_DIST_TIMEOUT)
 
     @on_own_gpu
-    def visible_gpu(self) -> tuple[str, int]:
-        """``CUDA_VISIBLE_DEVICES`` and the current device index, as this rank runs."""
-        import torch  # noqa: PLC0415 - see the module's docstring
-
-        return os.environ.get("CUDA_VISIBLE_DEVICES", ""), torch.cuda.current_device()
-
-    @on_own_gpu
     def load(self, model_path: str) -> int:
         """Build the model shard; returns how many KV blocks fit on this rank."""
         from nvray.worker.model_runner import ModelRunner  # noqa: PLC0415 - see the docstring

@@ -135,7 +135,7 @@ class ModelRunner:
             self.all_reduce_in_use = p2p.describe() if p2p is not None else "nccl"
 
     def _moe_layers(self) -> list[FusedMoE]:
-        return [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.counts_load]
+        return [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.expert_parallel]
 
     def expert_load(self) -> list[int]:
         """Expert parallel: the (token, expert) pairs each of this rank's experts computed
