@@ -28,7 +28,10 @@ class AppArgs(BaseModel):
                                            "random-weight Qwen3 (no download)")
     served_model_name: str | None = Field(None, description="name clients pass as 'model'; "
                                                             "default: 'tiny' or the directory name")
-    tensor_parallel_size: int = Field(_ENGINE.tensor_parallel_size, ge=1, le=64, description="GPUs (rank actors) per engine")
+    tensor_parallel_size: int = Field(_ENGINE.tensor_parallel_size, ge=1, le=64, description="GPUs (rank actors) per pipeline stage")
+    pipeline_parallel_size: int = Field(_ENGINE.pipeline_parallel_size, ge=1, le=64,
+                                        description="pipeline stages per engine, each of "
+                                        "tensor_parallel_size GPUs (a run of the layers each)")
     enable_expert_parallel: bool = Field(_ENGINE.enable_expert_parallel, description="MoE: whole "
                                          "experts per rank instead of a slice of each")
     all_reduce: Literal["auto", "nccl"] = Field(_ENGINE.all_reduce, description="TP all-reduce: "
@@ -152,7 +155,8 @@ class AppArgs(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         fields = {k: getattr(self, k) for k in (
-            "tensor_parallel_size", "enable_expert_parallel", "all_reduce", "device",
+            "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
+            "all_reduce", "device",
             "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
             "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",

@@ -59,7 +59,8 @@ def ready_line(model: str, path: str, info: dict[str, Any], cluster: str) -> str
     blocks, block_size = info["num_kvcache_blocks"], info["block_size"]
     graphs = "CUDA graphs on" if info.get("cuda_graphs") else "no CUDA graphs"
     return (f"nvray engine ready: model {model!r} from {path} on {info.get('device')} "
-            f"(tensor parallel {info.get('tensor_parallel_size')}), weights "
+            f"(tensor parallel {info.get('tensor_parallel_size')}, pipeline stages "
+            f"{info.get('pipeline_parallel_size', 1)}), weights "
             f"{(info.get('dtypes') or {}).get('weights')}, KV cache {blocks:,} blocks "
             f"x {block_size} tokens ({blocks * block_size:,} tokens), {graphs}, "
             f"max_model_len {info['max_model_len']:,}, started in {info.get('startup_s')} s; "

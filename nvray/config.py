@@ -64,6 +64,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     sjf_aging_s: float = 10.0  # SJF: a request waiting this long goes ahead of shorter ones
     tensor_parallel_size: int = 1
+    # stages of tensor_parallel_size ranks each, a run of layers per stage (nvray/layers/pp.py);
+    # the engine keeps one step per stage in flight, over disjoint sequences
+    pipeline_parallel_size: int = 1
     device: str = "auto"
     attention_backend: str = "auto"
     dtype: str = "auto"
@@ -107,18 +110,20 @@ class EngineConfig:
         _require(self.sjf_aging_s > 0, "sjf_aging_s", self.sjf_aging_s, "must be > 0")
         _require(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
                  self.tensor_parallel_size, "must be in [1, 64]")
+        _require(1 <= self.pipeline_parallel_size <= 64, "pipeline_parallel_size",
+                 self.pipeline_parallel_size, "must be in [1, 64]")
         _require(self.num_cpus_per_rank > 0, "num_cpus_per_rank", self.num_cpus_per_rank,
                  "must be > 0")
         _require(0 < self.num_gpus_per_rank <= 1 and (self.num_gpus_per_rank == 1
-                                                       or self.tensor_parallel_size == 1),
+                                                       or self.world_size == 1),
                  "num_gpus_per_rank", self.num_gpus_per_rank,
-                 "must be in (0, 1], and 1 when tensor_parallel_size > 1 (a rank per GPU)")
+                 "must be in (0, 1], and 1 when an engine has several ranks (a rank per GPU)")
         _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict) and all(
             isinstance(k, str) for k in self.hf_overrides)), "hf_overrides", self.hf_overrides,
             "must be a dict of config.json keys (a JSON object) or None")
         _require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
-        _require(self.runtime == "ray" or self.tensor_parallel_size == 1, "runtime", self.runtime,
-                 "tensor_parallel_size > 1 needs runtime='ray'")
+        _require(self.runtime == "ray" or self.world_size == 1, "runtime", self.runtime,
+                 "tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs runtime='ray'")
 
     def _validate_choices(self) -> None:
         for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
@@ -134,6 +139,17 @@ class EngineConfig:
                               ("placement_strategy", PLACEMENT_STRATEGIES)):
             value = getattr(self, name)
             _require(value in allowed, name, value, f"must be one of {list(allowed)}")
+
+    @property
+    def world_size(self) -> int:
+        """Rank actors per engine: ``tensor_parallel_size`` per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Overlapped steps (placeholders for ids sampled on the device): not with pipeline
+        stages, which keep a step per stage in flight instead."""
+        return self.overlap_scheduling and self.pipeline_parallel_size == 1
 
     @classmethod
     def from_kwargs(cls, model: str = "tiny", **kwargs: Any) -> "EngineConfig":

@@ -1,7 +1,8 @@
 """Load safetensors checkpoints into a (sharded) nvray model.
 
 Each checkpoint tensor is routed to its parameter — through ``packed_modules_mapping`` for
-fused parameters — and that parameter's ``weight_loader`` copies this rank's shard. A tensor
+fused parameters — and that parameter's ``weight_loader`` copies this rank's shard; under
+pipeline parallelism only the tensors of the rank's stage (the model's ``stage_tensor_name``). A tensor
 the model does not have, a parameter the checkpoint lacks, or a shape mismatch is a
 ``ValueError`` that names the tensor.
 
@@ -55,6 +56,7 @@ def load_model(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
+    on_stage = getattr(model, "stage_tensor_name", lambda name: name)  # pipeline stages
     expected_shards = _expected_shards(params, packed)
     loaded: dict[str, set[object]] = {}
     for file in checkpoint_files(path):
@@ -62,7 +64,10 @@ def load_model(model: nn.Module, path: str) -> None:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                param_name, shard_id = _route(name, packed)
+                stage_name = on_stage(name)
+                if stage_name is None:
+                    continue  # another pipeline stage's
+                param_name, shard_id = _route(stage_name, packed)
                 for pname, tensor in _as_stored(params, param_name, f.get_tensor(name)):
                     _load_one(params, pname, shard_id, name, tensor)
                     loaded.setdefault(pname, set()).add(shard_id)

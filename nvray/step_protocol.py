@@ -174,7 +174,7 @@ class Executor(Protocol):
     max_model_len: int  # prompt + output tokens a sequence may reach
     vocab_size: int
     dtypes: dict[str, str]  # {"weights", "compute", "kv_cache"}: what the ranks hold, in words
-    parallelism: dict[str, Any]  # tensor_parallel_size, expert_parallel, all_reduce (in words)
+    parallelism: dict[str, Any]  # tensor/pipeline_parallel_size, expert_parallel, all_reduce
 
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` to completion; rank 0's answer."""
@@ -182,6 +182,12 @@ class Executor(Protocol):
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         """Launch ``step`` (None: nothing new); return the answer of the step launched before
         (None if there was none)."""
+
+    def submit(self, step: StepInput) -> None:
+        """Pipeline stages (the Ray executor): hand the ranks ``step`` without waiting."""
+
+    def collect(self) -> StepOutput:
+        """Pipeline stages: the answer of the oldest step submitted and not yet collected."""
 
     def discard_in_flight(self) -> None:
         """Forget launched steps whose answers were not read (the engine failed its requests)."""

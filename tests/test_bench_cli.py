@@ -19,6 +19,7 @@ def _bench(*args: str, cmd: str = "throughput") -> subprocess.CompletedProcess:
     (("--runtimes", "inprocess", "--tensor-parallel-size", "2"), "needs the ray runtime"),
     (("--tensor-parallel-size", "1,0"), "each must be >= 1"),
     (("--tensor-parallel-size", "two"), "give sizes"),
+    (("--runtimes", "inprocess", "--pipeline-parallel-size", "2"), "pipeline-parallel size above 1 needs the ray runtime"),
     (("--runtimes", "inprocess,cuda"), "choose from inprocess, ray"),
     (("--shape", "9b"), "invalid choice: '9b'"),
     (("--all-reduce", "auto,nvls"), "--all-reduce 'auto,nvls': give auto, nccl"),

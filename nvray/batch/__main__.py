@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=_ENGINE.model, help="checkpoint directory or 'tiny' (default)")
     p.add_argument("--tensor-parallel-size", type=_positive_int,
                    default=_ENGINE.tensor_parallel_size)
+    p.add_argument("--pipeline-parallel-size", type=_positive_int,
+                   default=_ENGINE.pipeline_parallel_size,
+                   help="pipeline stages per engine (each of --tensor-parallel-size GPUs)")
     p.add_argument("--concurrency", type=_positive_int, default=1,
                    help="engines in the pool (one Ray Data actor each)")
     p.add_argument("--batch-size", type=_positive_int, default=64,
@@ -181,6 +184,7 @@ def _read_schema(path: str) -> Any:
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options as EngineConfig keyword arguments, validated."""
     kwargs = {"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+              "pipeline_parallel_size": args.pipeline_parallel_size,
               "enable_expert_parallel": args.enable_expert_parallel,
               "all_reduce": args.all_reduce,
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,

@@ -81,11 +81,11 @@ def _budgets(text: str | None) -> tuple[int | None, ...]:
         raise SystemExit(f"--max-num-batched-tokens {text!r}: give token counts, e.g. 8192,16384") from None
 
 
-def _sizes(text: str) -> tuple[int, ...]:
+def _sizes(text: str, flag: str = "--tensor-parallel-size") -> tuple[int, ...]:
     try:
         return tuple(int(n) for n in text.split(","))
     except ValueError:
-        raise SystemExit(f"--tensor-parallel-size {text!r}: give sizes, e.g. 1,2") from None
+        raise SystemExit(f"{flag} {text!r}: give sizes, e.g. 1,2") from None
 
 
 def _features(text: str) -> tuple[str, ...]:
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "random weights made on the GPU)")
     tp.add_argument("--tensor-parallel-size", default="1",
                     help="TP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only)")
+    tp.add_argument("--pipeline-parallel-size", default="1",
+                    help="PP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only; "
+                         "each with every TP size)")
     tp.add_argument("--floor", type=float, default=None,
                     help="TP=1 physical floor in output tok/s for the %% column (default: from "
                          "the model's shape, the workload and the GPU's measured bandwidth, "
@@ -213,8 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return bench_control_plane(args.num_seqs, args.steps, args.block_size, args.stream)
     if args.cmd == "throughput":
         runtimes, sizes = tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size)
+        stages = _sizes(args.pipeline_parallel_size, "--pipeline-parallel-size")
         try:
-            resolve_placements(runtimes, sizes)  # refused before a checkpoint is built
+            resolve_placements(runtimes, sizes, stages)  # refused before a checkpoint is built
         except ValueError as e:
             raise SystemExit(f"throughput: {e}") from None
         overlaps = _word_list("--overlap", args.overlap, {"on": True, "off": False})
@@ -229,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 args.max_model_len, args.floor, overlaps,
                                 _features(args.features), _budgets(args.max_num_batched_tokens),
                                 sizes, args.shape, quantizations, kv_dtypes, all_reduces,
-                                expert_parallels)
+                                expert_parallels, stages)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

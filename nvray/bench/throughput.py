@@ -99,7 +99,19 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
             "num_preemptions": stats.get("num_preemptions"),
             **({"expert_load_imbalance": stats["expert_load_imbalance"]}
                if "expert_load_imbalance" in stats else {}),
-            **_steps_by_kind(before, stats)}
+            **_latencies(before, stats), **_steps_by_kind(before, stats)}
+
+
+def _latencies(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The run's mean time to first token (every request arrives at once: the queue's wait
+    included) and mean inter-token latency, from the engine's histograms."""
+    figures = {}
+    for key, name, scale in (("time_to_first_token_seconds", "mean_ttft_s", 1),
+                             ("inter_token_latency_seconds", "mean_itl_ms", 1000)):
+        count = after[key]["count"] - before[key]["count"]
+        total = after[key]["sum"] - before[key]["sum"]
+        figures[name] = round(scale * total / count, 3) if count else None
+    return figures
 
 
 def _steps_by_kind(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -123,10 +135,11 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      quantizations: tuple[str | None, ...] = (None,),
                      kv_cache_dtypes: tuple[str, ...] = ("auto",),
                      all_reduces: tuple[str, ...] = ("auto",),
-                     expert_parallels: tuple[bool, ...] = (False,)) -> dict[str, Any]:
+                     expert_parallels: tuple[bool, ...] = (False,),
+                     pipeline_parallel_sizes: tuple[int, ...] = (1,)) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
-    placements = resolve_placements(runtimes, tensor_parallel_sizes)
+    placements = resolve_placements(runtimes, tensor_parallel_sizes, pipeline_parallel_sizes)
     dummy = model is None and is_config_only(shape)  # random weights made on the GPU
     model = model or default_checkpoint(shape)
     if "ray" in runtimes:
@@ -134,25 +147,33 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
 
         ensure_ray()
     cuda = torch.cuda.is_available()
+    if cuda:  # e.g. TP=2 x PP=2 on a two-GPU machine: said, not tried
+        fits = [p for p in placements if p[1] * p[2] <= torch.cuda.device_count()]
+        for runtime, tp, pp in sorted(set(placements) - set(fits)):
+            print(f"skipped: {runtime} TP={tp} x PP={pp} needs {tp * pp} GPUs, "
+                  f"{torch.cuda.device_count()} visible", file=sys.stderr, flush=True)
+        placements = fits
     baseline = _gpu_memory_used() if cuda else []
     runs = []
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
         prompts, params = bench_workload(num_seqs, **FEATURES[feature])
         split = [(a, ep) for a in all_reduces for ep in expert_parallels]  # how TP>1 splits
-        for (runtime, tp), overlap, budget, quant, kv, (reduce, ep) in (
+        for (runtime, tp, pp), overlap, budget, quant, kv, (reduce, ep) in (
                 (p, o, b, q, kv, s) for s in split for kv in kv_cache_dtypes
                 for q in quantizations for b in token_budgets for o in overlaps
                 for p in placements if p[1] > 1 or s == split[0]):  # TP=1: one way
             options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
-                       "tensor_parallel_size": tp, "quantization": quant, "kv_cache_dtype": kv,
+                       "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                       "quantization": quant, "kv_cache_dtype": kv,
                        "all_reduce": reduce, "enable_expert_parallel": ep}
             if dummy:
                 options["load_format"] = "dummy"
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
             runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
-                         "tensor_parallel_size": tp, "quantization": quant,
+                         "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                         "quantization": quant,
                          "kv_cache_dtype": kv, "all_reduce": reduce, "expert_parallel": ep,
                          **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
             print(json.dumps(runs[-1]), flush=True)
@@ -163,7 +184,7 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
         floors = _floors(model, device, num_seqs, floor_tok_per_s, run["quantization"],
                          run["kv_cache_dtype"])
         for name, floor in floors.items():
-            floor *= run["tensor_parallel_size"]
+            floor *= run["tensor_parallel_size"] * run["pipeline_parallel_size"]  # GPUs
             run[name] = round(floor)
             run["pct_of_" + name.removesuffix("_output_tok_per_s")] = round(
                 100 * run["output_tok_per_s"] / floor, 1)
@@ -196,21 +217,23 @@ def _floors(model: str, device: str, num_seqs: int, floor: float | None,
 
 
 def _add_speedup_vs_tp1(run: dict[str, Any], runs: list[dict[str, Any]]) -> None:
-    """A TP>1 run's throughput over the Ray TP=1 run of the same settings, when there is one."""
-    if run["tensor_parallel_size"] == 1:
+    """A run on several GPUs: its throughput over the Ray TP=1 run of the same settings, when
+    there is one."""
+    if run["tensor_parallel_size"] * run["pipeline_parallel_size"] == 1:
         return
     same = ("features", "max_num_batched_tokens", "cuda_graphs", "overlap_scheduling",
             "quantization", "kv_cache_dtype")  # (not all_reduce, expert_parallel: TP>1's)
     for other in runs:
         if (other["runtime"] == "ray" and other["tensor_parallel_size"] == 1
-                and all(other[k] == run[k] for k in same)):
+                and other["pipeline_parallel_size"] == 1 and all(other[k] == run[k] for k in same)):
             run["speedup_vs_tp1"] = round(run["output_tok_per_s"] / other["output_tok_per_s"], 3)
 
 
-def resolve_placements(runtimes: tuple[str, ...], tensor_parallel_sizes: tuple[int, ...]
-                       ) -> list[tuple[str, int]]:
-    """(runtime, TP size) pairs to run: every runtime at TP=1, only Ray beyond (in-process
-    holds one rank); a TP size no runtime can run is an error."""
+def resolve_placements(runtimes: tuple[str, ...], tensor_parallel_sizes: tuple[int, ...],
+                       pipeline_parallel_sizes: tuple[int, ...] = (1,)
+                       ) -> list[tuple[str, int, int]]:
+    """(runtime, TP size, PP size) to run: every runtime on one GPU, only Ray beyond
+    (in-process holds one rank); a size no runtime can run is an error."""
     unknown = [r for r in runtimes if r not in ("inprocess", "ray")]
     if unknown:
         raise ValueError(f"runtimes {unknown}: choose from inprocess, ray")
@@ -218,4 +241,9 @@ def resolve_placements(runtimes: tuple[str, ...], tensor_parallel_sizes: tuple[i
         raise ValueError(f"tensor-parallel sizes {list(tensor_parallel_sizes)}: each must be >= 1")
     if any(tp > 1 for tp in tensor_parallel_sizes) and "ray" not in runtimes:
         raise ValueError("a tensor-parallel size above 1 needs the ray runtime (--runtimes ray)")
-    return [(r, tp) for tp in tensor_parallel_sizes for r in runtimes if r == "ray" or tp == 1]
+    if any(pp < 1 for pp in pipeline_parallel_sizes):
+        raise ValueError(f"pipeline-parallel sizes {list(pipeline_parallel_sizes)}: each must be >= 1")
+    if any(pp > 1 for pp in pipeline_parallel_sizes) and "ray" not in runtimes:
+        raise ValueError("a pipeline-parallel size above 1 needs the ray runtime (--runtimes ray)")
+    return [(r, tp, pp) for pp in pipeline_parallel_sizes for tp in tensor_parallel_sizes
+            for r in runtimes if r == "ray" or tp * pp == 1]

@@ -18,6 +18,12 @@ arrive, a sequence that finished at N (EOS, stop string, max_tokens, abort) drop
 step N+1 computes for it, and its blocks were freed once, when it finished. ``overlap=False``
 runs each step to completion before scheduling the next; both give the same tokens.
 
+Pipeline stages (``pipeline_parallel_size`` P > 1): each ``step`` hands the executor a step
+while fewer than P are in flight and one can be scheduled (the scheduler splits the sequences
+between the steps in flight and never schedules one whose token is being sampled), else reads
+the oldest step's ids and applies them; so every stage has a step to run. Overlapped steps are
+off then (P steps in flight overlap the control plane already).
+
 A request with ``n > 1`` is ``n`` sequences (its choices, by ``index``) that share the prompt's
 KV blocks (``Scheduler``: forks); a beam search (``BeamSearchParams``) is run by the
 ``BeamSearcher``, which gets each beam's reported log-probabilities instead of a token. Outputs
@@ -31,6 +37,7 @@ collects the last step in flight counts as that step's kind.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any, Callable, NamedTuple
@@ -81,8 +88,10 @@ class LLMEngine:
         gives the ``GrammarCompiler`` of structured outputs (made on first use)."""
         self.tokenizer = tokenizer
         self.executor = executor
-        self.overlap = config.overlap_scheduling
+        self.overlap = config.overlaps_steps
         self.in_flight: LaunchedStep | None = None  # overlap: launched, ids not yet read
+        self.pipeline_depth = config.pipeline_parallel_size
+        self.pipeline: collections.deque[LaunchedStep] = collections.deque()  # stages' steps
         self.startup: dict[str, object] = {}  # record_startup: seconds by phase
         self.limits = limits
         self.clock = clock
@@ -90,7 +99,8 @@ class LLMEngine:
                                           config.enable_prefix_caching, limits.kv_group_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.scheduling_policy,
-                                   config.enable_chunked_prefill, config.sjf_aging_s, clock)
+                                   config.enable_chunked_prefill, config.sjf_aging_s, clock,
+                                   config.pipeline_parallel_size)
         self.intake = RequestIntake(tokenizer, limits, self.block_manager,
                                     config.max_num_batched_tokens, config.enable_chunked_prefill,
                                     grammar_compiler)
@@ -169,6 +179,7 @@ class LLMEngine:
         the executor forgets the steps in flight, so the engine can run again if it still can."""
         outputs = []
         self.in_flight = None
+        self.pipeline.clear()
         self.executor.discard_in_flight()  # and rank 0's grammar matchers
         self.grammars_done.clear()
         for states in list(self.requests.values()):
@@ -191,10 +202,13 @@ class LLMEngine:
         self.num_finished[reason] = self.num_finished.get(reason, 0) + 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self.beams.groups) or self.in_flight is not None
+        return (bool(self.requests) or bool(self.beams.groups) or self.in_flight is not None
+                or bool(self.pipeline))
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        if self.pipeline_depth > 1:
+            return self._pipelined_step()
         start = time.perf_counter()
         launched = self._launch()
         if not self.overlap:
@@ -209,6 +223,24 @@ class LLMEngine:
         previous, self.in_flight = self.in_flight, launched
         outputs = [] if previous is None else self.update_from_output(previous, sampled or [])
         self._account_step(launched or previous, start)  # type: ignore[arg-type]
+        return outputs
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Hand over a step if a stage lacks one and one can be scheduled; else apply the
+        oldest step's ids."""
+        start = time.perf_counter()
+        if len(self.pipeline) < self.pipeline_depth:
+            launched = self._launch()
+            if launched is not None:
+                self.executor.submit(launched.step_input)
+                self.pipeline.append(launched)
+                if len(self.pipeline) < self.pipeline_depth:
+                    return []
+        if not self.pipeline:
+            return []
+        oldest = self.pipeline.popleft()
+        outputs = self.update_from_output(oldest, self.executor.collect())
+        self._account_step(oldest, start)
         return outputs
 
     def _account_step(self, step: LaunchedStep, start: float) -> None:

@@ -15,6 +15,12 @@ not scheduled again: the step sampling that token is in flight, and its result f
 nor is one that waits for its newest token (``Sequence.waits_for_tokens``) while it is pending.
 A request for prompt log-probabilities skips the prefix cache (every position is computed).
 
+Pipeline stages (``pipeline_depth`` P > 1: a step per stage in flight): a sequence whose
+newest token is being sampled is never scheduled (the ids stay on the last stage, so there are
+no placeholders), and each step takes at most its share of the sequences that could run,
+ceil(min(max_num_seqs, running + waiting) / P), so that the P steps in flight split them
+between them. Chunks of one prompt may be in consecutive steps: every stage runs steps in order.
+
 Forks (a request's ``n`` choices): a waiting sequence ``fork_of`` another waits until that one
 has launched all prompt tokens but the last, then takes those blocks (shared, ref counted) and
 computes only the last prompt token itself; writes into a shared block copy it first
@@ -47,7 +53,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", enable_chunked_prefill: bool = True, aging_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pipeline_depth: int = 1) -> None:
         assert policy in ("fcfs", "sjf", "priority"), f"unknown policy {policy}"
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -56,6 +62,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.aging_s = aging_s
         self.clock = clock
+        self.pipeline_depth = pipeline_depth
+        self.step_seqs = max_num_seqs  # sequences one step may take (its share, pipelined)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,6 +102,9 @@ class Scheduler:
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.pipeline_depth > 1:
+            runnable = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+            self.step_seqs = max(1, -(-runnable // self.pipeline_depth))
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -104,11 +115,12 @@ class Scheduler:
         i, bm = 0, self.block_manager
         bs, groups = bm.block_size, bm.num_groups
         scheduled = out.scheduled
-        while i < len(self.running) and budget > 0:
+        pipelined = self.pipeline_depth > 1
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.step_seqs:
             seq = self.running[i]
             num_tokens = len(seq.token_ids) + seq.num_pending  # seq.num_tokens, inlined
-            if seq.num_pending and (seq.waits_for_tokens or num_tokens - seq.num_prompt_tokens
-                                    >= seq.params.max_tokens):
+            if seq.num_pending and (pipelined or seq.waits_for_tokens
+                                    or num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens):
                 i += 1  # its last token is being sampled, or its next needs it on the host
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
@@ -154,8 +166,11 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         for seq in self._waiting_in_policy_order():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if (budget <= 0 or len(self.running) >= self.max_num_seqs
+                    or len(out.scheduled) >= self.step_seqs):
                 break
+            if seq.num_pending and self.pipeline_depth > 1:
+                continue  # preempted while its token was sampled: it waits for that token
             if seq.fork_of is not None:
                 forked = self._try_fork(seq, out, budget)
                 if forked is None:

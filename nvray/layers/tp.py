@@ -42,6 +42,11 @@ def collectives_off() -> Iterator[None]:
         _collectives_on = before
 
 
+def collectives_on() -> bool:
+    """False inside ``collectives_off()`` (pipeline sends and receives honour it too)."""
+    return _collectives_on
+
+
 def set_tp_group(group: Any) -> None:
     """The ranks' tensor-parallel group from now on (None: the default group)."""
     global _group

@@ -14,11 +14,20 @@ checkpoint modules it fuses unquantized (layers are named by their checkpoint pr
 ``model.layers.0.self_attn.q_proj``). Under tensor parallelism the row-parallel projections
 (o_proj, down_proj, the experts) hand their ranks' partial sums to the norm they feed
 (``tp.PartialSum``), which sums them over the ranks, on the GPU inside its own kernel.
+
+Under pipeline parallelism (``layers/pp.py``) a rank builds its stage's layers only (named by
+their index in the whole model, so checkpoint names load unchanged: ``stage_tensor_name``), the
+embeddings on the first stage and the final norm and LM head on the last. A stage after the
+first reads its input, the previous stage's hidden states and residual, from ``stage_input``
+(a static buffer the runner fills before the forward); a stage before the last returns
+``[tokens, 2, hidden]`` (hidden states, residual) for the next.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import re
 
 import torch
 from torch import nn
@@ -28,9 +37,12 @@ from nvray.layers.attention import Attention, AttentionMetadata
 from nvray.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nvray.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nvray.layers.norm import RMSNorm
-from nvray.layers.tp import PartialSum, end_forward
+from nvray.layers.pp import is_first_stage, is_last_stage, pp_size, stage_layers
+from nvray.layers.tp import PartialSum, end_forward, finish
 from nvray.layers.rotary import get_rope, rope_max_positions, rope_spec_of
 from nvray.quantization import Fp8Config
+
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 PACKED_QKV_GATE_UP = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -176,6 +188,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, meta), residual
 
 
+class StageLayers(nn.Module):
+    """The decoder layers of one pipeline stage, in order, each named by its index in the
+    whole model (all of them without pipeline parallelism)."""
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.indices = range(min(layers), max(layers) + 1)
+        for index, layer in layers.items():
+            self.add_module(str(index), layer)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
 class DecoderModel(nn.Module):
     """Embeddings, the layers (each returns its output and the residual, added in the next
     norm), the final norm. A family may scale the embeddings (``embed``) or use its own norm."""
@@ -183,22 +212,32 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: Any, make_layer: Callable[[int, str], nn.Module],
                  norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}")
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+                             if is_first_stage() else None)
+        self.layers = StageLayers({i: make_layer(i, f"model.layers.{i}")
+                                   for i in stage_layers(cfg.num_hidden_layers)})
+        self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage() else None
+        self.stage_input: torch.Tensor | None = None  # [tokens, 2, hidden], a later stage's
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None
+        if self.embed_tokens is not None:
+            x, residual = self.embed(input_ids), None
+        else:  # the previous stage's output
+            assert self.stage_input is not None, "a later pipeline stage reads stage_input"
+            received = self.stage_input[:positions.shape[0]]
+            x, residual = received[:, 0].contiguous(), received[:, 1].contiguous()
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
+        if self.norm is None:  # for the next stage
+            out = torch.stack([finish(x), residual], dim=1)
+        else:
+            out, _ = self.norm(x, residual)
         end_forward()  # the fused all-reduces' bookkeeping (layers/tp.py)
-        return x
+        return out
 
 
 class CausalLM(nn.Module):
@@ -214,9 +253,9 @@ class CausalLM(nn.Module):
         self.cfg, self.quant = cfg, quant
         self.layer_types = layer_types_of(cfg)
         self.model = self.make_model(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if is_last_stage() else None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None and is_first_stage():
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_model(self, cfg: Any) -> nn.Module:
@@ -241,6 +280,26 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
+
+    def stage_tensor_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into on this pipeline stage (None: another
+        stage holds it); a tied LM head on a last stage that is not the first loads the
+        embeddings' tensor."""
+        if pp_size() == 1:
+            return name
+        layer = _LAYER_INDEX.match(name)
+        if layer is not None:
+            return name if int(layer.group(1)) in self.model.layers.indices else None
+        if name.startswith("model.embed_tokens."):
+            if self.model.embed_tokens is not None:
+                return name
+            tied_head = self.tie_word_embeddings and self.lm_head is not None
+            return "lm_head." + name.removeprefix("model.embed_tokens.") if tied_head else None
+        if name.startswith("model.norm."):
+            return name if self.model.norm is not None else None
+        if name.startswith("lm_head."):
+            return name if self.lm_head is not None else None
+        return name
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -86,6 +86,7 @@ class EngineDriver:
         return {"max_model_len": lim.max_model_len, "vocab_size": lim.vocab_size,
                 "num_kvcache_blocks": lim.num_kvcache_blocks, "block_size": lim.block_size,
                 "device": cfg.device, "tensor_parallel_size": cfg.tensor_parallel_size,
+                "pipeline_parallel_size": cfg.pipeline_parallel_size,
                 "cuda_graphs": cfg.device == "cuda" and not cfg.enforce_eager,
                 "dtypes": lim.dtypes, "architecture": lim.architecture,
                 "parallelism": lim.parallelism,

@@ -1,7 +1,9 @@
-"""Placement of one engine: a placement group with one bundle per tensor-parallel rank (rank r
-in bundle r), the driver sharing bundle 0 with rank 0, so Ray places or refuses the engine
-whole. Every strategy works on any number of nodes that can hold the bundles: ``STRICT_SPREAD``
-puts each rank on its own node (TP=2 over two nodes), ``STRICT_PACK`` all of them on one."""
+"""Placement of one engine: a placement group with one bundle per rank (rank r in bundle r;
+``tensor_parallel_size`` ranks per pipeline stage, stage by stage), the driver sharing bundle 0
+with rank 0, so Ray places or refuses the engine whole. Every strategy works on any number of
+nodes that can hold the bundles: ``STRICT_SPREAD`` puts each rank on its own node (TP=2, or
+PP=2, over two nodes), ``STRICT_PACK`` all of them on one, ``PACK`` as few nodes as hold them
+(stages spill onto a second node only when one is full)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def rank_resources(config: EngineConfig, use_gpu: bool) -> dict[str, float]:
 
 
 def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
-    bundles = [rank_resources(config, use_gpu) for _ in range(config.tensor_parallel_size)]
+    bundles = [rank_resources(config, use_gpu) for _ in range(config.world_size)]
     bundles[0] = {**bundles[0], "CPU": round(bundles[0]["CPU"] + DRIVER_CPUS, 6)}
     return bundles
 
@@ -37,7 +39,9 @@ def check_engines_fit(config: EngineConfig, use_gpu: bool, count: int = 1,
     for bundle in bundles or engine_bundles(config, use_gpu):
         for name, amount in bundle.items():
             need[name] = round(need.get(name, 0.0) + amount * count, 6)
-    what = f"{count} engine(s) with tensor_parallel_size={config.tensor_parallel_size}"
+    what = (f"{count} engine(s) with tensor_parallel_size={config.tensor_parallel_size}"
+            + (f" and pipeline_parallel_size={config.pipeline_parallel_size}"
+               if config.pipeline_parallel_size > 1 else ""))
     total = _amounts(ray.cluster_resources(), need)
     if not _covers(total, need):
         raise ValueError(f"{what} need {need} but the whole cluster has only {total}")

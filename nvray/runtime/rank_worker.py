@@ -76,8 +76,10 @@ class RankWorker:
 
     def init_distributed(self, host: str, port: int, node_gpus: list[str] | None = None) -> None:
         """Join the ranks' group; ``node_gpus``: the GPU ids of all the engine's ranks on this
-        node (``node_gpu_lists``), made visible here before CUDA starts."""
-        world = self.config.tensor_parallel_size
+        node (``node_gpu_lists``), made visible here before CUDA starts. With pipeline stages,
+        each stage's ranks form the tensor-parallel group (``tp.set_tp_group``) and the rank
+        learns its stage (``pp.set_pipeline``)."""
+        world = self.config.world_size
         if world == 1:
             return
         import torch  # noqa: PLC0415 - see the module's docstring
@@ -89,6 +91,19 @@ class RankWorker:
             torch.cuda.set_device(self.gpu_index)
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
                                 world_size=world, timeout=_DIST_TIMEOUT)
+        if self.config.pipeline_parallel_size > 1:
+            self._join_stage(dist)
+
+    def _join_stage(self, dist: Any) -> None:  # noqa: ANN401 - torch.distributed, imported late
+        from nvray.layers.pp import set_pipeline  # noqa: PLC0415 - see the module's docstring
+        from nvray.layers.tp import set_tp_group  # noqa: PLC0415
+
+        tp, stages = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        # every rank makes every stage's group, in the same order (torch.distributed's rule)
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(stages)]
+        stage = self.rank // tp
+        set_tp_group(groups[stage])
+        set_pipeline(stage, stages, tp)
 
     @on_own_gpu
     def load(self, model_path: str) -> int:

@@ -18,20 +18,33 @@ With ``overlap_scheduling`` the ranks run ``execute_overlapped``: a call hands t
 and answers with step N's ids, which the ranks read only after queueing N+1 on the device, so
 the round trip through Ray and the driver's work happen while the device computes.
 
+With pipeline stages (``pipeline_parallel_size`` P > 1) every rank gets every step and the last
+stage's first rank answers; ``submit`` hands the ranks a step without waiting and ``collect``
+returns the oldest one's answer, so the engine keeps a step per stage in flight. With
+``overlap_scheduling`` the ranks still run ``execute_overlapped`` (the engine sends no
+placeholders then): a step's answer comes back with the next call, so the last stage queues
+the next step before it waits for the one before, and ``collect`` makes a call with nothing new
+(None) when no later step was submitted. A compiled
+graph runs each rank's calls one at a time, in order; plain actor calls may not (an actor runs
+two at once), so through them a step is handed over only once the one before answered.
+
 A rank that dies or hangs makes ``execute`` raise ``EngineDeadError``; the executor then kills
 the remaining ranks so nothing is left blocked in a collective.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any, NoReturn
 
 import ray
+from ray.experimental.compiled_dag_ref import CompiledDAGRef
 from ray.util.placement_group import PlacementGroup
 
 from nvray.config import EngineConfig
@@ -54,7 +67,7 @@ def start_rank_actors(config: EngineConfig, pg: PlacementGroup) -> list:
     return [actor.options(num_cpus=res["CPU"], num_gpus=res.get("GPU", 0), max_concurrency=2,
                           max_restarts=0, scheduling_strategy=in_bundle(pg, rank)
                           ).remote(config, rank)
-            for rank in range(config.tensor_parallel_size)]
+            for rank in range(config.world_size)]
 
 
 class RayExecutor:
@@ -62,7 +75,10 @@ class RayExecutor:
         """``workers``: the engine's rank actors (``start_rank_actors``), perhaps still starting."""
         self.config = config
         self.timeout = config.step_timeout_s
-        self.overlap = config.overlap_scheduling
+        self.overlap = config.overlap_scheduling  # the ranks answer a step at the next call
+        self.pipeline_depth = config.pipeline_parallel_size  # steps in flight at most
+        self.output_rank = config.world_size - config.tensor_parallel_size  # last stage's first
+        self.pending: collections.deque = collections.deque()  # handed over, answers unread
         self.dead: str | None = None
         self.workers = workers
         phases = StartupPhases()
@@ -95,7 +111,7 @@ class RayExecutor:
 
         with InputNode() as step:
             dag = MultiOutputNode([self._method(w).bind(step) for w in self.workers])
-        return dag.experimental_compile()
+        return dag.experimental_compile(_max_inflight_executions=max(10, self.pipeline_depth + 1))
 
     def _method(self, worker):  # noqa: ANN001, ANN202 - the rank method every step calls
         return worker.execute_overlapped if self.overlap else worker.execute
@@ -113,8 +129,55 @@ class RayExecutor:
         assert self.overlap, "the ranks were set up without overlap_scheduling"
         return self._call(step)
 
+    def submit(self, step: StepInput) -> None:
+        """Hand the ranks ``step`` without waiting for its answer (``collect`` reads it)."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if self.compiled and self.dag is None:
+            self._answer_pending()  # the dispatch may change: what actor calls began ends first
+            self._take_compiled_graph()
+        try:
+            if self.dag is not None:
+                self.pending.append(self.dag.execute(step))
+            else:
+                self._answer_pending()  # an actor may run two calls at once: one step at a time
+                self.pending.append([self._method(w).remote(step) for w in self.workers])
+        except Exception as e:  # noqa: BLE001 - a lost rank
+            self._fail(e)
+
+    def collect(self) -> StepOutput:
+        """The answer of the oldest step handed over and not yet collected (pipeline stages)."""
+        while True:
+            if not self.pending:  # overlapped ranks: the call that brings the answer back
+                self.submit(None)  # type: ignore[arg-type]
+            answer = self._answer(self.pending.popleft())
+            if answer is not None or not self.overlap:  # None: the ranks had nothing before
+                return answer  # type: ignore[return-value]
+
+    def _answer_pending(self) -> None:
+        self.pending = collections.deque(self._answer(item) if _unanswered(item) else item
+                                         for item in self.pending)
+
+    def _answer(self, item: Any) -> StepOutput | None:  # noqa: ANN401 - a ref, refs or an answer
+        if not _unanswered(item):
+            return item
+        try:
+            return ray.get(item, timeout=self.timeout)[self.output_rank]
+        except Exception as e:  # noqa: BLE001 - any failure here means a lost or hung rank
+            self._fail(e)
+
+    def _fail(self, e: Exception) -> NoReturn:
+        self.pending.clear()
+        self._die(f"a rank failed: {type(e).__name__}: {_first_line(e)}")
+        raise EngineDeadError(self.dead) from None
+
     def discard_in_flight(self) -> None:
-        """Read and drop the ids of a step still in flight (nothing to do once dead)."""
+        """Read and drop the ids of the steps still in flight (nothing to do once dead)."""
+        while self.pending and not self.dead:
+            try:
+                self._answer(self.pending.popleft())
+            except EngineDeadError:
+                return  # the ranks are gone: nothing is in flight any more
         if self.overlap and not self.dead:
             try:
                 self._call(None)
@@ -160,20 +223,9 @@ class RayExecutor:
             future.set_exception(e)
 
     def _call(self, step: StepInput | None) -> StepOutput | None:
-        if self.dead:
-            raise EngineDeadError(self.dead)
-        if self.compiled and self.dag is None:
-            self._take_compiled_graph()
-        try:
-            if self.dag is not None:
-                results = ray.get(self.dag.execute(step), timeout=self.timeout)
-            else:
-                refs = [self._method(w).remote(step) for w in self.workers]
-                results = ray.get(refs, timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 - any failure here means a lost or hung rank
-            self._die(f"a tensor-parallel rank failed: {type(e).__name__}: {_first_line(e)}")
-            raise EngineDeadError(self.dead) from None
-        return results[0]
+        """One call to the ranks, and what it answers."""
+        self.submit(step)  # type: ignore[arg-type] - overlapped steps hand over None too
+        return self._answer(self.pending.popleft())
 
     def expert_load(self) -> list[list[int]]:
         """Each rank's pairs per local expert (expert parallel; empty lists otherwise); none
@@ -194,7 +246,7 @@ class RayExecutor:
         try:
             ray.get([w.ping.remote() for w in self.workers], timeout=_PING_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001
-            self._die(f"a tensor-parallel rank is gone: {type(e).__name__}: {_first_line(e)}")
+            self._die(f"a rank is gone: {type(e).__name__}: {_first_line(e)}")
             raise EngineDeadError(self.dead) from None
 
     def _die(self, reason: str) -> None:
@@ -237,6 +289,11 @@ def _quiet_graph_teardown() -> Iterator[None]:
         yield
     finally:
         ray_dag_log.setLevel(level)
+
+
+def _unanswered(item: Any) -> bool:  # noqa: ANN401
+    """A compiled graph's ref or a list of actor calls' refs, not an answer yet."""
+    return isinstance(item, (list, CompiledDAGRef))
 
 
 def _first_line(e: BaseException) -> str:

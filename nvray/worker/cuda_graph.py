@@ -11,7 +11,9 @@ Inputs are the InputBuilder's static buffers; block tables are gathered inside t
 the device block table (``max_model_len`` wide), so the decode kernel's split-K grid is sized
 for ``max_model_len`` and one graph serves every context length. With tensor parallelism the
 row-parallel all-reduces (NCCL) are captured too. Sampling stays outside: the graph ends with
-the hidden states, and the LM head and sampler run eager on the rows to sample.
+the hidden states (``row_shape`` per token: (hidden,), or (2, hidden) for a pipeline stage before
+the last: hidden states and residual), and the LM head and sampler run eager on the rows to
+sample.
 
 Prefill graphs (``prefill_graph_sizes``: 16, 32, ... up to ``max_prefill_graph_tokens``) serve a
 step that is ONE sequence's query chunk of up to that many tokens: an eager forward of a small
@@ -53,8 +55,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, forward: Forward, inputs: InputBuilder, sizes: list[int], hidden_size: int,
-                 dtype: torch.dtype, max_model_len: int, prefill_sizes: list[int] = ()) -> None:
+    def __init__(self, forward: Forward, inputs: InputBuilder, sizes: list[int],
+                 row_shape: tuple[int, ...], dtype: torch.dtype, max_model_len: int, prefill_sizes: list[int] = ()) -> None:
         assert max([*sizes, *prefill_sizes], default=0) <= inputs.graph_capacity, \
             "inputs too small for the graphs"
         self.forward = forward
@@ -65,7 +67,7 @@ class StepGraphs:
         self.ids, self.pos, self.seq_lens, self.rows, self.group_slots = inputs.static_views()
         cap = inputs.graph_capacity
         self.query_start_loc = torch.arange(cap + 1, dtype=torch.int32, device=inputs.device)
-        self.out = torch.zeros(cap, hidden_size, dtype=dtype, device=inputs.device)
+        self.out = torch.zeros(cap, *row_shape, dtype=dtype, device=inputs.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_query_start = {q: torch.tensor([0, q], dtype=torch.int32, device=inputs.device)

@@ -72,7 +72,7 @@ def warm_gemms(model: nn.Module, hidden_size: int, max_tokens: int, max_rows: in
         for m in token_counts(max_tokens):
             layer(rows(m, layer.weight.shape[1]))
             runs += 1
-    for m in range(1, max_rows + 1):
+    for m in range(1, max_rows + 1 if model.lm_head is not None else 1):  # a last stage's
         model.compute_logits(rows(m, hidden_size))
         runs += 1
     return runs

@@ -14,6 +14,10 @@ the plain sampler (greedy, or no filters, bans or seeds) run as hand-written Tri
 also with ``enforce_eager``, which turns off graphs only. Inputs are built by ``InputBuilder``
 (one host-to-device copy per step); decode-only batches that fit a graph replay it, everything
 else runs eager; the LM head and the sampler always run eager on the rows to sample.
+Under pipeline parallelism (``layers/pp.py``) every rank runs every step on its stage's layers:
+a stage after the first receives the previous stage's activations into the model's
+``stage_input`` before its forward (eager or a graph's replay), a stage before the last sends
+its output on, and the last stage's first rank samples and answers (the others return []).
 ``close()`` gives the GPU memory back.
 """
 
@@ -31,6 +35,7 @@ from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.moe import FusedMoE
 from nvray.layers.p2p_allreduce import create_p2p_all_reduce
+from nvray.layers.pp import is_last_stage, pp_size, recv_from_prev, send_to_next
 from nvray.layers.tp import (broadcast_from_first, expert_parallel, set_expert_parallel, tp_rank,
                              tp_size, use_p2p_all_reduce)
 from nvray.kv_layout import plan_kv_layout
@@ -107,6 +112,8 @@ class ModelRunner:
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    max([*self.graph_sizes, *self.prefill_sizes], default=0),
                                    self.device, self.kv_layout.num_groups)
+        self.stage_input = self._stage_input_buffer()
+        self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
         self.memory_report: GpuMemoryReport | None = None
         self.graph_memory = 0
@@ -121,6 +128,17 @@ class ModelRunner:
         vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
                                           config.max_num_seqs, self.device)
+
+    def _stage_input_buffer(self) -> torch.Tensor | None:
+        """A later pipeline stage's input, [tokens, 2, hidden], as large as a step gets (the
+        model reads its first rows, ``DecoderModel.forward``); None on the first stage."""
+        if self.model.model.embed_tokens is not None:
+            return None
+        rows = max(self.config.max_num_batched_tokens, self.inputs.graph_capacity)
+        buffer = torch.zeros(rows, 2, self.hf_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        self.model.model.stage_input = buffer
+        return buffer
 
     def _set_up_all_reduce(self) -> None:
         """Collective: decode-sized all-reduces over P2P shared memory where the ranks can
@@ -151,8 +169,8 @@ class ModelRunner:
 
     def parallelism(self) -> dict[str, Any]:
         """How the ranks split the model and talk, for stats and the model card."""
-        return {"tensor_parallel_size": tp_size(), "expert_parallel": expert_parallel(),
-                "all_reduce": self.all_reduce_in_use}
+        return {"tensor_parallel_size": tp_size(), "pipeline_parallel_size": pp_size(),
+                "expert_parallel": expert_parallel(), "all_reduce": self.all_reduce_in_use}
 
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -186,7 +204,9 @@ class ModelRunner:
                                                  self.device)
 
     def new_graphs(self) -> StepGraphs:
-        return StepGraphs(self.model, self.inputs, self.graph_sizes, self.hf_config.hidden_size,
+        hidden = self.hf_config.hidden_size  # a stage before the last: (hidden, residual) rows
+        row_shape = (hidden,) if is_last_stage() else (2, hidden)
+        return StepGraphs(self.model, self.inputs, self.graph_sizes, row_shape,
                           self.dtype, self.max_model_len, self.prefill_sizes)
 
     def _release_graphs(self) -> None:
@@ -230,14 +250,17 @@ class ModelRunner:
     # -------------------------------------------------------------------- step
     @torch.inference_mode()
     def forward(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(logits [S, V] of the rows to sample: rank 0, None elsewhere or when S is 0;
-        hidden states [R, H] of the prompt rows to score, None when R is 0)."""
+        """(logits [S, V] of the rows to sample: rank 0 of the last stage, None elsewhere or
+        when S is 0; hidden states [R, H] of the prompt rows to score, None when R is 0 or
+        before the last stage)."""
         if step.block_copies:
             self.copy_blocks(step.block_copies)
         graphs = self.graphs
         batch = self.inputs.prepare(step, graphs.sizes if graphs is not None else [],
                                     graphs.prefill_sizes if graphs is not None else [],
                                     self.last_sampled)
+        if self.stage_input is not None:  # the previous stage's activations, rows as computed
+            recv_from_prev(self.stage_input[:batch.positions.shape[0]])
         if batch.graph_bs:
             hidden = graphs.replay(batch.graph_bs)  # type: ignore[union-attr]
             self.num_graph_replays += 1
@@ -246,6 +269,9 @@ class ModelRunner:
             self.num_graph_replays += 1
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if not is_last_stage():
+            send_to_next(hidden)
+            return None, None
         rows = hidden[:batch.num_samples] if batch.sample_idx is None else hidden[batch.sample_idx]
         logits = self.model.compute_logits(rows[:batch.num_samples]) if batch.num_samples else None
         return logits, (rows[batch.num_samples:] if batch.num_scores else None)
@@ -300,7 +326,7 @@ class ModelRunner:
     def _forward_step(self, step: StepInput) -> Forwarded:
         """Queue ``step``'s forward pass (and the LM head of its rows to sample)."""
         logits, score_hidden = self.forward(step)
-        if (step.grammars or step.grammars_done) and tp_rank() == 0:
+        if (step.grammars or step.grammars_done) and self.samples:
             self.grammar_masks.update(step)
         return Forwarded(step, logits, score_hidden)
 
@@ -309,6 +335,8 @@ class ModelRunner:
         their copy to the host. ``share_ids`` (overlapped steps, whose next step reads them on
         the device): every rank gets rank 0's ids."""
         step, logits, score_hidden = forwarded
+        if not is_last_stage():
+            return SampledIds.none()  # (no overlapped steps with pipeline stages)
         specs = [s.sample for s in step.seqs if s.sample is not None]
         masks, constrained = self.grammar_masks, []
         if logits is not None:
@@ -328,7 +356,7 @@ class ModelRunner:
             broadcast_from_first(ids)
         logprobs, ks = self._logprobs(step, specs, raw, ids, score_hidden)
         self.last_sampled = ids
-        if tp_rank() != 0:
+        if not self.samples:
             return SampledIds.none()
         sampled = self.host_ids.copy_from(ids, logprobs, ks)
         masks.advance(sampled, constrained)  # the next masks, filled while the caller goes on
@@ -352,6 +380,6 @@ class ModelRunner:
         if score_hidden is not None:
             targets = to_device([t for sc in scores for t in sc.targets], self.device)
             rows.add_prompt(score_hidden, targets, self.model.compute_logits)
-        if tp_rank() != 0:
+        if not self.samples:
             return None, None
         return rows.to_host(), ks

@@ -381,3 +381,39 @@ def test_a_request_for_prompt_logprobs_computes_its_whole_prompt_despite_a_cache
     sched.add(Sequence("plain", prompt, SamplingParams(), 1.0))
     sched.add(Sequence("scored", prompt, SamplingParams(prompt_logprobs=0), 2.0))
     assert run_step(sched) == [("first", 1), ("plain", 1), ("scored", 9)]
+
+
+def launch(sched: Scheduler) -> list[tuple[str, int]]:
+    """One schedule as a pipelined engine launches it: a sequence caught up has its token
+    sampled on the last stage, pending until that step's ids come back (``land``)."""
+    out = sched.schedule()
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.num_pending = 1
+    return [(seq.request_id, n) for seq, n in out.scheduled]
+
+
+def land(seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        seq.num_pending = 0
+        seq.append_token(7)
+
+
+def test_pipelined_steps_split_the_sequences_and_skip_those_in_flight():
+    """Two stages: each step takes half of what can run, never a sequence whose token is being
+    sampled; a prompt's chunks may follow each other in consecutive steps."""
+    sched = make(num_blocks=64, block_size=4, max_num_batched_tokens=16, pipeline_depth=2)
+    seqs = [add(sched, 4, name, arrival=float(i)) for i, name in enumerate("abcd")]
+    first = launch(sched)
+    second = launch(sched)
+    assert first == [("a", 4), ("b", 4)] and second == [("c", 4), ("d", 4)]
+    assert launch(sched) == []  # every sequence waits for its token
+    land(seqs[:2])  # the first step's ids came back
+    assert launch(sched) == [("a", 1), ("b", 1)]
+    long = add(sched, 40, "long", arrival=9.0)
+    land(seqs[2:])
+    assert launch(sched) == [("c", 1), ("d", 1), ("long", 14)]  # its share: ceil(5 / 2) = 3
+    land(seqs[:2])
+    assert launch(sched) == [("a", 1), ("b", 1), ("long", 14)]  # the next chunk, in flight
+    assert long.num_computed_tokens == 28 and long.num_pending == 0

@@ -129,3 +129,31 @@ def test_expert_parallel_moe_with_graphs_gives_oracle_tokens_and_counts_real_tok
     for prompt, out in zip(prompts, outs):
         check_greedy_near_argmax(path, prompt, out.token_ids)
     check_expert_load(stats, path, num_requests=len(prompts))
+
+
+@pytest.mark.parametrize("dispatch", ["compiled", "actor_calls"])
+def test_pp2_greedy_tokens_are_oracle_argmaxes_with_graphs_and_preemption(
+        gpu_ray, qwen3_06b_path, dispatch):
+    """Two pipeline stages, one per GPU (activations over NCCL, each stage's decode steps in
+    CUDA graphs that read the received activations): greedy tokens are the oracle's argmaxes
+    through prefill chunks, prefix hits, decode and preemption (a cache too small for all)."""
+    prompts = random_prompts(12, 20, 700, seed=9, vocab=10000)
+    prompts.append(prompts[2][:300] + [11, 12, 13])  # a cached prefix, once the first has run
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    llm = LLM(qwen3_06b_path, pipeline_parallel_size=2, max_model_len=1024,
+              max_num_batched_tokens=512, max_num_seqs=16, num_kvcache_blocks=200,
+              ray_dispatch=dispatch)
+    try:
+        first = llm.generate(prompts[:-1], params, use_tqdm=False)
+        last = llm.generate(prompts[-1:], params, use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+        wait_gpu_memory_below(used + (256 << 20))
+    assert last[0].num_cached_tokens >= 288
+    assert stats["num_preemptions"] > 0
+    assert stats["parallelism"]["pipeline_parallel_size"] == 2
+    for prompt, out in zip(prompts, first + last):
+        assert len(out.token_ids) == 24
+        check_greedy_near_argmax(qwen3_06b_path, prompt, out.token_ids)

@@ -75,7 +75,8 @@ def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family, 
     for prompt, out in zip(prompts + prompts[:1], outs + again):
         assert out.token_ids == hf_greedy(path, prompt, 10)
     assert again[0].num_cached_tokens >= 16
-    assert stats["parallelism"] == {"tensor_parallel_size": 2, "expert_parallel": expert_parallel,
+    assert stats["parallelism"] == {"tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+                                    "expert_parallel": expert_parallel,
                                     "all_reduce": "gloo"}
     if expert_parallel:
         check_expert_load(stats, path, num_requests=len(prompts) + 1)
@@ -200,18 +201,22 @@ def fail_forward_after(worker, steps: int):  # noqa: ANN001, ANN201 - runs insid
     return worker.__ray_call__.remote(inject)
 
 
-@pytest.mark.parametrize("fault,expert_parallel", [
-    ("rank killed", False), ("forward raises", False), ("rank killed", True)])
+@pytest.mark.parametrize("fault,layout,killed", [
+    ("rank killed", "tp2", 1), ("forward raises", "tp2", 1), ("rank killed", "ep2", 1),
+    ("rank killed", "pp2", 0)])
 def test_a_rank_fault_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(
-        ray_cluster, family_path, fault, expert_parallel):
-    """(With expert parallelism: an MoE model whose ranks hold half the experts each.)"""
+        ray_cluster, family_path, fault, layout, killed):
+    """(``ep2``: an MoE model whose ranks hold half the experts each; ``pp2``: two pipeline
+    stages, the first one killed while the last one, which answers, waits for its input.)"""
     from nvray.request import EngineRequest
 
     ray = ray_cluster
     before_actors, before_pgs = live_nvray_actors(), live_placement_groups()
+    expert_parallel = layout == "ep2"
     model, length = (family_path("qwen3-moe-mixed"), 1024) if expert_parallel else ("tiny", 2048)
-    client = start_engine(EngineConfig(model=model, tensor_parallel_size=2, max_model_len=length,
-                                       enable_expert_parallel=expert_parallel))
+    sizes = {"pipeline_parallel_size": 2} if layout == "pp2" else {"tensor_parallel_size": 2}
+    client = start_engine(EngineConfig(model=model, max_model_len=length,
+                                       enable_expert_parallel=expert_parallel, **sizes))
     assert len(live_nvray_actors() - before_actors) == 3  # a driver and two ranks
     long = {"max_tokens": length - 100, "ignore_eos": True}
     sink = client.submit([EngineRequest(f"long request {i}", long) for i in range(3)],
@@ -220,9 +225,9 @@ def test_a_rank_fault_fails_in_flight_requests_fast_and_shutdown_leaves_nothing(
     worker_handles = ray.get(client.driver.__ray_call__.remote(
         lambda self: self.engine.executor.workers))
     if fault == "rank killed":
-        ray.kill(worker_handles[1])
+        ray.kill(worker_handles[killed])
     else:
-        ray.get(fail_forward_after(worker_handles[1], steps=5), timeout=30)
+        ray.get(fail_forward_after(worker_handles[killed], steps=5), timeout=30)
     start = time.monotonic()
     results = sink.results(timeout=30)
     assert len(results) == 3

@@ -1,6 +1,6 @@
 """Two Ray nodes on this machine (the session's ``two_nodes``: ``ray start --head`` on 127.0.0.1,
-``ray start --address`` on 127.0.0.2, 2 CPUs each): a TP=2 engine whose placement group puts
-one rank on each node gives the greedy outputs of TP=1; a Serve app under a bounded burst
+``ray start --address`` on 127.0.0.2, 2 CPUs each): a TP=2 engine and a PP=2 engine whose
+placement groups put one rank on each node give the greedy outputs of TP=1; a Serve app under a bounded burst
 scales from one engine replica to two, the second on the other node (one 1.1-CPU engine is all
 a node can hold beside another), every request succeeds, and it scales back down afterwards.
 
@@ -42,13 +42,13 @@ def tp1_greedy() -> list[str]:
         llm.shutdown()
 
 
-TP2_SPREAD_DRIVER = f"""
+def spread_driver(sizes: dict[str, int]) -> str:
+    return f"""
 import json, ray
 from ray.util.state import list_actors
 from nvray import LLM, SamplingParams
 
-llm = LLM("tiny", tensor_parallel_size=2, placement_strategy="STRICT_SPREAD",
-          max_model_len={MAX_MODEL_LEN})
+llm = LLM("tiny", placement_strategy="STRICT_SPREAD", max_model_len={MAX_MODEL_LEN}, **{sizes!r})
 outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0.0, max_tokens={MAX_TOKENS},
                                                 ignore_eos=True), use_tqdm=False)
 ips = {{n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}}
@@ -59,8 +59,12 @@ llm.shutdown()
 """
 
 
-def test_a_tp2_engine_spread_over_two_nodes_matches_tp1(two_nodes: Cluster, tp1_greedy):
-    result = two_nodes.run_driver(TP2_SPREAD_DRIVER, timeout=300)
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_an_engine_spread_over_two_nodes_matches_tp1(two_nodes: Cluster, tp1_greedy, sizes):
+    """TP=2 (all-reduces between the nodes) or PP=2 (a stage per node, activations sent
+    from one to the other)."""
+    result = two_nodes.run_driver(spread_driver(sizes), timeout=300)
     assert result["rank_nodes"] == ["127.0.0.1", SECOND_NODE_IP]  # one rank on each node
     assert result["texts"] == tp1_greedy
 

@@ -133,7 +133,8 @@ def test_an_fp8_app_serves_what_an_fp8_llm_generates(serve_http):
     try:
         [card] = requests.get(f"{base}/v1/models", timeout=60).json()["data"]
         assert card["dtypes"]["weights"].startswith("fp8 e4m3 (on-the-fly")
-        assert card["parallelism"] == {"tensor_parallel_size": 1, "expert_parallel": False,
+        assert card["parallelism"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                       "expert_parallel": False,
                                        "all_reduce": "none"}
         assert card["dtypes"]["kv_cache"] == "fp8 e4m3 (scale 1)"
         body = requests.post(f"{base}/v1/completions", timeout=60, json={
