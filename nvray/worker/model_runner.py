@@ -124,7 +124,8 @@ class ModelRunner:
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
         self.host_ids = HostIds(config.max_num_seqs, self.device)
-        self.profiler = StepProfiler(tp_rank())  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
+        self.profiler = StepProfiler(  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
+            torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
                                           config.max_num_seqs, self.device)
