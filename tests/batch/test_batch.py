@@ -337,9 +337,10 @@ def test_parallelism_flags_reach_the_engine_options():
 
     base = ["--input", "in.jsonl", "--output", "out.jsonl"]
     kwargs = engine_kwargs_from_args(parse_args(base + [
-        "--tensor-parallel-size", "2", "--enable-expert-parallel", "--all-reduce", "nccl"]))
+        "--tensor-parallel-size", "2", "--enable-expert-parallel", "--all-reduce", "nccl",
+        "--pipeline-parallel-size", "2"]))
     assert (kwargs["tensor_parallel_size"], kwargs["enable_expert_parallel"],
-            kwargs["all_reduce"]) == (2, True, "nccl")
+            kwargs["all_reduce"], kwargs["pipeline_parallel_size"]) == (2, True, "nccl", 2)
     defaults = engine_kwargs_from_args(parse_args(base))
     assert (defaults["enable_expert_parallel"], defaults["all_reduce"]) == (False, "auto")
     with pytest.raises(SystemExit):

@@ -110,10 +110,16 @@ def test_building_the_app_warns_nothing_and_keeps_the_metrics_interval():
 
 
 def test_parallelism_app_arguments_reach_the_engine_config_or_are_refused_by_name():
+    from deployments import _engine_options
+
     config = parse_args({"tensor_parallel_size": "2", "enable_expert_parallel": "true",
-                         "all_reduce": "nccl"}).engine_config()
-    assert (config.tensor_parallel_size, config.enable_expert_parallel, config.all_reduce) == (
-        2, True, "nccl")
+                         "all_reduce": "nccl", "pipeline_parallel_size": "2"}).engine_config()
+    assert (config.tensor_parallel_size, config.enable_expert_parallel, config.all_reduce,
+            config.pipeline_parallel_size) == (2, True, "nccl", 2)
+    bundles = _engine_options(AppArgs(), config)["placement_group_bundles"]
+    assert len(bundles) == 4  # a bundle per rank: two stages of two
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        parse_args({"pipeline_parallel_size": 0})
     assert AppArgs().engine_config().all_reduce == EngineConfig().all_reduce == "auto"
     with pytest.raises(ValueError, match="all_reduce"):
         parse_args({"all_reduce": "mpi"})
