@@ -18,10 +18,11 @@ arrive, a sequence that finished at N (EOS, stop string, max_tokens, abort) drop
 step N+1 computes for it, and its blocks were freed once, when it finished. ``overlap=False``
 runs each step to completion before scheduling the next; both give the same tokens.
 
-Pipeline stages (``pipeline_parallel_size`` P > 1): each ``step`` hands the executor a step
+Pipeline stages (``pipeline_parallel_size`` P > 1): each ``step`` hands the executor steps
 while fewer than P are in flight and one can be scheduled (the scheduler splits the sequences
-between the steps in flight and never schedules one whose token is being sampled), else reads
-the oldest step's ids and applies them; so every stage has a step to run. Overlapped steps are
+between the steps in flight and never schedules one whose token is being sampled), then reads
+the oldest step's ids, applies them and hands over the step they make possible before it
+returns their outputs; so every stage has a step to run. Overlapped steps are
 off then (P steps in flight overlap the control plane already).
 
 A request with ``n > 1`` is ``n`` sequences (its choices, by ``index``) that share the prompt's
@@ -226,22 +227,26 @@ class LLMEngine:
         return outputs
 
     def _pipelined_step(self) -> list[RequestOutput]:
-        """Hand over a step if a stage lacks one and one can be scheduled; else apply the
-        oldest step's ids."""
+        """Apply the oldest step's ids once every stage has a step (or nothing more can be
+        scheduled); the steps they free go out before the caller delivers the outputs."""
         start = time.perf_counter()
-        if len(self.pipeline) < self.pipeline_depth:
-            launched = self._launch()
-            if launched is not None:
-                self.executor.submit(launched.step_input)
-                self.pipeline.append(launched)
-                if len(self.pipeline) < self.pipeline_depth:
-                    return []
+        self._fill_pipeline()
         if not self.pipeline:
             return []
         oldest = self.pipeline.popleft()
         outputs = self.update_from_output(oldest, self.executor.collect())
+        self._fill_pipeline()  # the first stage is waiting for it
         self._account_step(oldest, start)
         return outputs
+
+    def _fill_pipeline(self) -> None:
+        """Hand the executor steps while a stage lacks one and one can be scheduled."""
+        while len(self.pipeline) < self.pipeline_depth:
+            launched = self._launch()
+            if launched is None:
+                return
+            self.executor.submit(launched.step_input)
+            self.pipeline.append(launched)
 
     def _account_step(self, step: LaunchedStep, start: float) -> None:
         kind = "prefill" if step.computes_prompt else "decode"
