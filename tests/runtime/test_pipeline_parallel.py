@@ -7,6 +7,7 @@ graphs and plain actor calls; the stage split and loading are checked against th
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -158,3 +159,20 @@ def test_pp2_tp2_matches_hf(ray_cluster, family_path):
 def test_more_stages_than_layers_is_refused_by_name(ray_cluster):
     with pytest.raises(Exception, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM("tiny", pipeline_parallel_size=3, max_model_len=128)
+
+
+def test_an_idle_pp2_engine_rests_and_wakes_to_the_same_tokens(pp2, tiny_path):
+    """After an idle spell the stages' compiled graph is gone; the requests that wake the engine
+    run through actor calls (a step at a time) while a new graph compiles, then through it,
+    several prompts at once so that both stages hold a step, with HF's tokens throughout."""
+    prompts = random_prompts(4, 20, 40, seed=77)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [hf_greedy(tiny_path, p, 16) for p in prompts]
+    assert [o.token_ids for o in pp2.generate(prompts, params, use_tqdm=False)] == want
+    time.sleep(2.5)  # the engine loop's idle second, then the teardown
+    assert pp2.stats()["step_dispatch"] == "actor_calls"
+    for _ in range(40):  # woken: actor calls at first, the new graph once it is compiled
+        assert [o.token_ids for o in pp2.generate(prompts, params, use_tqdm=False)] == want
+        if pp2.stats()["step_dispatch"] == "compiled_graph":
+            break
+    assert pp2.stats()["step_dispatch"] == "compiled_graph"
