@@ -204,6 +204,16 @@ class StageLayers(nn.Module):
     def __len__(self) -> int:
         return len(self._modules)
 
+    def __getitem__(self, index: int) -> nn.Module:
+        """The layer of index ``index`` in the whole model (negative: from this stage's end);
+        an IndexError names the stage's layers where another stage holds it."""
+        if index < 0:
+            return list(self._modules.values())[index]
+        if index not in self.indices:
+            raise IndexError(f"layer {index} is not on this pipeline stage (it holds layers "
+                             f"{self.indices.start}..{self.indices.stop - 1})")
+        return self._modules[str(index)]
+
 
 class DecoderModel(nn.Module):
     """Embeddings, the layers (each returns its output and the residual, added in the next
