@@ -50,6 +50,7 @@ def create_engine(config: EngineConfig,
                              dtypes=dict(executor.dtypes),
                              architecture=architecture_of(model_path),
                              kv_group_windows=tuple(executor.kv_group_windows),
+                             num_state_slots=executor.num_state_slots,
                              parallelism=dict(executor.parallelism))
         engine = LLMEngine(config, tokenizer, executor, limits,
                            grammar_compiler=functools.partial(grammar_compiler, model_path,

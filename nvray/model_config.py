@@ -57,6 +57,26 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": None, "use_bidirectional_attention": False,
         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0},
 }
+_QWEN3_5_DEFAULTS: dict[str, Any] = {
+    **_COMMON, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 32768, "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "layer_types": None,
+    "full_attention_interval": 4}
+_QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
+    **_QWEN3_5_DEFAULTS, "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 8, "num_experts": 256}
+_DEFAULTS.update({
+    "Qwen3_5ForCausalLM": _QWEN3_5_DEFAULTS,
+    "Qwen3_5ForConditionalGeneration": _QWEN3_5_DEFAULTS,
+    "Qwen3_5MoeForCausalLM": _QWEN3_5_MOE_DEFAULTS,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MOE_DEFAULTS,
+})
+# Checkpoints of a vision-language model whose language model nvray serves: its keys live in
+# ``text_config`` (the top level keeps the architecture, the tying and the quantization)
+_LANGUAGE_MODEL_OF = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 class ModelConfig(types.SimpleNamespace):
@@ -84,7 +104,20 @@ def architecture_of(model_path: str) -> str:
     return (load_model_config(model_path).architectures or [""])[0]
 
 
+def _language_model_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's ``text_config`` lifted to the top level (its own
+    top-level keys kept where the text config lacks them)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict) or not set(raw.get("architectures") or []) & set(_LANGUAGE_MODEL_OF):
+        return raw
+    top = {k: v for k, v in raw.items() if k != "text_config"}
+    return {**top, **text, "architectures": raw["architectures"],
+            "tie_word_embeddings": raw.get("tie_word_embeddings",
+                                           text.get("tie_word_embeddings", False))}
+
+
 def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    raw = _language_model_keys(raw)
     archs = raw.get("architectures") or []
     defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), _QWEN_DEFAULTS)
     raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
@@ -96,7 +129,11 @@ def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     if values.get("rope_theta") is None:  # transformers 5 writes it into rope_parameters
         rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
         values["rope_theta"] = rope.get("rope_theta", _DEFAULT_ROPE_THETA)
-    if "layer_types" in values and values["layer_types"] is None:  # Gemma 3's old pattern key
+    if values.get("layer_types") is None and "full_attention_interval" in values:  # Qwen3.5
+        every = values["full_attention_interval"]
+        values["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                 for i in range(values["num_hidden_layers"])]
+    elif "layer_types" in values and values["layer_types"] is None:  # Gemma 3's old pattern key
         every = values.get("sliding_window_pattern") or 6
         values["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
                                  for i in range(values["num_hidden_layers"])]

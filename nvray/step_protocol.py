@@ -39,6 +39,12 @@ the prompt token that follows it. The ranks answer with a ``StepOutput``: the sa
 ``logprobs`` rows — first one per sampling row that asked, in row order, then the score rows
 of each sequence in step order.
 
+Recurrent state (models with linear-attention layers, ``nvray/layers/gated_deltanet.py``): a
+running sequence holds one state slot (``SeqStep.state_slot``, from the engine's
+``BlockManager``); a chunk that starts at position 0 starts from zero state, a later chunk
+resumes from its slot. A step's ``state_copies`` (src, dst) copy whole slots before it runs (a
+beam forked from another takes its parent's state).
+
 ``Executor`` is what runs steps for the engine: the in-process runner
 (``nvray/worker/executor.py``) or the Ray rank group (``nvray/runtime/ray_executor.py``).
 """
@@ -96,6 +102,7 @@ class SeqStep(NamedTuple):
     sample: SampleSpec | None
     score: PromptScore | None = None
     table_start: int = 0  # 0: block_table is the whole table, else the ranks hold those before
+    state_slot: int = -1  # models with recurrent layers: the sequence's state slot (-1: none)
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ class StepInput:
     constrained: bool = False  # some sampling row follows a grammar
     grammars: list[GrammarSpec] = field(default_factory=list)  # of new requests: compile ahead
     grammars_done: list[int] = field(default_factory=list)  # seq ids whose matchers go
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) slots: first
 
     @property
     def num_samples(self) -> int:
@@ -123,10 +131,12 @@ class StepInput:
         (~0.1 ms), and the rank rebuilds the NamedTuples without running their Python code."""
         seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table,
                  None if s.sample is None else tuple(s.sample),
-                 None if s.score is None else tuple(s.score), s.table_start) for s in self.seqs]
+                 None if s.score is None else tuple(s.score), s.table_start, s.state_slot)
+                for s in self.seqs]
         return _step_input_from_plain, (seqs, self.block_copies, self.released,
                                         self.adjusts_logits, self.samples_logprobs,
-                                        self.constrained, self.grammars, self.grammars_done)
+                                        self.constrained, self.grammars, self.grammars_done,
+                                        self.state_copies)
 
 
 _namedtuple_of = tuple.__new__  # _namedtuple_of(Cls, plain_tuple): a Cls, built in C
@@ -136,18 +146,19 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
                            released: list[int], adjusts_logits: bool,
                            samples_logprobs: bool, constrained: bool = False,
                            grammars: list[GrammarSpec] | None = None,
-                           grammars_done: list[int] | None = None) -> StepInput:
+                           grammars_done: list[int] | None = None,
+                           state_copies: list[tuple[int, int]] | None = None) -> StepInput:
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
-    for seq_id, token_ids, start, table, sample, score, table_start in seqs:
+    for seq_id, token_ids, start, table, sample, score, table_start, state_slot in seqs:
         if sample is not None:
             sample = _namedtuple_of(SampleSpec, sample)
         if score is not None:
             score = _namedtuple_of(PromptScore, score)
         steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
-                                              table_start)))
+                                              table_start, state_slot)))
     return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs,
-                     constrained, grammars or [], grammars_done or [])
+                     constrained, grammars or [], grammars_done or [], state_copies or [])
 
 
 class StepOutput(NamedTuple):
@@ -171,6 +182,7 @@ class Executor(Protocol):
 
     num_blocks: int  # KV cache blocks every rank holds (the minimum over the ranks)
     kv_group_windows: tuple[int | None, ...]  # per block-table group (``nvray/kv_layout.py``)
+    num_state_slots: int  # recurrent-state slots every rank holds (0: no recurrent layers)
     max_model_len: int  # prompt + output tokens a sequence may reach
     vocab_size: int
     dtypes: dict[str, str]  # {"weights", "compute", "kv_cache"}: what the ranks hold, in words

@@ -80,15 +80,17 @@ def uneven_qwen3_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def family_path(tmp_path_factory, tiny_path):
     """``family_path(name)``: the HF-written random checkpoint of ``hf_checkpoints.SHAPES[name]``
-    (Llama 3, Mistral, Qwen3-MoE, Gemma 3 shapes), built once per session."""
-    from hf_checkpoints import SHAPES, write_hf_checkpoint
+    or ``HYBRID_SHAPES[name]`` (Llama 3, Mistral, Qwen3-MoE, Gemma 3, Qwen3.5 shapes), built
+    once per session."""
+    from hf_checkpoints import HYBRID_SHAPES, SHAPES, write_hf_checkpoint
 
     paths: dict[str, str] = {}
 
     def path_of(name: str) -> str:
         if name not in paths:
             target = str(tmp_path_factory.mktemp(name))
-            paths[name] = write_hf_checkpoint(target, SHAPES[name], tiny_path, seed=7)
+            shape = SHAPES[name] if name in SHAPES else HYBRID_SHAPES[name]
+            paths[name] = write_hf_checkpoint(target, shape, tiny_path, seed=7)
         return paths[name]
     return path_of
 

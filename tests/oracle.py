@@ -1,4 +1,5 @@
-"""Test helpers: the HF transformers oracle (greedy tokens, model) and random prompts."""
+"""Test helpers: the HF transformers oracle (greedy tokens, model, a reference beam search)
+and random prompts."""
 
 from __future__ import annotations
 
@@ -54,3 +55,26 @@ def greedy_step(tokens: list[int], start: int, table: list[int]):
     from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 
     return StepInput([SeqStep(0, tokens, start, table, SampleSpec(0.0, 1.0, -1, 0.0, None, 0))])
+
+
+def reference_beam_search(path: str, prompt: list[int], width: int, max_tokens: int,
+                          eos: tuple[int, ...], length_penalty: float = 1.0):
+    """A beam search over HF transformers' logits (each beam's whole sequence re-run):
+    [(generated tokens, cumulative log-probability)], best first."""
+    import torch
+
+    def score(tokens, cum):
+        ended = bool(tokens) and tokens[-1] in eos
+        return cum / ((len(prompt) + len(tokens) - ended) ** length_penalty)
+
+    beams, done = [([], 0.0)], []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cum in beams:
+            with torch.no_grad():
+                logits = hf_model(path)(torch.tensor([prompt + tokens])).logits[0, -1]
+            top = logits.float().log_softmax(-1).topk(2 * width)
+            for lp, t in zip(top.values.tolist(), top.indices.tolist()):
+                (done if t in eos else candidates).append((tokens + [t], cum + lp))
+        beams = sorted(candidates, key=lambda c: score(*c), reverse=True)[:width]
+    return sorted(done + beams, key=lambda c: score(*c), reverse=True)[:width]

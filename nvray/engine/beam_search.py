@@ -176,10 +176,12 @@ class BeamSearcher:
                            parent.arrival_time, parent.priority)
             seq.token_ids = parent.token_ids + [child.token]
             self._start_beam(group, seq, child.cumulative_logprob)
-            if parent.status is SequenceStatus.RUNNING and parent.block_table:
+            if (parent.status is SequenceStatus.RUNNING and parent.block_table
+                    and self.block_manager.has_state_slot()):
                 self.block_manager.fork(seq, parent, parent.num_computed_tokens)
                 self.scheduler.add_running(seq)
-            else:  # the parent was preempted: the child prefills (prefix cache) on its own
+            else:  # the parent was preempted (or no state slot is free): the child prefills
+                # (prefix cache) on its own
                 self.scheduler.add(seq)
         self._drop(old)
 

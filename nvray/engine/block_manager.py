@@ -21,6 +21,13 @@ Contract:
   those layers. A windowed group's blocks are cached under the group's own key; a cached prefix
   is served only where every group holds what its window needs after it (a full group: all its
   blocks; a windowed group: the blocks its window reaches back to), the others -1.
+- Recurrent state (models with linear-attention layers): besides its blocks, a sequence that
+  holds blocks holds one of ``num_state_slots`` state slots (``Sequence.state_slot``), taken
+  with its first blocks and given back with them. A fork copies its parent's state into its
+  own slot (the pair waits in ``take_state_copies()``; the state is the parent's after
+  ``num_computed_tokens``, so a fork shares all of the parent's computed tokens). A slot's
+  state describes the sequence's whole past, not one block, so nothing of it can be served to
+  another prompt: prefix caching is off for these models (the blocks are never hashed).
 - The ranks keep each sequence's block table between steps and get only its changes
   (``nvray/step_protocol.py``): a sequence's ``ranks_table_len`` counts the leading entries they hold,
   and this class lowers it where it changes an entry (a copy-on-write, a new table); a freed
@@ -93,12 +100,16 @@ NO_PREFIX = CachedPrefix([], [])
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 group_windows: tuple[int | None, ...] = (None,)) -> None:
-        """``group_windows``: the window of each block-table group (``KVLayout``)."""
+                 group_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0) -> None:
+        """``group_windows``: the window of each block-table group (``KVLayout``);
+        ``num_state_slots``: recurrent-state slots (0: the model has no recurrent layers)."""
         assert num_blocks >= 1 and block_size >= 1, "need at least one block of one slot"
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = enable_prefix_caching and not num_state_slots
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # pop() takes slot 0 first
+        self.state_copies: list[tuple[int, int]] = []  # (src, dst) slots not yet launched
         self.group_windows = tuple(group_windows)
         self.num_groups = len(self.group_windows)
         self.windowed = [(g, w) for g, w in enumerate(self.group_windows) if w]
@@ -199,7 +210,11 @@ class BlockManager:
         """Can a waiting sequence get ``cached`` blocks plus slots up to ``num_tokens`` tokens?"""
         revived = sum(1 for b in cached.blocks if b >= 0 and self.blocks[b].ref_count == 0)
         new = (self.num_blocks_for(num_tokens) - cached.num_blocks) * self.num_groups
-        return revived + new <= len(self.free_blocks)
+        return revived + new <= len(self.free_blocks) and self.has_state_slot()
+
+    def has_state_slot(self) -> bool:
+        """Can one more sequence hold a state slot (always, without recurrent layers)?"""
+        return not self.num_state_slots or bool(self.free_state_slots)
 
     def needs_blocks(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Does writing ``num_new_tokens`` more tokens take free blocks (the fast check)?"""
@@ -223,7 +238,8 @@ class BlockManager:
         grow = (self.num_blocks_for(num_shared_tokens + num_new_tokens)
                 - self.num_blocks_for(num_shared_tokens))
         partial = num_shared_tokens % self.block_size != 0
-        return (grow + partial) * self.num_groups <= len(self.free_blocks)
+        return ((grow + partial) * self.num_groups <= len(self.free_blocks)
+                and self.has_state_slot())
 
     def holds_prefix(self, seq: Sequence, num_tokens: int) -> bool:
         """Does ``seq`` still hold every block a sequence forked at ``num_tokens`` tokens needs
@@ -257,6 +273,7 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(cached.blocks)
         seq.ranks_table_len = 0
+        self._take_state_slot(seq)
         seq.num_computed_tokens = cached.num_blocks * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
         self.seq_block_hashes[seq.seq_id] = list(cached.hashes)
@@ -273,6 +290,11 @@ class BlockManager:
                 self.blocks[block_id].ref_count += 1
         child.block_table = list(shared)
         child.ranks_table_len = 0
+        if self.num_state_slots:
+            assert num_tokens == parent.num_computed_tokens, (
+                "a fork of a model with recurrent state shares all of its parent's tokens")
+            self._take_state_slot(child)
+            self.state_copies.append((parent.state_slot, child.state_slot))
         child.num_computed_tokens = num_tokens
         child.shares_blocks = parent.shares_blocks = True
         child.num_cached_tokens = num_tokens
@@ -281,6 +303,16 @@ class BlockManager:
         """The copy-on-write pairs since the last call (the next launched step copies them)."""
         copies, self.copies = self.copies, []
         return copies
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The state-slot copies of forks since the last call (the next launched step)."""
+        copies, self.state_copies = self.state_copies, []
+        return copies
+
+    def _take_state_slot(self, seq: Sequence) -> None:
+        if self.num_state_slots:
+            assert self.free_state_slots, "no free state slot (check has_state_slot first)"
+            seq.state_slot = self.free_state_slots.pop()
 
     def take_released(self) -> list[int]:
         """The seq ids freed since the last call (the next launched step drops their tables)."""
@@ -351,6 +383,9 @@ class BlockManager:
                 self._release_block(block_id)
         if seq.block_table:
             self.released.append(seq.seq_id)
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
         seq.block_table = []
         seq.ranks_table_len = 0
         seq.num_computed_tokens = 0

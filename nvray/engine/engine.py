@@ -97,7 +97,8 @@ class LLMEngine:
         self.limits = limits
         self.clock = clock
         self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
-                                          config.enable_prefix_caching, limits.kv_group_windows)
+                                          config.enable_prefix_caching, limits.kv_group_windows,
+                                          limits.num_state_slots)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.scheduling_policy,
                                    config.enable_chunked_prefill, config.sjf_aging_s, clock,
@@ -267,7 +268,8 @@ class LLMEngine:
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
         bm = self.block_manager
         step_input = build_step_input(out, self.plans, bm.take_copies(), bm.take_released(),
-                                      self.new_grammars, self.grammars_done)
+                                      self.new_grammars, self.grammars_done,
+                                      bm.take_state_copies())
         if self.new_grammars or self.grammars_done:
             self.new_grammars, self.grammars_done = [], []
         records: list[SeqRecord] = []

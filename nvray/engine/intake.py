@@ -34,6 +34,7 @@ class ModelLimits:
     dtypes: dict[str, str] = field(default_factory=dict)  # weights / compute / KV cache
     architecture: str = ""  # config.json's architectures[0], e.g. "LlamaForCausalLM"
     kv_group_windows: tuple[int | None, ...] = (None,)  # per block-table group (kv_layout.py)
+    num_state_slots: int = 0  # recurrent-state slots (models with linear-attention layers)
     parallelism: dict[str, Any] = field(default_factory=dict)  # how the ranks split the model
 
 

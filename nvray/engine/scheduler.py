@@ -25,7 +25,8 @@ Forks (a request's ``n`` choices): a waiting sequence ``fork_of`` another waits 
 has launched all prompt tokens but the last, then takes those blocks (shared, ref counted) and
 computes only the last prompt token itself; writes into a shared block copy it first
 (``BlockManager``). If the source finished first, or its windowed layers gave back blocks the
-fork needs, the fork prefills on its own.
+fork needs, or (a model with recurrent state) the source computed past the shared prompt (its
+state holds its own tokens then), the fork prefills on its own.
 """
 
 from __future__ import annotations
@@ -211,6 +212,9 @@ class Scheduler:
             return None
         if bm.windowed and not bm.holds_prefix(source, shared):
             seq.fork_of = None  # its windows moved past the prompt's end: prefill on its own
+            return False
+        if bm.num_state_slots and source.num_computed_tokens != shared:
+            seq.fork_of = None  # its recurrent state moved past the shared prompt: the same
             return False
         num_new = min(seq.num_tokens - shared, budget)
         if not bm.can_fork(shared, num_new):

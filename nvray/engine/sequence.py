@@ -43,7 +43,7 @@ class Sequence:
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
                  "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
-                 "ranks_table_len")
+                 "ranks_table_len", "state_slot")
 
     _counter = itertools.count()
 
@@ -71,6 +71,7 @@ class Sequence:
         self.num_pending = 0
         self.pending_row = -1
         self.waits_for_tokens = False
+        self.state_slot = -1  # recurrent-state slot while it holds blocks (BlockManager)
 
     def __len__(self) -> int:
         return len(self.token_ids)

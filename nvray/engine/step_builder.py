@@ -3,7 +3,8 @@
 ``build_step_input`` turns a ``SchedulerOutput`` and each sequence's ``SeqPlan`` (what shapes
 its steps, fixed at admission: ``sequence.py``) into the rank input: the tokens each sequence
 computes (with a placeholder for a token still being sampled on the device), the block-table
-entries the ranks lack (``Sequence.ranks_table_len``), and each sampling row's ``SampleSpec``.
+entries the ranks lack (``Sequence.ranks_table_len``), each sequence's recurrent-state slot, and
+each sampling row's ``SampleSpec``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
                      block_copies: list[tuple[int, int]] | None = None,
                      released: list[int] | None = None,
                      grammars: list[GrammarSpec] | None = None,
-                     grammars_done: list[int] | None = None) -> StepInput:
+                     grammars_done: list[int] | None = None,
+                     state_copies: list[tuple[int, int]] | None = None) -> StepInput:
     """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan. The
     step must be launched: the sequences count the entries sent as held by the ranks (and the
     grammars sent as held by rank 0)."""
@@ -96,6 +98,6 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         table, held = seq.block_table, seq.ranks_table_len
         seq.ranks_table_len = len(table)
         steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
-                             score, held))
+                             score, held, seq.state_slot))
     return StepInput(steps, block_copies or [], released or [], adjusts, logprobs, constrained,
-                     grammars or [], grammars_done or [])
+                     grammars or [], grammars_done or [], state_copies or [])

@@ -55,6 +55,9 @@ class AttentionMetadata:
     # with several block-table groups (kv_layout.py): each group's metadata (its slots and
     # tables; the rest shared), which a layer of that group reads (Attention.meta_of)
     groups: list["AttentionMetadata"] | None = None
+    # models with recurrent layers (layers/gated_deltanet.py): [B] int32, each sequence's
+    # state slot (-1: the scratch row)
+    state_slots: torch.Tensor | None = None
 
     _cu_seqlens_k: torch.Tensor | None = None
     _decode_order: torch.Tensor | None = None

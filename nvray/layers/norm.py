@@ -13,9 +13,14 @@ Under tensor parallelism the norm's input may be a row-parallel layer's ``tp.Par
 norm sums it over the ranks first, or, with the Triton kernels, a residual and the P2P
 all-reduce able to (``tp.fused_reducer``), sums it inside its own kernel
 (``P2pAllReduce.reduce_add_norm``: the same values).
+
+``ZeroCenteredRMSNorm`` is the norm of checkpoints that store ``w`` for a scale of ``1 + w``
+(Gemma 3, Qwen3.5): the ``1`` is folded in as the weight loads, so it runs the same kernels.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,3 +82,17 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._norm(x, self.weight, self.eps)
         return self._add_norm(x, residual, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm scaling by ``1 + w`` for a checkpoint's ``w`` (folded in as it loads)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, **kwargs: Any) -> None:
+        super().__init__(hidden_size, eps, **kwargs)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"expected shape {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.float() + 1.0)

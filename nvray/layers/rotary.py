@@ -88,8 +88,10 @@ def rope_spec_of(cfg: Any, layer_type: str | None = None) -> RopeSpec:
                 raise ValueError(f"rope_type='llama3' needs {key!r}")
     if kind in ("llama3", "yarn"):
         d.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+    # M-RoPE (Qwen3.5's checkpoints) gives text the same position in every section: plain rope
     keep = {k: v for k, v in d.items()
-            if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor") and v is not None}
+            if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor",
+                         "mrope_section", "mrope_interleaved") and v is not None}
     return RopeSpec(float(d["rope_theta"]), rotary_dim, kind, tuple(sorted(keep.items())))
 
 

@@ -22,24 +22,10 @@ from torch import nn
 from nvray.layers.attention import AttentionMetadata
 from nvray.layers.compiled import compiled
 from nvray.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from nvray.layers.norm import RMSNorm
+from nvray.layers.norm import ZeroCenteredRMSNorm
 from nvray.models.decoder import (CausalLM, DecoderAttention, DecoderModel, check_hidden_act,
                                   quant_for)
 from nvray.quantization import Fp8Config
-
-
-class GemmaRMSNorm(RMSNorm):
-    """RMSNorm scaling by ``1 + w`` for a checkpoint's ``w`` (folded in as it loads)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, **kwargs: Any) -> None:
-        super().__init__(hidden_size, eps, **kwargs)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    @staticmethod
-    def weight_loader(param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
-        if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"expected shape {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
-        param.data.copy_(loaded.float() + 1.0)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2*I] -> [T, I]
@@ -81,10 +67,10 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
-        self.input_layernorm = GemmaRMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.input_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
+        self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
+        self.post_feedforward_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +88,7 @@ class Gemma3Model(DecoderModel):
     (the factor rounded to the compute dtype first, as transformers does)."""
 
     def __init__(self, cfg: Any, make_layer: Any) -> None:
-        super().__init__(cfg, make_layer, norm_class=GemmaRMSNorm)
+        super().__init__(cfg, make_layer, norm_class=ZeroCenteredRMSNorm)
         self.embed_scale = cfg.hidden_size ** 0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -131,7 +117,7 @@ class Gemma3ForCausalLM(CausalLM):
                                 qkv_bias=bool(getattr(self.cfg, "attention_bias", False)),
                                 layer_type=self.layer_types[index],
                                 scale=self.cfg.query_pre_attn_scalar ** -0.5,
-                                norm_class=GemmaRMSNorm)
+                                norm_class=ZeroCenteredRMSNorm)
 
     def make_mlp(self, index: int, prefix: str) -> nn.Module:
         return GemmaMLP(self.cfg, self.quant, f"{prefix}.mlp")

@@ -119,6 +119,7 @@ class RankWorker:
         return {"max_model_len": self.runner.max_model_len,
                 "vocab_size": self.runner.hf_config.vocab_size, "dtypes": self.runner.dtypes(),
                 "kv_group_windows": self.runner.kv_layout.group_windows,
+                "num_state_slots": self.runner.num_state_slots,
                 "parallelism": self.runner.parallelism()}
 
     def startup_phases(self) -> dict[str, float]:

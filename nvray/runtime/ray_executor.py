@@ -104,6 +104,7 @@ class RayExecutor:
         self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
         self.dtypes = facts["dtypes"]
         self.kv_group_windows = tuple(facts["kv_group_windows"])
+        self.num_state_slots = facts["num_state_slots"]
         self.parallelism = facts["parallelism"]
 
     def _compile(self):  # noqa: ANN202 - ray.dag types are experimental

@@ -64,7 +64,8 @@ class StepGraphs:
         self.sizes = sizes
         self.prefill_sizes = list(prefill_sizes)
         self.max_model_len = max_model_len
-        self.ids, self.pos, self.seq_lens, self.rows, self.group_slots = inputs.static_views()
+        (self.ids, self.pos, self.seq_lens, self.rows, self.group_slots,
+         self.state_slots) = inputs.static_views()
         cap = inputs.graph_capacity
         self.query_start_loc = torch.arange(cap + 1, dtype=torch.int32, device=inputs.device)
         self.out = torch.zeros(cap, *row_shape, dtype=dtype, device=inputs.device)
@@ -84,7 +85,8 @@ class StepGraphs:
             slot_mapping=slots[0], query_start_loc=query_start_loc,
             seq_lens=self.seq_lens[:num_seqs], block_tables=tables[0],
             max_query_len=max_query_len, max_seq_len=self.max_model_len, query_lens_cpu=[],
-            seq_lens_cpu=[])
+            seq_lens_cpu=[],
+            state_slots=None if self.state_slots is None else self.state_slots[:num_seqs])
         return meta.with_groups(slots, tables) if len(tables) > 1 else meta
 
     def _run(self, bs: int) -> None:
@@ -131,7 +133,7 @@ class StepGraphs:
         each with its static inputs set: decode batches run the model once and write nothing,
         attend to nothing (slot -1, seq_len 0); a prefill of q tokens attends over a context of
         q positions (row 0 of the tables: block 0)."""
-        for slots in self.group_slots:
+        for slots in [*self.group_slots, *([] if self.state_slots is None else [self.state_slots])]:
             slots.fill_(-1)
         self.seq_lens.zero_()
         try:

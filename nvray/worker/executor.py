@@ -25,6 +25,7 @@ class InProcessExecutor:
         self.vocab_size = self.runner.hf_config.vocab_size
         self.dtypes = self.runner.dtypes()
         self.kv_group_windows = self.runner.kv_layout.group_windows
+        self.num_state_slots = self.runner.num_state_slots
         self.parallelism = self.runner.parallelism()
         self.startup_phases = dict(self.runner.startup.seconds)
 

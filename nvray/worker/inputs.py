@@ -15,6 +15,8 @@ A decode step that fits a captured CUDA graph writes instead into the graph's st
 With several block-table groups (``nvray/kv_layout.py``) every token has a KV slot in each
 group (the flat table's entry ``b * G + g``), and the metadata carries one per group
 (``AttentionMetadata.groups``).
+A model with recurrent layers adds a field: each sequence's state slot (padding: -1, the
+layers' scratch row); it gets no prefill graphs (``ModelRunner``).
 A step that is one sequence's query chunk fitting a prefill graph (``cuda_graph.py``) writes its
 tokens there too, padded to the graph's query length with tokens that write nowhere; its
 context length is the chunk's start + the graph's query length.
@@ -71,6 +73,7 @@ class StaticInputs(NamedTuple):
     seq_lens: torch.Tensor
     rows: torch.Tensor
     slots: list[torch.Tensor]  # one per block-table group
+    state_slots: torch.Tensor | None  # models with recurrent layers: each sequence's slot
 
 
 class _HostLists(NamedTuple):
@@ -86,6 +89,7 @@ class _HostLists(NamedTuple):
     fill_dst: list[int]  # positions in ids of placeholders
     fill_src: list[int]  # ... and the rows of the previous step's sampled ids that fill them
     score: list[int]  # rows of prompt tokens to score (after the rows to sample)
+    state: list[int]  # each sequence's recurrent-state slot (models with recurrent layers)
 
     @property
     def gathered(self) -> list[int]:
@@ -94,16 +98,18 @@ class _HostLists(NamedTuple):
 
 class InputBuilder:
     def __init__(self, block_size: int, max_model_len: int, max_num_seqs: int,
-                 graph_capacity: int, device: torch.device, num_groups: int = 1) -> None:
+                 graph_capacity: int, device: torch.device, num_groups: int = 1,
+                 has_state: bool = False) -> None:
         self.block_size = block_size
         self.num_groups = num_groups
+        self.has_state = has_state
         self.max_positions = -(-max_model_len // block_size) * block_size  # the tables' reach
         self.device = device
         self.cuda = device.type == "cuda"
         self.tables = DeviceBlockTables(2 * max_num_seqs + 2, -(-max_model_len // block_size),
                                         device, num_groups)
         self.graph_capacity = _aligned(graph_capacity)
-        self.static_fields = SHARED_FIELDS + num_groups
+        self.static_fields = SHARED_FIELDS + num_groups + has_state
         self.static = torch.zeros(self.static_fields * self.graph_capacity, dtype=torch.int32,
                                   device=device)
         self.copy_done = torch.cuda.Event() if self.cuda else None
@@ -115,7 +121,9 @@ class InputBuilder:
         if not self.graph_capacity:
             return None
         fields = self.static.view(self.static_fields, -1).unbind(0)
-        return StaticInputs(*fields[:SHARED_FIELDS], list(fields[SHARED_FIELDS:]))
+        groups = list(fields[SHARED_FIELDS:SHARED_FIELDS + self.num_groups])
+        return StaticInputs(*fields[:SHARED_FIELDS], groups,
+                            fields[-1] if self.has_state else None)
 
     # ------------------------------------------------------------------ build
     def prepare(self, step: StepInput, graph_sizes: list[int],
@@ -154,7 +162,7 @@ class InputBuilder:
         tables.begin_step()
         if step.released:
             tables.release(step.released)
-        h = _HostLists([], [], [[] for _ in range(groups)], [], [], [], [], [], [], [], [], [])
+        h = _HostLists([], [], [[] for _ in range(groups)], [], [], [], [], [], [], [], [], [], [])
         slots = h.slots[0]
         for s in step.seqs:
             n, start = len(s.token_ids), s.start_pos
@@ -164,6 +172,7 @@ class InputBuilder:
                 h.score.extend(range(first, first + len(s.score.targets)))
             row, table = tables.sync(s.seq_id, s.block_table, s.table_start, h.upd_idx, h.upd_val)
             h.rows.append(row)
+            h.state.append(s.state_slot)
             h.ids.extend(s.token_ids)
             if s.token_ids[-1] < 0:  # a placeholder: always the last token of its sequence
                 h.fill_dst.append(len(h.ids) - 1)
@@ -195,6 +204,7 @@ class InputBuilder:
         cap, n = self.graph_capacity, len(h.rows)
         a = self.host_np
         fields = [(h.ids, 0), (h.pos, 0), (h.seq_lens, 0), (h.rows, 0)] + [(s, -1) for s in h.slots]
+        fields += [(h.state, -1)] if self.has_state else []
         for f, (values, pad) in enumerate(fields):
             a[f * cap:f * cap + n] = values
             a[f * cap + n:f * cap + graph_bs] = pad
@@ -216,7 +226,8 @@ class InputBuilder:
         cap, n = self.graph_capacity, len(h.ids)
         a = self.host_np
         fields = [(h.ids, 0, q), (h.pos, 0, q), ([h.seq_lens[0] - n + q], 0, 1), (h.rows, 0, 1)]
-        for f, (values, pad, length) in enumerate(fields + [(s, -1, q) for s in h.slots]):
+        fields += [(s, -1, q) for s in h.slots] + ([(h.state, -1, 1)] if self.has_state else [])
+        for f, (values, pad, length) in enumerate(fields):
             a[f * cap:f * cap + len(values)] = values
             a[f * cap + len(values):f * cap + length] = pad
         head = self.static_fields * cap
@@ -238,11 +249,11 @@ class InputBuilder:
             cu.append(cu[-1] + q)
         groups = self.num_groups
         parts = [h.ids, h.pos, *h.slots, cu, h.seq_lens, h.rows, h.gathered, h.upd_idx, h.upd_val,
-                 h.fill_dst, h.fill_src]
+                 h.fill_dst, h.fill_src, h.state]
         end = self._fill(0, *parts)
         views = self._upload(0, end, [len(p) for p in parts])
         ids, pos, slots = views[0], views[1], views[2:2 + groups]
-        cu_q, seq_lens, rows, sample, upd_idx, upd_val, dst, src = views[2 + groups:]
+        cu_q, seq_lens, rows, sample, upd_idx, upd_val, dst, src, state = views[2 + groups:]
         self.tables.apply(upd_idx, upd_val)
         max_seq_len = max(h.seq_lens)
         width = -(-max_seq_len // self.block_size)
@@ -251,7 +262,8 @@ class InputBuilder:
         meta = AttentionMetadata(slot_mapping=slots[0], query_start_loc=cu_q, seq_lens=seq_lens,
                                  block_tables=tables[0], max_query_len=max(h.q_lens),
                                  max_seq_len=max_seq_len, query_lens_cpu=h.q_lens,
-                                 seq_lens_cpu=h.seq_lens)
+                                 seq_lens_cpu=h.seq_lens,
+                                 state_slots=state if self.has_state else None)
         if groups > 1:
             meta.with_groups(slots, tables)
         sample_all = not h.score and h.sample == list(range(len(h.sample)))  # e.g. decodes

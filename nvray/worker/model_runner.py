@@ -92,6 +92,9 @@ class ModelRunner:
             self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
                                      config.seed, self.quant_config, config.load_format)
         self.attention_layers = self.model.attention_layers()
+        # recurrent layers (layers/gated_deltanet.py): a state per slot, a slot per sequence
+        self.state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
+        self.num_state_slots = config.max_num_seqs if self.state_layers else 0
         self._set_up_all_reduce()
         self.kv_layout = plan_kv_layout([layer.sliding_window for layer in self.attention_layers])
         for layer, (group, _) in zip(self.attention_layers, self.kv_layout.layer_slots):
@@ -108,10 +111,13 @@ class ModelRunner:
             self.fused_sampler = use_triton_kernels(self.model)
         graphs = self._graphs_wanted()
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
-        self.prefill_sizes = prefill_graph_sizes(config.max_prefill_graph_tokens) if graphs else []
+        # a prefill graph's padding tokens would run through the recurrent state: none there
+        self.prefill_sizes = (prefill_graph_sizes(config.max_prefill_graph_tokens)
+                              if graphs and not self.state_layers else [])
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    max([*self.graph_sizes, *self.prefill_sizes], default=0),
-                                   self.device, self.kv_layout.num_groups)
+                                   self.device, self.kv_layout.num_groups,
+                                   has_state=bool(self.state_layers))
         self.stage_input = self._stage_input_buffer()
         self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
@@ -120,6 +126,7 @@ class ModelRunner:
         self.num_graph_replays = 0
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []  # every K and V tensor of the cache, once
+        self.state_caches: list[torch.Tensor] = []  # every recurrent layer's state tensors
         self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
@@ -197,6 +204,11 @@ class ModelRunner:
         per_token = max(2 * layer.num_kv_heads * layer.head_dim for layer in self.attention_layers)
         return self.kv_layout.slots_per_block * self.block_size * per_token * self.kv_dtype.itemsize
 
+    @property
+    def state_slot_bytes(self) -> int:
+        """One state slot of every recurrent layer of this rank."""
+        return sum(layer.state_bytes(self.dtype) for layer in self.state_layers)
+
     def decode_scratch_bytes(self, batch: int) -> int:
         """What one layer's decode attention allocates besides its output for ``batch``
         sequences in a CUDA graph (contexts bounded by ``max_model_len``)."""
@@ -215,12 +227,16 @@ class ModelRunner:
             self.graphs.release()
             self.graphs = None
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, state_rows: int = 1) -> None:
         """A zeroed cache of ``num_blocks`` blocks (0: none): one K and one V tensor per slot of
         the KV layout, shared by the layers of that slot in every group (``kv_layout.py``; one
-        group: a tensor per layer); graphs captured over the old cache are dropped first."""
+        group: a tensor per layer), and ``state_rows`` rows of each recurrent layer's state
+        (the engine's slots and the scratch row; none with no blocks); graphs captured over
+        the old cache are dropped first."""
         self._release_graphs()
         self.num_blocks = num_blocks
+        for layer in self.state_layers:
+            layer.allocate_state(state_rows if num_blocks else 0, self.dtype, self.device)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)  # free the old cache first
         pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -234,6 +250,7 @@ class ModelRunner:
                 f"and {shape}")
             layer.k_cache, layer.v_cache = pools[slot]
         self.kv_caches = [cache for pool in pools.values() for cache in pool]
+        self.state_caches = [t for layer in self.state_layers for t in layer.state_tensors()]
 
     def close(self) -> None:
         """Drop graphs, cache and weights and give their memory back: the modules hold reference
@@ -256,6 +273,8 @@ class ModelRunner:
         before the last stage)."""
         if step.block_copies:
             self.copy_blocks(step.block_copies)
+        if step.state_copies:
+            self.copy_states(step.state_copies)
         graphs = self.graphs
         batch = self.inputs.prepare(step, graphs.sizes if graphs is not None else [],
                                     graphs.prefill_sizes if graphs is not None else [],
@@ -285,6 +304,13 @@ class ModelRunner:
             # as bytes: torch has no index_copy_ for float8 (an FP8 cache)
             raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
             raw.index_copy_(0, dst, raw.index_select(0, src))
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Forks: each (src, dst) slot's recurrent state, in every layer, before the step."""
+        src = to_device([c[0] for c in copies], self.device)
+        dst = to_device([c[1] for c in copies], self.device)
+        for state in self.state_caches:
+            state.index_copy_(0, dst, state.index_select(0, src))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

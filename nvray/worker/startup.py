@@ -49,6 +49,7 @@ def num_kvcache_blocks(runner: ModelRunner) -> int:
         budget, where = runner.memory_report.kv_budget, runner.memory_report.describe()
         logger.info("GPU memory: %s", where)
     block_bytes, block_size = runner.kv_block_bytes, runner.block_size
+    budget -= (runner.num_state_slots + 1) * runner.state_slot_bytes  # recurrent layers' state
     num_blocks = max(budget, 0) // block_bytes
     chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else runner.max_model_len
     needed = peak_blocks(runner.kv_layout.group_windows, runner.max_model_len, block_size,
@@ -139,7 +140,7 @@ def warmup(runner: ModelRunner) -> None:
 def prepare_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     """Create the cache; on the GPU, warm the kernels and capture the CUDA graphs over it."""
     with runner.startup.phase("kv_cache"):
-        runner.allocate_kv_cache(num_blocks)
+        runner.allocate_kv_cache(num_blocks, runner.num_state_slots + 1)
     if runner.device.type == "cuda":
         with runner.startup.phase("kernel_warmup"):
             warm_kernels(runner)

@@ -1,37 +1,16 @@
-"""Beam search against a reference beam search written here over HF transformers' logits, and
+"""Beam search against a reference beam search (``oracle.py``) over HF transformers' logits, and
 the block accounting of its forks. In-process (the tests look at the block manager); the same
 engine code runs behind Ray (tests/runtime)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from oracle import hf_model, random_prompts
+from oracle import random_prompts, reference_beam_search
 from nvray import BeamSearchParams, SamplingParams
 from nvray.engine.beam_search import Hypothesis, beam_score
 from tiny_engines import BLOCK, tiny_inprocess
 
-
-
-def reference_beam_search(path: str, prompt: list[int], width: int, max_tokens: int,
-                          eos: tuple[int, ...], length_penalty: float = 1.0):
-    """[(generated tokens, cumulative log-probability)], best first."""
-    def score(tokens, cum):
-        ended = bool(tokens) and tokens[-1] in eos
-        return cum / ((len(prompt) + len(tokens) - ended) ** length_penalty)
-
-    beams, done = [([], 0.0)], []
-    for _ in range(max_tokens):
-        candidates = []
-        for tokens, cum in beams:
-            with torch.no_grad():
-                logits = hf_model(path)(torch.tensor([prompt + tokens])).logits[0, -1]
-            top = logits.float().log_softmax(-1).topk(2 * width)
-            for lp, t in zip(top.values.tolist(), top.indices.tolist()):
-                (done if t in eos else candidates).append((tokens + [t], cum + lp))
-        beams = sorted(candidates, key=lambda c: score(*c), reverse=True)[:width]
-    return sorted(done + beams, key=lambda c: score(*c), reverse=True)[:width]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,300 @@
+"""Gated DeltaNet: the linear-attention mixer of Qwen3.5's hybrid layers, with its per-sequence
+state.
+
+A layer projects each token to q, k (``linear_num_key_heads`` heads of ``linear_key_head_dim``),
+v and an output gate z (``linear_num_value_heads`` heads of ``linear_value_head_dim``), a decay
+input a and a write strength b per value head. q, k and v go through a causal depthwise
+convolution over time (kernel ``linear_conv_kernel_dim``, SiLU), q and k are L2-normalised (q
+scaled by ``dk ** -0.5``), and each value head keeps a ``[dk, dv]`` matrix state S updated per
+token by the gated delta rule::
+
+    S <- exp(g) * S;   S <- S + k (beta * (v - S^T k))^T;   o = S^T q
+    g = -exp(A_log) * softplus(a + dt_bias),   beta = sigmoid(b)
+
+(a value head reads key head ``h // (nv / nk)``). The output is RMS-normalised per head, scaled
+by ``weight`` and gated by ``silu(z)``, then projected back (``out_proj``, row-parallel).
+
+**State.** A sequence's whole history lives in two fixed-size tensors per layer: the last
+``K - 1`` conv inputs ``[conv_dim, K - 1]`` (compute dtype) and S ``[nv, dk, dv]`` (float32).
+The model runner allocates them per *state slot* (``conv_state`` / ``ssm_state``, first dim
+the slot; ``allocate_state``); the engine gives each running sequence a slot
+(``BlockManager``), which reaches this layer as ``AttentionMetadata.state_slots`` (one per
+sequence; -1, or any slot past the end, is the last row: a scratch row for a CUDA graph's
+padding and the start-up warm-up). A sequence whose chunk starts at position 0 starts from zero
+state whatever its slot holds, so a slot is reused without clearing; a chunk that starts later
+resumes from its slot (chunked prefill carries the state across chunks).
+
+**Compute.** Prefill chunks run the chunked form of the rule (chunks of 64 tokens: the
+in-chunk updates solved as one triangular system, the state carried between chunks); a step
+of decodes only (one token per sequence) runs one recurrent update for the whole batch with no
+host-side loop, which a CUDA graph can capture. Both are torch here (the CPU reference, and the
+GPU path until the Triton kernels land); they compute the same function as transformers'
+``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``.
+
+**Tensor parallelism** splits the heads: each rank holds ``nk / tp`` key heads and ``nv / tp``
+value heads (their projections' rows, conv channels, ``A_log`` and ``dt_bias`` entries, and
+their state); ``out_proj`` is row-parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nvray.layers.attention import AttentionMetadata
+from nvray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from nvray.layers.tp import PartialSum, divide, tp_rank, tp_size
+from nvray.quantization import Fp8Config
+
+CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's depthwise causal conv: ``x`` [L, C] after ``prev`` [C, K-1] (the inputs
+    before it); returns SiLU(conv) [L, C] and the new ``prev`` (the last K-1 inputs)."""
+    window = torch.cat([prev.to(x.dtype), x.t()], dim=1)  # [C, K-1+L]
+    out = F.conv1d(window.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1),
+                   groups=weight.shape[0])[0]  # [C, L]
+    return F.silu(out).t().to(x.dtype), window[:, -(weight.shape[1] - 1):]
+
+
+def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, in chunks. q, k [L, H, dk] (normalised, q
+    scaled), v [L, H, dv], g and beta [L, H], state [H, dk, dv]; all float32. Returns the
+    outputs [L, H, dv] and the final state.
+
+    Within a chunk with cumulative log-decay c_i, the updates u_i = beta_i (v_i - S'_i^T k_i)
+    satisfy (I + A) U = beta V - beta exp(c) K S0 with A_ij = beta_i exp(c_i - c_j) k_i.k_j
+    (j < i): one unit-triangular solve per chunk instead of a loop over its tokens."""
+    length = q.shape[0]
+    pad = -length % chunk
+    if pad:  # padding rows write nothing (k = 0, beta = 0) and decay nothing (g = 0)
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+    n = q.shape[0] // chunk
+    # [H, n, C, d]
+    q, k, v = (t.view(n, chunk, *t.shape[1:]).permute(2, 0, 1, 3) for t in (q, k, v))
+    g, beta = (t.view(n, chunk, -1).permute(2, 0, 1) for t in (g, beta))  # [H, n, C]
+    c = g.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is taken as 1 (unitriangular)
+    updates = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False,
+                                            unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(system, k_beta * c.exp().unsqueeze(-1),
+                                               upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * c.exp().unsqueeze(-1)
+    k_to_end = k * (c[..., -1:] - c).exp().unsqueeze(-1)
+    chunk_decay = c[..., -1].exp()  # [H, n]
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = updates[:, i] - state_keys[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ u
+        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
+    return out.permute(1, 2, 0, 3).reshape(n * chunk, *out.shape[:1], out.shape[-1])[:length], state
+
+
+def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, state: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: q, k [B, H, dk], v [B, H, dv], g, beta [B, H],
+    state [B, H, dk, dv]; float32. Returns the outputs [B, H, dv] and the new states."""
+    state = state * g.exp()[..., None, None]
+    remembered = (state * k.unsqueeze(-1)).sum(-2)
+    delta = (v - remembered) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(-2), state
+
+
+class FusedColumnParallelLinear(MergedColumnParallelLinear):
+    """Column-parallel parts stored as ONE checkpoint tensor (``in_proj_qkv``: q, k, v rows
+    one after the other): each part is sharded over the ranks on its own."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        if args:
+            return super().weight_loader(param, loaded, *args)
+        full = sum(self.output_sizes)
+        step = loaded.shape[0] * 1.0 / full  # rows of ``loaded`` per output feature (scales)
+        if int(step * full) != loaded.shape[0] or (step != 1 and step * min(self.output_sizes) % 1):
+            raise ValueError(f"expected {full} output rows, checkpoint has {loaded.shape[0]}")
+        start = 0
+        for part, size in enumerate(self.output_sizes):
+            rows = int(size * step)
+            super().weight_loader(param, loaded.narrow(0, start, rows), part)
+            start += rows
+
+
+class DepthwiseConvWeight(nn.Module):
+    """The causal conv's weight, ``[channels, K]`` on this rank (checkpoints store
+    ``[conv_dim, 1, K]``), its channels the q, k, v parts sharded like ``in_proj_qkv``."""
+
+    def __init__(self, part_sizes: list[int], kernel: int) -> None:
+        super().__init__()
+        self.part_sizes = part_sizes
+        local = [divide(n, tp_size(), "linear attention channels") for n in part_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(local), kernel), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        loaded = loaded.reshape(loaded.shape[0], -1)
+        if tuple(loaded.shape) != (sum(self.part_sizes), param.shape[1]):
+            raise ValueError(f"expected shape {(sum(self.part_sizes), 1, param.shape[1])}, "
+                             f"checkpoint has {tuple(loaded.shape)}")
+        src = dst = 0
+        for size in self.part_sizes:
+            local = size // tp_size()
+            param.data[dst:dst + local] = loaded[src + tp_rank() * local:src + (tp_rank() + 1) * local]
+            src, dst = src + size, dst + local
+
+
+def _head_sharded(num_heads: int, init: float) -> nn.Parameter:
+    """A per-value-head vector (``A_log``, ``dt_bias``), this rank's heads."""
+    local = divide(num_heads, tp_size(), "linear_num_value_heads")
+    param = nn.Parameter(torch.full((local,), init), requires_grad=False)
+
+    def load(p: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        if tuple(loaded.shape) != (num_heads,):
+            raise ValueError(f"expected shape {(num_heads,)}, checkpoint has {tuple(loaded.shape)}")
+        p.data.copy_(loaded.narrow(0, tp_rank() * local, local))
+
+    param.weight_loader = load  # type: ignore[attr-defined]
+    return param
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of the rule's output, scaled by ``weight`` then gated by ``silu(z)``."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer (see the module docstring); ``forward(positions, x, meta)``
+    as an attention layer's."""
+
+    def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str) -> None:
+        super().__init__()
+        from nvray.models.decoder import quant_for  # noqa: PLC0415 - models import layers
+
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if nv % nk:
+            raise ValueError(f"linear_num_value_heads={nv} is not a multiple of "
+                             f"linear_num_key_heads={nk}")
+        self.num_k_heads = divide(nk, tp_size(), "linear_num_key_heads")
+        self.num_v_heads = divide(nv, tp_size(), "linear_num_value_heads")
+        self.head_k_dim, self.head_v_dim = dk, dv
+        self.kernel = cfg.linear_conv_kernel_dim
+        parts = [nk * dk, nk * dk, nv * dv]
+        self.in_proj_qkv = FusedColumnParallelLinear(
+            cfg.hidden_size, parts, quant=quant_for(quant, prefix, ["in_proj_qkv"]))
+        self.in_proj_z = ColumnParallelLinear(cfg.hidden_size, nv * dv,
+                                              quant=quant_for(quant, prefix, ["in_proj_z"]))
+        self.in_proj_b = ColumnParallelLinear(cfg.hidden_size, nv)
+        self.in_proj_a = ColumnParallelLinear(cfg.hidden_size, nv)
+        self.conv1d = DepthwiseConvWeight(parts, self.kernel)
+        self.A_log = _head_sharded(nv, 0.0)
+        self.dt_bias = _head_sharded(nv, 1.0)
+        self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(nv * dv, cfg.hidden_size,
+                                          quant=quant_for(quant, prefix, ["out_proj"]))
+        self.conv_dim = self.conv1d.weight.shape[0]
+        self.conv_state = torch.empty(0)  # [rows, conv_dim, K-1]: allocate_state
+        self.ssm_state = torch.empty(0)  # [rows, nv, dk, dv] float32
+
+    # ----------------------------------------------------------------- state
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One slot's state on this rank (conv inputs in ``dtype``, S in float32)."""
+        conv = self.conv_dim * (self.kernel - 1) * dtype.itemsize
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+
+    def allocate_state(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(rows, self.conv_dim, self.kernel - 1, dtype=dtype,
+                                      device=device)
+        self.ssm_state = torch.zeros(rows, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                     dtype=torch.float32, device=device)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.conv_state, self.ssm_state]
+
+    # --------------------------------------------------------------- forward
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor | PartialSum:
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        assert meta.state_slots is not None, "a linear-attention layer needs state slots"
+        rows = meta.state_slots.long() % self.conv_state.shape[0]  # -1: the scratch row
+        if meta.is_decode_only:
+            core = self._decode(mixed, g, beta, rows, positions > 0)
+        else:
+            core = self._prefill(mixed, g, beta, rows, meta)
+        heads = core.view(-1, self.head_v_dim)
+        out = self.norm(heads, z.reshape(-1, self.head_v_dim)).view(x.shape[0], -1)
+        return self.out_proj(out)
+
+    def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [N, conv_dim] -> q, k [N, nv, dk] (normalised, q scaled; key
+        heads repeated for their value heads) and v [N, nv, dv], float32."""
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = conv_out.float().split([key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], -1)
+        group = self.num_v_heads // self.num_k_heads
+        q, k = (l2_normalize(t.view(-1, self.num_k_heads, self.head_k_dim))
+                .repeat_interleave(group, dim=1) for t in (q, k))
+        return q * self.head_k_dim ** -0.5, k, v.view(-1, self.num_v_heads, self.head_v_dim)
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                rows: torch.Tensor, resumes: torch.Tensor) -> torch.Tensor:
+        """One token per sequence, batched (no host loop: CUDA-graph safe)."""
+        keep = resumes.view(-1, 1, 1)
+        prev = self.conv_state.index_select(0, rows) * keep
+        window = torch.cat([prev, mixed.unsqueeze(-1).to(prev.dtype)], dim=-1)  # [B, C, K]
+        conv = F.silu((window.to(self.conv1d.weight.dtype) * self.conv1d.weight).sum(-1))
+        self.conv_state.index_copy_(0, rows, window[:, :, 1:])
+        q, k, v = self._split(conv.to(mixed.dtype))
+        state = self.ssm_state.index_select(0, rows) * keep.unsqueeze(-1)
+        out, state = recurrent_gated_delta(q, k, v, g, beta, state)
+        self.ssm_state.index_copy_(0, rows, state)
+        return out.to(mixed.dtype)
+
+    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Sequence by sequence (the host knows each chunk's length and start)."""
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=mixed.dtype,
+                          device=mixed.device)
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            end, row = start + q_len, rows[i:i + 1]
+            resumes = ctx_len > q_len
+            prev = self.conv_state[row][0] if resumes else torch.zeros_like(self.conv_state[0])
+            conv, prev = causal_conv(mixed[start:end], prev, self.conv1d.weight)
+            self.conv_state.index_copy_(0, row, prev.unsqueeze(0).to(self.conv_state.dtype))
+            q, k, v = self._split(conv)
+            state = self.ssm_state[row][0] if resumes else torch.zeros_like(self.ssm_state[0])
+            o, state = chunked_gated_delta(q, k, v, g[start:end], beta[start:end], state)
+            self.ssm_state.index_copy_(0, row, state.unsqueeze(0))
+            out[start:end] = o.to(mixed.dtype)
+            start = end
+        return out

@@ -1,0 +1,145 @@
+"""Qwen3.5 hybrids (Gated DeltaNet linear attention + gated full attention, dense and MoE)
+against HF transformers' own classes (random checkpoints they write, ``hf_checkpoints.py``):
+fp32 logits of a prefill three GDN chunks long and of decode steps; greedy tokens through the
+engine's paths (chunks that cut inside a GDN chunk, preemption by recompute, overlapped steps);
+n = 3 choices and beam search (a fork takes its parent's state); the language model of a
+vision-language checkpoint; and no state slot or block left held after aborts, preemptions and
+a burst of n > 1 requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import greedy_step, hf_greedy, hf_model, random_prompts, reference_beam_search
+from nvray import LLM, BeamSearchParams, EngineConfig, SamplingParams
+from nvray.worker.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-tied", "qwen3_5-moe"])
+def test_logits_match_hf_for_prefill_and_decode(family, family_path):
+    path = family_path(family)
+    runner = ModelRunner(EngineConfig(model=path, num_kvcache_blocks=16, kvcache_block_size=16), path)
+    runner.allocate_kv_cache(16, state_rows=2)
+    prompt = random_prompts(1, 150, 150, seed=3)[0]  # three chunks of the GDN's 64
+    table = list(range(15, -1, -1))
+    hf, tokens = hf_model(path), list(prompt)
+    ours = runner.forward(greedy_step(prompt, 0, table))[0][0]
+    for step in range(4):
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0, -1]
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4, msg=f"step {step}")
+        tokens.append(int(ref.argmax()))
+        ours = runner.forward(greedy_step([tokens[-1]], len(tokens) - 1, table))[0][0]
+
+
+def _hybrid_llm(path: str, **kw) -> LLM:
+    """Small enough that six prompts preempt; 40-token chunks cut the GDN's 64-token chunks."""
+    return LLM(path, runtime="inprocess", num_kvcache_blocks=14, kvcache_block_size=16,
+               max_model_len=160, max_num_batched_tokens=40, max_num_seqs=8, **kw)
+
+
+def _assert_nothing_held(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished_requests()
+    assert sorted(bm.free_state_slots) == list(range(bm.num_state_slots))
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-moe"])
+def test_greedy_matches_hf_through_chunks_preemption_and_overlapped_steps(family, family_path):
+    path = family_path(family)
+    prompts = random_prompts(6, 20, 90, seed=9)
+    llm = _hybrid_llm(path)
+    try:
+        assert llm.engine.overlap
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.engine.stats()
+        _assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+    assert stats["num_preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, 24), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.fixture(scope="module")
+def hybrid(family_path):
+    llm = _hybrid_llm(family_path("qwen3_5"))
+    yield llm
+    llm.shutdown()
+
+
+def _sampled(seed: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=12,
+                          ignore_eos=True, n=n)
+
+
+def test_choices_equal_single_requests_and_greedy_choices_equal_hf(hybrid, family_path):
+    prompt, other = random_prompts(2, 37, 50, seed=1)
+    mixed = hybrid.generate([prompt, other], [_sampled(100, n=3), _sampled(7)], use_tqdm=False)
+    alone = [hybrid.generate(prompt, _sampled(100 + i), use_tqdm=False)[0] for i in range(3)]
+    assert [c.token_ids for c in mixed[:3]] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in mixed[:3]}) > 1
+    greedy = hybrid.generate(prompt, SamplingParams(n=3, temperature=0.0, max_tokens=16,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in greedy] == [hf_greedy(family_path("qwen3_5"), prompt, 16)] * 3
+    _assert_nothing_held(hybrid)
+
+
+def test_a_one_token_prompt_in_a_used_slot_starts_from_zero_state(hybrid, family_path):
+    """A decode-only step (one token per sequence) whose sequence starts at position 0: its
+    slot held another sequence's state a moment ago."""
+    path = family_path("qwen3_5")
+    long_prompt = random_prompts(1, 60, 60, seed=8)[0]
+    hybrid.generate(long_prompt, GREEDY, use_tqdm=False)
+    outs = hybrid.generate([[long_prompt[0]], [long_prompt[5]]], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(path, [long_prompt[0]], 24),
+                                           hf_greedy(path, [long_prompt[5]], 24)]
+
+
+def test_beams_equal_the_reference(hybrid, family_path):
+    """Each round's beams are forks of the last round's: they continue from a copy of their
+    parent's recurrent state."""
+    path = family_path("qwen3_5")
+    prompts = random_prompts(2, 5, 30, seed=4)
+    eos = hybrid.engine.limits.eos_token_ids
+    results = hybrid.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6),
+                                 use_tqdm=False)
+    for prompt, beams in zip(prompts, results):
+        expected = reference_beam_search(path, prompt, 3, 6, eos)
+        assert [b.token_ids for b in beams] == [tokens for tokens, _ in expected]
+    _assert_nothing_held(hybrid)
+
+
+def test_aborts_preemptions_and_a_burst_of_choices_leave_no_slot_held(hybrid):
+    engine = hybrid.engine
+    prompts = random_prompts(6, 30, 90, seed=21)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"burst-{i}", prompt, _sampled(i, n=3) if i % 2 else GREEDY)
+    preempted_before = engine.stats()["num_preemptions"]
+    for step in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        if step == 3:
+            engine.abort_request("burst-1")
+            engine.abort_request("burst-2")
+    assert engine.stats()["num_preemptions"] > preempted_before
+    _assert_nothing_held(hybrid)
+
+
+def test_the_language_model_of_a_vision_language_checkpoint_matches_hf(family_path):
+    path = family_path("qwen3_5-vl")
+    prompts = random_prompts(2, 20, 70, seed=5)
+    llm = LLM(path, runtime="inprocess", num_kvcache_blocks=32, max_model_len=160)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        architecture = llm.engine.limits.architecture
+    finally:
+        llm.shutdown()
+    assert architecture == "Qwen3_5ForConditionalGeneration"
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, 24)
