@@ -3,8 +3,8 @@ attention prologue (per-head q/k RMSNorm + rotary, optionally fused with the KV 
 hidden-state RMSNorm (with the residual add, and the TP all-reduce's sum), the MLP's gated activation (both optionally
 quantizing their output for the FP8 layer they feed), the sampler's
 greedy-or-tempered draw and its sort-free top-k/top-p/min-p thresholds, grammar token
-masks applied to chosen logits rows, and FP8 linear layers (activation quantization, the
-per-channel and block-scaled GEMMs).
+masks applied to chosen logits rows, the decode step of Gated DeltaNet linear attention, and
+FP8 linear layers (activation quantization, the per-channel and block-scaled GEMMs).
 
 Each launcher validates its arguments (``ValueError`` naming the argument) and
 has a pure-torch reference ``*_ref`` with the same signature. See each module's
@@ -57,6 +57,7 @@ from .fp8_gemm import (block_fp8_mm, block_fp8_mm_ref, channel_fp8_mm,  # noqa: 
                        quantize_fp8_act_ref)
 from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from .fused_moe import fused_moe, fused_moe_ref, moe_align, moe_align_ref  # noqa: E402
+from .gdn_decode import gdn_decode, gdn_decode_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import (decode_scratch_bytes, paged_decode_attention,  # noqa: E402
                                paged_decode_attention_ref)
@@ -96,6 +97,8 @@ __all__ = [
     "sum_rms_norm_ref",
     "filter_thresholds",
     "filter_thresholds_ref",
+    "gdn_decode",
+    "gdn_decode_ref",
     "mask_logits",
     "mask_logits_ref",
     "race_sample",

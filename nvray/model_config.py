@@ -104,7 +104,7 @@ def architecture_of(model_path: str) -> str:
     return (load_model_config(model_path).architectures or [""])[0]
 
 
-def _language_model_keys(raw: dict[str, Any]) -> dict[str, Any]:
+def language_model_keys(raw: dict[str, Any]) -> dict[str, Any]:
     """A vision-language checkpoint's ``text_config`` lifted to the top level (its own
     top-level keys kept where the text config lacks them)."""
     text = raw.get("text_config")
@@ -117,7 +117,7 @@ def _language_model_keys(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
-    raw = _language_model_keys(raw)
+    raw = language_model_keys(raw)
     archs = raw.get("architectures") or []
     defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), _QWEN_DEFAULTS)
     raw = {_ALIASES.get(k, k): v for k, v in raw.items()}

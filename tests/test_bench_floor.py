@@ -101,3 +101,19 @@ def test_a_windowed_layer_reads_at_most_its_window() -> None:
         floor_output_tok_per_s(full, *short, 3.0))
     long = [8000] * 8, [20] * 8  # five layers in six read 1,024 of 8,000 tokens: faster
     assert floor_output_tok_per_s(gemma, *long, 3.0) > 1.5 * floor_output_tok_per_s(full, *long, 3.0)
+
+
+# a hybrid of one linear-attention and one gated full-attention layer (Qwen3.5's layout):
+# attention 4*(4 + 4 gate + 2*2) + 4*4 = 64; linear attention 4*(2*2 + 4) + 4*4 (z) + 2*4*2
+# (a, b) + 4*4 (out) = 80; MLPs 2 * 96: 336 linear parameters, LM head 40: 752 B a step in bf16;
+# KV 8 B per context token (the attention layer only); state per sequence: S 2*2*2 float32 =
+# 32 B and the conv's last 2 inputs of 8 channels in bf16 = 32 B, read and written: 128 B a step
+_HYBRID = {**_HAND, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+           "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 2,
+           "linear_value_head_dim": 2, "linear_conv_kernel_dim": 3}
+
+
+def test_a_hybrid_step_reads_the_attention_layers_kv_and_every_sequences_state() -> None:
+    # one prompt of 10 tokens, 3 output tokens: 2 * 752 + (11 + 12) * 8 + 2 * 128 = 1944 B
+    assert floor_output_tok_per_s(_HYBRID, [10], [3], 1e-12) == pytest.approx(3 / 1944)
+    assert kv_bytes_per_token(_HYBRID) == 8

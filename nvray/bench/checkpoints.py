@@ -27,7 +27,7 @@ QWEN3_SHAPES: dict[str, dict[str, Any]] = {"0.6b": QWEN3_0_6B_SHAPE, "8b": QWEN3
 QWEN3_VOCAB, QWEN3_TOKENIZER_VOCAB = 151936, 151669
 
 # Other families' shapes, from their config.json (Llama-3.1-8B, Qwen3-30B-A3B, Gemma-3-12B's text
-# model): only the config is written, and the engine makes random weights on the GPU
+# model; Qwen3.5's below): only the config is written, and the engine makes random weights on the GPU
 # (load_format="dummy": 16-60 GB of random safetensors would take longer to write than to bench).
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {
@@ -54,6 +54,26 @@ FAMILY_SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "vocab_size": 262208,
         "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
 }
+# Qwen3.5: transformers' own configuration classes' defaults, which they call the Qwen3.5-9B-style
+# (dense) and Qwen3.5-35B-A3B-style (MoE) configurations, with the released models' rope base and
+# context: three linear-attention layers of every four, 16 key / 32 value heads of 128
+_QWEN3_5_COMMON: dict[str, Any] = {
+    "vocab_size": 248320, "num_attention_heads": 16, "head_dim": 256,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25}}
+FAMILY_SHAPES.update({
+    "qwen3.5-9b": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+                   **_QWEN3_5_COMMON, "hidden_size": 4096, "intermediate_size": 12288,
+                   "num_hidden_layers": 32, "num_key_value_heads": 4},
+    "qwen3.5-35b-a3b": {"architectures": ["Qwen3_5MoeForCausalLM"],
+                        "model_type": "qwen3_5_moe_text", **_QWEN3_5_COMMON,
+                        "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
+                        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                        "num_experts": 256, "num_experts_per_tok": 8},
+})
 SHAPES = sorted([*QWEN3_SHAPES, *FAMILY_SHAPES])
 
 

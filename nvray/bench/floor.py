@@ -20,7 +20,11 @@ dtype. With an FP8 KV cache (``kv_cache_dtype="fp8"``)
 keys and values count one byte a value. An MoE layer's step reads the router and the experts
 its tokens pick (about ``E * (1 - (1 - k/E) ** B)`` of ``E`` at batch ``B`` and top-``k``, routing
 uniform) and a token computes with its ``k``; a sliding-window layer reads at most its window
-of each context (Gemma 3's local layers, Mistral's).
+of each context (Gemma 3's local layers, Mistral's). A linear-attention layer (Qwen3.5's Gated
+DeltaNet) holds no KV: a decode step reads and writes each running sequence's state of it
+(the float32 ``[value heads, key dim, value dim]`` matrix and the conv's last inputs), whatever
+the context; Qwen3.5's full-attention layers' q projection is twice as wide (the output gate) and
+its MoE layers add a shared expert.
 """
 
 from __future__ import annotations
@@ -72,11 +76,46 @@ def _is_sparse(cfg: dict[str, Any], index: int) -> bool:
             and (index + 1) % cfg.get("decoder_sparse_step", 1) == 0)
 
 
+def layer_types(cfg: dict[str, Any]) -> list[str]:
+    """Each layer's kind ("linear_attention" or an attention kind)."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if "full_attention_interval" in cfg:  # Qwen3.5
+        every = cfg["full_attention_interval"]
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def _is_hybrid(cfg: dict[str, Any]) -> bool:
+    return "linear_attention" in layer_types(cfg)
+
+
 def _attention_params(cfg: dict[str, Any]) -> int:
     h = cfg["hidden_size"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    return h * (q + 2 * kv) + q * h
+    gate = q if _is_hybrid(cfg) else 0  # Qwen3.5's output gate, in q_proj
+    return h * (q + gate + 2 * kv) + q * h
+
+
+def _linear_attention_params(cfg: dict[str, Any]) -> int:
+    h, nv = cfg["hidden_size"], cfg["linear_num_value_heads"]
+    key, value = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"], nv * cfg["linear_value_head_dim"]
+    return h * (2 * key + value) + h * value + 2 * h * nv + value * h
+
+
+def state_bytes_per_sequence(cfg: dict[str, Any]) -> int:
+    """One sequence's recurrent state over all linear-attention layers (S in float32, the
+    conv's last inputs in the model's dtype)."""
+    linear = layer_types(cfg).count("linear_attention")
+    if not linear:
+        return 0
+    key = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    conv = (2 * key + cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]) * (
+        cfg["linear_conv_kernel_dim"] - 1) * _bytes_per_value(cfg)
+    s = cfg["linear_num_value_heads"] * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4
+    return linear * (s + conv)
 
 
 def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
@@ -90,11 +129,16 @@ def _layer_params(cfg: dict[str, Any], batch: int | None = None) -> int:
     reads (None: every one; an MoE layer's router and the experts its tokens pick)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     sparse = sum(_is_sparse(cfg, i) for i in range(layers))
-    total = layers * _attention_params(cfg) + (layers - sparse) * 3 * h * cfg["intermediate_size"]
+    linear = layer_types(cfg).count("linear_attention")
+    total = ((layers - linear) * _attention_params(cfg)
+             + (linear * _linear_attention_params(cfg) if linear else 0)
+             + (layers - sparse) * 3 * h * cfg.get("intermediate_size", 0))
     if sparse:
         e = _num_experts(cfg)
         read = e if batch is None else experts_touched(e, cfg["num_experts_per_tok"], batch)
-        total += sparse * round(h * e + read * 3 * h * cfg["moe_intermediate_size"])
+        shared = cfg.get("shared_expert_intermediate_size", 0)
+        total += sparse * round(h * e + read * 3 * h * cfg["moe_intermediate_size"]
+                                + (3 * h * shared + h if shared else 0))
     return total
 
 
@@ -120,6 +164,8 @@ def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
     """Each layer's attention window (None: full): Gemma 3's ``layer_types`` (or its older
     ``sliding_window_pattern``), Mistral's ``sliding_window`` on every layer."""
     n, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if _is_hybrid(cfg):  # Qwen3.5: full attention where it is not linear
+        return [None for t in layer_types(cfg) if t != "linear_attention"]
     if cfg.get("layer_types") or "sliding_window_pattern" in cfg:
         every = cfg.get("sliding_window_pattern") or 6
         types = cfg.get("layer_types") or ["full_attention" if (i + 1) % every == 0
@@ -131,8 +177,8 @@ def layer_windows(cfg: dict[str, Any]) -> list[int | None]:
 
 
 def kv_bytes_per_token(cfg: dict[str, Any], kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one context token's keys and values over all layers."""
-    return cfg["num_hidden_layers"] * _kv_bytes_per_layer_token(cfg, kv_cache_dtype)
+    """Bytes of one context token's keys and values over all (attention) layers."""
+    return len(layer_windows(cfg)) * _kv_bytes_per_layer_token(cfg, kv_cache_dtype)
 
 
 def _kv_bytes_per_layer_token(cfg: dict[str, Any], kv_cache_dtype: str) -> int:
@@ -151,12 +197,13 @@ def _decode_steps(prompt_lens: list[int], output_lens: list[int]) -> list[tuple[
 
 
 def _kv_bytes_of_step(cfg: dict[str, Any], contexts: list[int], kv_cache_dtype: str) -> int:
-    """Keys and values a decode step reads: each layer its window of each context."""
+    """Keys and values a decode step reads: each attention layer its window of each context;
+    and each linear-attention layer's state of each sequence, read and written."""
     per_token = _kv_bytes_per_layer_token(cfg, kv_cache_dtype)
-    windows = layer_windows(cfg)
+    windows = layer_windows(cfg)  # attention layers only (a hybrid's linear layers hold no KV)
     full = sum(contexts)
     read = {w: (full if w is None else sum(min(c, w) for c in contexts)) for w in set(windows)}
-    return per_token * sum(read[w] for w in windows)
+    return per_token * sum(read[w] for w in windows) + 2 * len(contexts) * state_bytes_per_sequence(cfg)
 
 
 def floor_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int], output_lens: list[int],
@@ -189,5 +236,8 @@ def roofline_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int],
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
+    """A checkpoint's config.json (a vision-language checkpoint's language model's keys)."""
+    from nvray.model_config import language_model_keys  # noqa: PLC0415
+
     with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
+        return language_model_keys(json.load(f))

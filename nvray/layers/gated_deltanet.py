@@ -38,6 +38,7 @@ their state); ``out_proj`` is row-parallel.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -56,14 +57,28 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's depthwise causal conv: ``x`` [L, C] after ``prev`` [C, K-1] (the inputs
-    before it); returns SiLU(conv) [L, C] and the new ``prev`` (the last K-1 inputs)."""
-    window = torch.cat([prev.to(x.dtype), x.t()], dim=1)  # [C, K-1+L]
-    out = F.conv1d(window.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1),
-                   groups=weight.shape[0])[0]  # [C, L]
-    return F.silu(out).t().to(x.dtype), window[:, -(weight.shape[1] - 1):]
+def batched_causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                        lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depthwise causal conv (SiLU after) of N chunks at once: ``x`` [T, C] holds the
+    chunks one after the other (``lens``), ``prev`` [N, C, K-1] their previous inputs. Each chunk is laid out after its K-1
+    previous inputs in one buffer, one conv runs over all of it, and the outputs at the chunks'
+    tokens are kept (a window never reaches into the chunk before). Returns SiLU(conv) [T, C]
+    and each chunk's new last K-1 inputs [N, C, K-1]."""
+    n, k = len(lens), weight.shape[1]
+    lens_t = torch.tensor(lens, device=x.device)
+    seq_of_token = torch.repeat_interleave(torch.arange(n, device=x.device), lens_t)
+    token_at = torch.arange(x.shape[0], device=x.device) + (seq_of_token + 1) * (k - 1)
+    starts = torch.cumsum(lens_t, 0) - lens_t + torch.arange(n, device=x.device) * (k - 1)
+    state_at = (starts.unsqueeze(1) + torch.arange(k - 1, device=x.device)).flatten()
+    buffer = x.new_zeros(x.shape[0] + n * (k - 1), x.shape[1])
+    buffer[state_at] = prev.to(x.dtype).transpose(1, 2).flatten(0, 1)
+    buffer[token_at] = x
+    out = F.conv1d(buffer.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1),
+                   groups=weight.shape[0])[0]  # [C, len - K + 1]: window ending at i + K - 1
+    ends = starts + lens_t + (k - 1)  # one past each chunk's last token
+    last = (ends.unsqueeze(1) - (k - 1) + torch.arange(k - 1, device=x.device)).flatten()
+    final = buffer[last].view(n, k - 1, -1).transpose(1, 2)
+    return F.silu(out[:, token_at - (k - 1)]).t().to(x.dtype), final
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -116,6 +131,39 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     delta = (v - remembered) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return (state * q.unsqueeze(-1)).sum(-2), state
+
+
+def _split_heads(conv_out: torch.Tensor, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output [N, conv_dim] -> q, k [N, nv, dk] (normalised, q scaled; key heads
+    repeated for their value heads) and v [N, nv, dv], float32."""
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = conv_out.float().split([key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], -1)
+    group = num_v_heads // num_k_heads
+    q, k = (l2_normalize(t.view(-1, num_k_heads, head_k_dim)).repeat_interleave(group, dim=1)
+            for t in (q, k))
+    return q * head_k_dim ** -0.5, k, v.view(-1, num_v_heads, head_v_dim)
+
+
+def decode_reference(mixed: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor, num_k_heads: int,
+                     head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """A decode step of B sequences in torch, batched (``kernels/gdn_decode.py``'s contract):
+    the token's conv over its slot's last inputs and the rule's update of its slot's S, both
+    written back; a sequence at position 0 starts from zero state."""
+    rows = slots.long() % conv_state.shape[0]
+    keep = (positions > 0).view(-1, 1, 1)
+    prev = conv_state.index_select(0, rows) * keep
+    window = torch.cat([prev, mixed.unsqueeze(-1).to(prev.dtype)], dim=-1)  # [B, C, K]
+    conv = F.silu((window.to(conv_weight.dtype) * conv_weight).sum(-1))
+    conv_state.index_copy_(0, rows, window[:, :, 1:])
+    q, k, v = _split_heads(conv.to(mixed.dtype), num_k_heads, ssm_state.shape[1], head_k_dim,
+                           head_v_dim)
+    state = ssm_state.index_select(0, rows) * keep.unsqueeze(-1)
+    out, state = recurrent_gated_delta(q, k, v, g, beta, state)
+    ssm_state.index_copy_(0, rows, state)
+    return out.to(mixed.dtype)
 
 
 class FusedColumnParallelLinear(MergedColumnParallelLinear):
@@ -222,6 +270,20 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = self.conv1d.weight.shape[0]
         self.conv_state = torch.empty(0)  # [rows, conv_dim, K-1]: allocate_state
         self.ssm_state = torch.empty(0)  # [rows, nv, dk, dv] float32
+        self._decode_fn = decode_reference  # use_triton_kernels(): kernels/gdn_decode.py
+        self._chunk_rule: Any = None  # use_triton_kernels(): fla-core's, where installed
+
+    def use_triton_kernels(self) -> None:
+        """GPU only: a decode step as two Triton kernels updating the slots in place; prefill
+        chunks through fla-core's varlen chunked kernel where fla-core is installed."""
+        import kernels  # noqa: PLC0415 - GPU-only import
+
+        if self.head_k_dim & (self.head_k_dim - 1) == 0:
+            self._decode_fn = kernels.gdn_decode
+        if importlib.util.find_spec("fla") is not None:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: PLC0415
+
+            self._chunk_rule = chunk_gated_delta_rule
 
     # ----------------------------------------------------------------- state
     def state_bytes(self, dtype: torch.dtype) -> int:
@@ -246,55 +308,65 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x)).float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         assert meta.state_slots is not None, "a linear-attention layer needs state slots"
-        rows = meta.state_slots.long() % self.conv_state.shape[0]  # -1: the scratch row
         if meta.is_decode_only:
-            core = self._decode(mixed, g, beta, rows, positions > 0)
+            core = self._decode(mixed, g, beta, positions, meta)
         else:
+            rows = meta.state_slots.long() % self.conv_state.shape[0]  # -1: the scratch row
             core = self._prefill(mixed, g, beta, rows, meta)
-        heads = core.view(-1, self.head_v_dim)
+        heads = core.reshape(-1, self.head_v_dim)
         out = self.norm(heads, z.reshape(-1, self.head_v_dim)).view(x.shape[0], -1)
         return self.out_proj(out)
 
-    def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The conv's output [N, conv_dim] -> q, k [N, nv, dk] (normalised, q scaled; key
-        heads repeated for their value heads) and v [N, nv, dv], float32."""
-        key_dim = self.num_k_heads * self.head_k_dim
-        q, k, v = conv_out.float().split([key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], -1)
-        group = self.num_v_heads // self.num_k_heads
-        q, k = (l2_normalize(t.view(-1, self.num_k_heads, self.head_k_dim))
-                .repeat_interleave(group, dim=1) for t in (q, k))
-        return q * self.head_k_dim ** -0.5, k, v.view(-1, self.num_v_heads, self.head_v_dim)
-
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                rows: torch.Tensor, resumes: torch.Tensor) -> torch.Tensor:
+                positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One token per sequence, batched (no host loop: CUDA-graph safe)."""
-        keep = resumes.view(-1, 1, 1)
-        prev = self.conv_state.index_select(0, rows) * keep
-        window = torch.cat([prev, mixed.unsqueeze(-1).to(prev.dtype)], dim=-1)  # [B, C, K]
-        conv = F.silu((window.to(self.conv1d.weight.dtype) * self.conv1d.weight).sum(-1))
-        self.conv_state.index_copy_(0, rows, window[:, :, 1:])
-        q, k, v = self._split(conv.to(mixed.dtype))
-        state = self.ssm_state.index_select(0, rows) * keep.unsqueeze(-1)
-        out, state = recurrent_gated_delta(q, k, v, g, beta, state)
-        self.ssm_state.index_copy_(0, rows, state)
-        return out.to(mixed.dtype)
+        return self._decode_fn(mixed, self.conv_state, self.conv1d.weight, g, beta,
+                               self.ssm_state, meta.state_slots, positions, self.num_k_heads,
+                               self.head_k_dim, self.head_v_dim)
 
     def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Sequence by sequence (the host knows each chunk's length and start)."""
-        out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=mixed.dtype,
-                          device=mixed.device)
-        start = 0
-        for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            end, row = start + q_len, rows[i:i + 1]
-            resumes = ctx_len > q_len
-            prev = self.conv_state[row][0] if resumes else torch.zeros_like(self.conv_state[0])
-            conv, prev = causal_conv(mixed[start:end], prev, self.conv1d.weight)
-            self.conv_state.index_copy_(0, row, prev.unsqueeze(0).to(self.conv_state.dtype))
-            q, k, v = self._split(conv)
-            state = self.ssm_state[row][0] if resumes else torch.zeros_like(self.ssm_state[0])
-            o, state = chunked_gated_delta(q, k, v, g[start:end], beta[start:end], state)
-            self.ssm_state.index_copy_(0, row, state.unsqueeze(0))
-            out[start:end] = o.to(mixed.dtype)
-            start = end
+        """Chunks of any lengths: the conv over all of them at once, then the rule (fla's
+        varlen kernel where it is installed and the layer runs on the GPU, else sequence by
+        sequence in torch); each slot's states read where its chunk resumes, written after."""
+        lens = meta.query_lens_cpu
+        resumes = torch.tensor([c > q for q, c in zip(lens, meta.seq_lens_cpu)],
+                               device=mixed.device).view(-1, 1, 1)
+        conv, conv_final = batched_causal_conv(
+            mixed, self.conv_state.index_select(0, rows) * resumes, self.conv1d.weight, lens)
+        self.conv_state.index_copy_(0, rows, conv_final)
+        initial = self.ssm_state.index_select(0, rows) * resumes.unsqueeze(-1)
+        if self._chunk_rule is not None:
+            out, final = self._fla_rule(conv, g, beta, initial, meta)
+        else:
+            out, final = self._torch_rule(conv, g, beta, initial, lens)
+        self.ssm_state.index_copy_(0, rows, final)
         return out
+
+    def _torch_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    initial: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = _split_heads(conv, self.num_k_heads, self.num_v_heads, self.head_k_dim,
+                               self.head_v_dim)
+        out = v.new_empty(v.shape)
+        final = torch.empty_like(initial)
+        start = 0
+        for i, n in enumerate(lens):
+            end = start + n
+            out[start:end], final[i] = chunked_gated_delta(q[start:end], k[start:end],
+                                                           v[start:end], g[start:end],
+                                                           beta[start:end], initial[i])
+            start = end
+        return out.to(conv.dtype), final
+
+    def _fla_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial: torch.Tensor, meta: AttentionMetadata
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = conv.split([key_dim, key_dim, conv.shape[1] - 2 * key_dim], -1)
+        out, final = self._chunk_rule(
+            q.reshape(1, -1, self.num_k_heads, self.head_k_dim),
+            k.reshape(1, -1, self.num_k_heads, self.head_k_dim),
+            v.reshape(1, -1, self.num_v_heads, self.head_v_dim), g=g.unsqueeze(0),
+            beta=beta.unsqueeze(0), initial_state=initial, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=meta.query_start_loc.long())
+        return out[0], final

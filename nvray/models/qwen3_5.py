@@ -75,7 +75,9 @@ class GatedAttention(nn.Module):
         kv = self.num_kv_heads * d
         k = qkv[:, 2 * heads * d:2 * heads * d + kv].reshape(tokens, self.num_kv_heads, d)
         v = qkv[:, 2 * heads * d + kv:].reshape(tokens, self.num_kv_heads, d)
-        q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        q = self.q_norm(q.view(-1, d)).view(tokens, heads, d)  # the norms take [rows, d]
+        k = self.k_norm(k.reshape(-1, d)).view(tokens, self.num_kv_heads, d)
+        q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta).flatten(1)
         return self.o_proj(o * torch.sigmoid(gate))
 

@@ -1,4 +1,5 @@
-"""The model families on the GPU with the Triton kernels (the fused MoE, windowed attention)
+"""The model families on the GPU with the Triton kernels (the fused MoE, windowed attention,
+Qwen3.5's linear-attention decode and, where fla-core is installed, its chunked prefill)
 and CUDA graphs, against HF transformers on the same random weights: in float32, logits of a
 prefill batch and of graph-replayed decode steps equal HF's (relative error 2e-3: the kernels
 compute what the reference does; in bf16 these 64-wide models' rounding noise differs from HF's
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from gpu_oracle import check_greedy_near_argmax, hf_logits
-from hf_checkpoints import SHAPES, write_hf_checkpoint
+from hf_checkpoints import HYBRID_SHAPES, SHAPES, write_hf_checkpoint
 from nvray import LLM, EngineConfig, SamplingParams
 from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from oracle import random_prompts
@@ -25,12 +26,15 @@ pytestmark = [
 GREEDY_SPEC = SampleSpec(0.0, 1.0, -1, 0.0, None, 0)
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+GPU_SHAPES = {**SHAPES, **{k: v for k, v in HYBRID_SHAPES.items() if "text_config" not in v}}
+
+
+@pytest.fixture(scope="module", params=list(GPU_SHAPES))
 def family_path(request, tmp_path_factory):
     from nvray.models.tiny import tiny_model_path
 
     target = str(tmp_path_factory.mktemp(request.param))
-    return write_hf_checkpoint(target, SHAPES[request.param], tiny_model_path(), seed=5)
+    return write_hf_checkpoint(target, GPU_SHAPES[request.param], tiny_model_path(), seed=5)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -51,7 +55,9 @@ def test_prefill_and_graph_decode_logits_match_hf_in_float32(family_path):
         # 32 shuffled blocks each: a block-table entry per group for each logical block (Gemma's
         # global and local layers are two groups, kv_layout.py)
         tables = [list(range(32 * i + 31, 32 * i - 1, -1)) for i in range(4)]
-        step = StepInput([SeqStep(i, p, 0, tables[i], GREEDY_SPEC) for i, p in enumerate(prompts)])
+        # each sequence its own state slot (Qwen3.5's linear attention; ignored elsewhere)
+        step = StepInput([SeqStep(i, p, 0, tables[i], GREEDY_SPEC, state_slot=i)
+                          for i, p in enumerate(prompts)])
         seqs = [list(p) for p in prompts]
         for decode_step in range(4):
             ours = runner.forward(step)[0]
@@ -62,7 +68,8 @@ def test_prefill_and_graph_decode_logits_match_hf_in_float32(family_path):
                 err = rel_err(ours[i], ref)
                 assert err <= 2e-3, f"seq {i} step {decode_step}: rel err {err:.5f}"
                 ids.append(int(ref.argmax()))
-                next_step.append(SeqStep(i, [ids[-1]], len(ids) - 1, tables[i], GREEDY_SPEC))
+                next_step.append(SeqStep(i, [ids[-1]], len(ids) - 1, tables[i], GREEDY_SPEC,
+                                         state_slot=i))
             step = StepInput(next_step)
         assert runner.num_graph_replays >= 3
     finally:

@@ -719,3 +719,32 @@ def test_decode_sliding_window_scratch_bytes(batch, max_seq_len, window):
     want = _naive_window_attention(q, _dense_kv(k_cache, v_cache, bt, seq_lens), seq_lens,
                                    [1] * batch, 0.2, window)
     _assert_close(out, want, torch.float16)
+
+
+@pytest.mark.parametrize("num_k_heads,num_v_heads,dk,dv,kernel", [(2, 4, 16, 8, 4), (1, 1, 32, 40, 3)])
+def test_gdn_decode_matches_reference(num_k_heads, num_v_heads, dk, dv, kernel):
+    """States in and out of their slots in place: rows chosen by slot (-1: the last, the scratch
+    row), a sequence at position 0 starting from zero state whatever its row holds, grouped
+    value heads, a value dim that is no power of two, and every other row untouched."""
+    gen = torch.Generator().manual_seed(0)
+    batch, rows, conv_dim = 4, 6, 2 * num_k_heads * dk + num_v_heads * dv
+    dtype = torch.float32
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    mixed = rand(batch, conv_dim).to(dtype)
+    conv_state, weight = rand(rows, conv_dim, kernel - 1).to(dtype), rand(conv_dim, kernel)
+    g = -rand(batch, num_v_heads).abs()
+    beta = torch.sigmoid(rand(batch, num_v_heads))
+    ssm = rand(rows, num_v_heads, dk, dv)
+    slots = torch.tensor([3, 0, -1, 4], dtype=torch.int32, device=DEVICE)  # -1: row 5
+    positions = torch.tensor([7, 0, 2, 9], dtype=torch.int32, device=DEVICE)
+    states = [(conv_state.clone(), ssm.clone()) for _ in range(2)]
+    outs = [fn(mixed, c, weight, g, beta, s, slots, positions, num_k_heads, dk, dv)
+            for fn, (c, s) in zip((kernels.gdn_decode, kernels.gdn_decode_ref), states)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    for ours, ref in zip(states[0], states[1]):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    untouched = [1, 2]
+    torch.testing.assert_close(states[0][1][untouched], ssm[untouched])

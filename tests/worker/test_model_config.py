@@ -26,6 +26,11 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
 GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
+QWEN3_5_MOE = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"}
+# as Qwen3.5's checkpoints write rope: M-RoPE sections (plain rope for text), a quarter rotated
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                "mrope_interleaved": True, "mrope_section": [11, 11, 10]}
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 FP8 = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -70,6 +75,15 @@ CASES = {
         **GEMMA3, **SMALL, "head_dim": 16, "num_hidden_layers": 4, "sliding_window_pattern": 2,
         "rope_theta": 1e6, "rope_local_base_freq": 1e4,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512},
+    "qwen3.5, sizes only (layer kinds from the interval, linear attention's defaults)":
+        {**QWEN3_5, **SMALL, "num_hidden_layers": 4},
+    "qwen3.5, as the checkpoints write it": {
+        **QWEN3_5, **SMALL, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "rope_parameters": QWEN3_5_ROPE,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"]},
+    "qwen3.5-moe, sizes only": {**QWEN3_5_MOE, **SMALL, "num_hidden_layers": 4, "num_experts": 8,
+                                "num_experts_per_tok": 2},
 }
 
 
@@ -96,6 +110,23 @@ def test_config_json_read_without_transformers_builds_what_autoconfig_builds(tmp
 
     (tmp_path / "config.json").write_text(json.dumps(CASES[name]))
     ours, theirs = load_model_config(str(tmp_path)), AutoConfig.from_pretrained(str(tmp_path))
+    assert what_nvray_builds(ours) == what_nvray_builds(theirs)
+
+
+def test_a_vision_language_checkpoint_reads_as_its_language_model(tmp_path):
+    """Qwen3.5 ships as ``Qwen3_5ForConditionalGeneration``: nvray builds from its
+    ``text_config`` what transformers builds from it (the top level keeps the architecture)."""
+    from transformers import AutoConfig
+
+    text = dict(CASES["qwen3.5, as the checkpoints write it"])
+    text.pop("architectures")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text, "vision_config": {"depth": 1, "hidden_size": 32}}))
+    ours = load_model_config(str(tmp_path))
+    theirs = AutoConfig.from_pretrained(str(tmp_path)).get_text_config()
+    theirs.architectures = ["Qwen3_5ForCausalLM"]
+    assert ours.architectures == ["Qwen3_5ForConditionalGeneration"]
     assert what_nvray_builds(ours) == what_nvray_builds(theirs)
 
 
