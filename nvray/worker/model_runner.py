@@ -35,7 +35,7 @@ from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
 from nvray.layers.moe import FusedMoE
 from nvray.layers.p2p_allreduce import create_p2p_all_reduce
-from nvray.layers.pp import is_last_stage, pp_size, recv_from_prev, send_to_next
+from nvray.layers.pp import is_last_stage, pp_size, pp_stage, recv_from_prev, send_to_next
 from nvray.layers.tp import (broadcast_from_first, expert_parallel, set_expert_parallel, tp_rank,
                              tp_size, use_p2p_all_reduce)
 from nvray.kv_layout import plan_kv_layout
@@ -95,6 +95,12 @@ class ModelRunner:
         # recurrent layers (layers/gated_deltanet.py): a state per slot, a slot per sequence
         self.state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
         self.num_state_slots = config.max_num_seqs if self.state_layers else 0
+        if not self.attention_layers:  # a pipeline stage of a hybrid's linear layers only
+            layers = self.model.model.layers.indices
+            raise ValueError(
+                f"pipeline stage {pp_stage()} holds no attention layer (layers {layers.start}.."
+                f"{layers.stop - 1} are all linear attention): choose a "
+                f"pipeline_parallel_size={pp_size()} that gives every stage one")
         self._set_up_all_reduce()
         self.kv_layout = plan_kv_layout([layer.sliding_window for layer in self.attention_layers])
         for layer, (group, _) in zip(self.attention_layers, self.kv_layout.layer_slots):

@@ -124,10 +124,11 @@ def test_pp2_under_preemption_matches_hf(ray_cluster, tiny_path, dispatch):
     assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe-mixed", "gemma3", "llama3"])
+@pytest.mark.parametrize("family", ["qwen3-moe-mixed", "gemma3", "llama3", "qwen3_5"])
 def test_pp2_matches_hf_for_each_model_family(ray_cluster, family_path, family):
     """Each family's layers split over two stages (the MoE's dense layer, Gemma's windowed and
-    global layers and scaled embeddings, Llama's untied LM head on the last stage only)."""
+    global layers and scaled embeddings, Llama's untied LM head on the last stage only,
+    Qwen3.5's linear-attention layers and their state slots on both stages)."""
     path = family_path(family)
     prompts = random_prompts(3, 20, 60, seed=75)
     llm = LLM(path, pipeline_parallel_size=2, max_model_len=256, max_num_batched_tokens=32)
@@ -159,6 +160,12 @@ def test_pp2_tp2_matches_hf(ray_cluster, family_path):
 def test_more_stages_than_layers_is_refused_by_name(ray_cluster):
     with pytest.raises(Exception, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
         LLM("tiny", pipeline_parallel_size=3, max_model_len=128)
+
+
+def test_a_stage_of_linear_attention_layers_only_is_refused_by_name(ray_cluster, family_path):
+    """Qwen3.5's layers 0..2 are linear, full, linear: a second stage would hold layer 2 only."""
+    with pytest.raises(Exception, match=r"pipeline stage 1 holds no attention layer \(layers 2..2"):
+        LLM(family_path("qwen3_5-tied"), pipeline_parallel_size=2, max_model_len=128)
 
 
 def test_an_idle_pp2_engine_rests_and_wakes_to_the_same_tokens(pp2, tiny_path):
