@@ -2,6 +2,7 @@
 against HF transformers' own classes (random checkpoints they write, ``hf_checkpoints.py``):
 fp32 logits of a prefill three GDN chunks long and of decode steps; greedy tokens through the
 engine's paths (chunks that cut inside a GDN chunk, preemption by recompute, overlapped steps);
+prefix hits that resume from a kept state (and its eviction);
 n = 3 choices and beam search (a fork takes its parent's state); the language model of a
 vision-language checkpoint; and no state slot or block left held after aborts, preemptions and
 a burst of n > 1 requests."""
@@ -44,7 +45,7 @@ def _hybrid_llm(path: str, **kw) -> LLM:
 def _assert_nothing_held(llm: LLM) -> None:
     bm = llm.engine.block_manager
     assert not llm.engine.has_unfinished_requests()
-    assert sorted(bm.free_state_slots) == list(range(bm.num_state_slots))
+    assert sorted(bm.free_state_slots) == list(range(bm.num_live_states))
     assert bm.num_free_blocks == bm.num_blocks
 
 
@@ -129,6 +130,33 @@ def test_aborts_preemptions_and_a_burst_of_choices_leave_no_slot_held(hybrid):
             engine.abort_request("burst-2")
     assert engine.stats()["num_preemptions"] > preempted_before
     _assert_nothing_held(hybrid)
+
+
+def test_prefix_hits_resume_from_the_kept_state_and_skip_its_prefill(family_path):
+    """A prompt's state is kept at its last block boundary (its first chunk ends there): the
+    same prompt again, and one sharing its first 33 tokens, start from that state (its tokens
+    never recomputed in any layer) with HF's tokens; two prefix-state rows (max_num_seqs=2)
+    keep the two newest prompts only, so the oldest misses, then hits again."""
+    path = family_path("qwen3_5")
+    first, other, third = random_prompts(3, 40, 40, seed=17)
+    llm = LLM(path, runtime="inprocess", num_kvcache_blocks=40, kvcache_block_size=16,
+              max_model_len=160, max_num_seqs=2)
+    try:
+        def run(prompts):
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            for prompt, out in zip(prompts, outs):
+                assert out.token_ids == hf_greedy(path, prompt, 24), f"{len(prompt)} tokens"
+            return [out.num_cached_tokens for out in outs]
+
+        assert run([first]) == [0]
+        assert run([first, first[:33] + [7, 8, 9]]) == [32, 32]  # (40 - 1) // 16 blocks
+        assert run([other]) == [0]
+        assert run([third]) == [0]  # two rows: the first prompt's state is gone now
+        assert run([first]) == [0]
+        assert run([first]) == [32]
+        _assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
 
 
 def test_the_language_model_of_a_vision_language_checkpoint_matches_hf(family_path):

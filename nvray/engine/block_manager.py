@@ -22,12 +22,17 @@ Contract:
   is served only where every group holds what its window needs after it (a full group: all its
   blocks; a windowed group: the blocks its window reaches back to), the others -1.
 - Recurrent state (models with linear-attention layers): besides its blocks, a sequence that
-  holds blocks holds one of ``num_state_slots`` state slots (``Sequence.state_slot``), taken
+  holds blocks holds one of ``num_live_states`` state slots (``Sequence.state_slot``), taken
   with its first blocks and given back with them. A fork copies its parent's state into its
   own slot (the pair waits in ``take_state_copies()``; the state is the parent's after
   ``num_computed_tokens``, so a fork shares all of the parent's computed tokens). A slot's
-  state describes the sequence's whole past, not one block, so nothing of it can be served to
-  another prompt: prefix caching is off for these models (the blocks are never hashed).
+  state describes the sequence's whole past, not one block: with prefix caching, the slots
+  from ``num_live_states`` on keep states at block boundaries (``PrefixStates``). A new
+  sequence's save point is its prompt's last block boundary before the last prompt token (where
+  the same prompt would resume); the scheduler ends a chunk there (``state_save_point``), and
+  the step after it copies the state into a row kept under that block's hash (``save_state``).
+  A cached prefix is served to the deepest block whose state is kept (its KV blocks cached
+  too); the sequence's slot gets that state copied in before its first step.
 - The ranks keep each sequence's block table between steps and get only its changes
   (``nvray/step_protocol.py``): a sequence's ``ranks_table_len`` counts the leading entries they hold,
   and this class lowers it where it changes an entry (a copy-on-write, a new table); a freed
@@ -42,6 +47,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from nvray.engine.prefix_states import PrefixStates
 from nvray.engine.sequence import Sequence
 from nvray.kv_layout import first_needed_block
 
@@ -84,10 +90,12 @@ class Block:
 
 class CachedPrefix(NamedTuple):
     """A cached prefix of a waiting sequence: its table entries (``num_groups`` per logical
-    block, -1 where a windowed group needs none) and the chained hash of each logical block."""
+    block, -1 where a windowed group needs none), the chained hash of each logical block, and
+    (models with recurrent state) the prefix-state row holding the state at its end."""
 
     blocks: list[int]
     hashes: list[int]
+    state_row: int = -1
 
     @property
     def num_blocks(self) -> int:
@@ -100,16 +108,23 @@ NO_PREFIX = CachedPrefix([], [])
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 group_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0) -> None:
+                 group_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0,
+                 num_live_states: int | None = None) -> None:
         """``group_windows``: the window of each block-table group (``KVLayout``);
-        ``num_state_slots``: recurrent-state slots (0: the model has no recurrent layers)."""
+        ``num_state_slots``: recurrent-state slots (0: the model has no recurrent layers), the
+        first ``num_live_states`` (default: all) for running sequences, the rest for prefix
+        caching's saved states."""
         assert num_blocks >= 1 and block_size >= 1, "need at least one block of one slot"
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.enable_prefix_caching = enable_prefix_caching and not num_state_slots
-        self.num_state_slots = num_state_slots
-        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # pop() takes slot 0 first
+        live = num_state_slots if num_live_states is None else min(num_live_states, num_state_slots)
+        self.num_state_slots, self.num_live_states = num_state_slots, live
+        self.free_state_slots = list(range(live - 1, -1, -1))  # pop() takes slot 0 first
         self.state_copies: list[tuple[int, int]] = []  # (src, dst) slots not yet launched
+        saves = enable_prefix_caching and num_state_slots > live
+        self.prefix_states = PrefixStates(range(live, num_state_slots)) if saves else None
+        # a model with recurrent state caches prefixes only where it can keep their states
+        self.enable_prefix_caching = enable_prefix_caching and (not num_state_slots or saves)
         self.group_windows = tuple(group_windows)
         self.num_groups = len(self.group_windows)
         self.windowed = [(g, w) for g, w in enumerate(self.group_windows) if w]
@@ -151,9 +166,21 @@ class BlockManager:
         return sum(1 for b in seq.block_table if b >= 0)
 
     def find_cached_prefix(self, seq: Sequence) -> CachedPrefix:
-        """The longest cached prefix of ``seq`` (read-only lookup)."""
+        """The longest cached prefix of ``seq`` (read-only lookup); with recurrent state, the
+        longest whose state at its end is kept."""
         if not self.enable_prefix_caching:
             return NO_PREFIX
+        cached = self._find_cached_blocks(seq)
+        if self.prefix_states is None:
+            return cached
+        for k in range(cached.num_blocks, 0, -1):
+            row = self.prefix_states.row_of(cached.hashes[k - 1])
+            if row is not None:
+                return CachedPrefix(cached.blocks[:k * self.num_groups], cached.hashes[:k], row)
+        return NO_PREFIX
+
+    def _find_cached_blocks(self, seq: Sequence) -> CachedPrefix:
+        """The longest prefix of ``seq`` whose KV blocks are cached."""
         bs, tokens = self.block_size, seq.token_ids
         if self.num_groups == 1 and not self.windowed:
             found: list[int] = []
@@ -274,7 +301,11 @@ class BlockManager:
         seq.block_table = list(cached.blocks)
         seq.ranks_table_len = 0
         self._take_state_slot(seq)
+        if cached.state_row >= 0:  # the state at the prefix's end, into the sequence's slot
+            self.prefix_states.use(cached.hashes[-1])  # type: ignore[union-attr]
+            self.state_copies.append((cached.state_row, seq.state_slot))
         seq.num_computed_tokens = cached.num_blocks * self.block_size
+        seq.state_save_at = self.state_save_point(seq, seq.num_computed_tokens)
         seq.num_cached_tokens = seq.num_computed_tokens
         self.seq_block_hashes[seq.seq_id] = list(cached.hashes)
         self.num_queried_tokens += seq.num_tokens
@@ -303,6 +334,24 @@ class BlockManager:
         """The copy-on-write pairs since the last call (the next launched step copies them)."""
         copies, self.copies = self.copies, []
         return copies
+
+    def state_save_point(self, seq: Sequence, start: int) -> int:
+        """Where ``seq``'s state is to be kept, for a sequence computing from ``start``: its
+        prompt's last block boundary before the last prompt token, if past ``start`` (-1:
+        nowhere; no prefix caching of states)."""
+        if self.prefix_states is None:
+            return -1
+        point = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return point if point > start else -1
+
+    def save_state(self, seq: Sequence) -> None:
+        """``seq`` has computed up to its save point in the step just launched: the next step
+        copies its state into a prefix-state row kept under that block's hash."""
+        point, seq.state_save_at = seq.state_save_at, -1
+        block_hash = hash_blocks(_ROOT_HASH, seq.token_ids[:point], self.block_size)[-1]
+        row = self.prefix_states.save(block_hash)  # type: ignore[union-attr]
+        if row is not None:
+            self.state_copies.append((seq.state_slot, row))
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The state-slot copies of forks since the last call (the next launched step)."""
@@ -385,7 +434,7 @@ class BlockManager:
             self.released.append(seq.seq_id)
         if seq.state_slot >= 0:
             self.free_state_slots.append(seq.state_slot)
-            seq.state_slot = -1
+            seq.state_slot = seq.state_save_at = -1
         seq.block_table = []
         seq.ranks_table_len = 0
         seq.num_computed_tokens = 0

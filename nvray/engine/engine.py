@@ -98,7 +98,7 @@ class LLMEngine:
         self.clock = clock
         self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
                                           config.enable_prefix_caching, limits.kv_group_windows,
-                                          limits.num_state_slots)
+                                          limits.num_state_slots, config.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.scheduling_policy,
                                    config.enable_chunked_prefill, config.sjf_aging_s, clock,
@@ -277,6 +277,8 @@ class LLMEngine:
         for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
             seq.num_computed_tokens += num_new
             kv_end = seq.num_computed_tokens
+            if kv_end == seq.state_save_at:  # the next step keeps its state (prefix caching)
+                bm.save_state(seq)
             sample, score = seq_step.sample, seq_step.score
             num_scores = len(score.targets) if score is not None else 0
             if sample is None:

@@ -14,6 +14,8 @@ With overlapped steps a running sequence whose last planned token is its ``max_t
 not scheduled again: the step sampling that token is in flight, and its result finishes it;
 nor is one that waits for its newest token (``Sequence.waits_for_tokens``) while it is pending.
 A request for prompt log-probabilities skips the prefix cache (every position is computed).
+A model with recurrent state (prefix caching on) ends a sequence's chunk at its state save point
+(``BlockManager.state_save_point``): the state there is kept for later prompts.
 
 Pipeline stages (``pipeline_depth`` P > 1: a step per stage in flight): a sequence whose
 newest token is being sampled is never scheduled (the ids stay on the last stage, so there are
@@ -125,6 +127,8 @@ class Scheduler:
                 i += 1  # its last token is being sampled, or its next needs it on the host
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            if seq.state_save_at > seq.num_computed_tokens:  # the chunk ends where it is kept
+                num_new = min(num_new, seq.state_save_at - seq.num_computed_tokens)
             if num_new == 0:  # prefilled, nothing to generate (max_tokens=0): it finishes
                 i += 1
                 continue
@@ -184,8 +188,11 @@ class Scheduler:
             # prompt log-probabilities need every prompt position computed
             cached = (NO_PREFIX if seq.params.prompt_logprobs is not None
                       else bm.find_cached_prefix(seq))
-            remaining = seq.num_tokens - cached.num_blocks * bm.block_size
+            start = cached.num_blocks * bm.block_size
+            remaining = seq.num_tokens - start
             num_new = min(remaining, budget)
+            if self.enable_chunked_prefill and (save := bm.state_save_point(seq, start)) > 0:
+                num_new = min(num_new, save - start)  # the chunk ends where its state is kept
             if num_new < remaining and not self.enable_chunked_prefill:
                 break
             if not bm.can_allocate(cached, cached.num_blocks * bm.block_size + num_new):

@@ -94,7 +94,9 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         # recurrent layers (layers/gated_deltanet.py): a state per slot, a slot per sequence
         self.state_layers = self.model.state_layers() if hasattr(self.model, "state_layers") else []
-        self.num_state_slots = config.max_num_seqs if self.state_layers else 0
+        # a slot per running sequence, and as many for prefix caching's saved states
+        self.num_state_slots = (config.max_num_seqs * (1 + config.enable_prefix_caching)
+                                if self.state_layers else 0)
         if not self.attention_layers:  # a pipeline stage of a hybrid's linear layers only
             layers = self.model.model.layers.indices
             raise ValueError(
