@@ -86,16 +86,19 @@ def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family, 
 def test_tp2_shards_the_heads_of_a_hybrid_model(ray_cluster, family_path):
     """Qwen3.5-MoE at TP=2: each rank holds half the linear-attention key and value heads (and
     their state), half the gated attention heads, half of each expert and of the shared
-    expert; HF's greedy tokens through chunks that cut the linear attention's chunks."""
+    expert; HF's greedy tokens through chunks that cut the linear attention's chunks, and a
+    prefix hit that resumes from the state each rank kept of its heads."""
     path = family_path("qwen3_5-moe")
     prompts = random_prompts(3, 20, 90, seed=34)
     llm = LLM(path, tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=40)
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        again = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts + prompts[:1], outs + again):
         assert out.token_ids == hf_greedy(path, prompt, 10)
+    assert again[0].num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
 
 
 def test_each_gpu_rank_sees_the_gpus_of_its_nodes_engine_ranks():
