@@ -159,6 +159,15 @@ def test_prefix_hits_resume_from_the_kept_state_and_skip_its_prefill(family_path
         llm.shutdown()
 
 
+def test_a_cache_the_state_leaves_too_small_is_refused_naming_the_state(family_path):
+    """The state rows come out of the cache budget first (513 slots of ~6 KiB here: 256 running
+    sequences, 256 kept prefix states and the scratch row)."""
+    with pytest.raises(ValueError, match=r"KV cache too small.*the linear-attention layers' "
+                                         r"state 3\.\d\d MiB first \(512 slots of 6\.\d KiB"):
+        LLM(family_path("qwen3_5"), runtime="inprocess", cpu_kvcache_space_gib=0.003,
+            max_model_len=160)
+
+
 def test_the_language_model_of_a_vision_language_checkpoint_matches_hf(family_path):
     path = family_path("qwen3_5-vl")
     prompts = random_prompts(2, 20, 70, seed=5)

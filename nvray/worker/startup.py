@@ -49,7 +49,12 @@ def num_kvcache_blocks(runner: ModelRunner) -> int:
         budget, where = runner.memory_report.kv_budget, runner.memory_report.describe()
         logger.info("GPU memory: %s", where)
     block_bytes, block_size = runner.kv_block_bytes, runner.block_size
-    budget -= (runner.num_state_slots + 1) * runner.state_slot_bytes  # recurrent layers' state
+    state_bytes = (runner.num_state_slots + 1) * runner.state_slot_bytes  # recurrent layers'
+    if state_bytes:
+        where += (f"; the linear-attention layers' state {_size(state_bytes)} first "
+                  f"({runner.num_state_slots} slots of {_size(runner.state_slot_bytes)}: "
+                  "max_num_seqs, doubled by enable_prefix_caching)")
+    budget -= state_bytes
     num_blocks = max(budget, 0) // block_bytes
     chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else runner.max_model_len
     needed = peak_blocks(runner.kv_layout.group_windows, runner.max_model_len, block_size,
@@ -62,6 +67,13 @@ def num_kvcache_blocks(runner: ModelRunner) -> int:
             "Raise gpu_memory_utilization/cpu_kvcache_space_gib, or lower max_model_len, "
             "max_num_batched_tokens or max_num_seqs")
     return num_blocks
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB"
 
 
 def compile_kernels_ahead(runner: ModelRunner, threads: int) -> None:
