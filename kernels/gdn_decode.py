@@ -25,7 +25,7 @@ Two kernels: the conv update (grid ``(B, cdiv(conv_dim, BLOCK_C))``), whose SiLU
 a ``[B, conv_dim]`` buffer, then the rule (grid ``(B, HV, cdiv(head_v_dim, BV))``): each program
 holds a ``[head_k_dim, BV]`` tile of S in registers, so S is read once and written once per step
 (what bounds a decode step: 2 MiB a sequence per layer at Qwen3.5-9B's 32 heads of 128 x 128).
-``gdn_decode_ref`` is the torch reference (the layer's own decode).
+``gdn_decode_ref`` is the torch reference (``nvray/layers/gated_delta_rule.py``, the CPU path).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from nvray.layers.gated_delta_rule import decode_reference
 
 __all__ = ["gdn_decode", "gdn_decode_ref"]
 
@@ -144,7 +146,5 @@ def gdn_decode_ref(mixed: torch.Tensor, conv_state: torch.Tensor, conv_weight: t
                    g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
                    slots: torch.Tensor, positions: torch.Tensor, num_k_heads: int,
                    head_k_dim: int, head_v_dim: int) -> torch.Tensor:
-    from nvray.layers.gated_deltanet import decode_reference  # noqa: PLC0415
-
     return decode_reference(mixed, conv_state, conv_weight, g, beta, ssm_state, slots,
                             positions, num_k_heads, head_k_dim, head_v_dim)

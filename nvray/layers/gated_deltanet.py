@@ -24,12 +24,11 @@ padding and the start-up warm-up). A sequence whose chunk starts at position 0 s
 state whatever its slot holds, so a slot is reused without clearing; a chunk that starts later
 resumes from its slot (chunked prefill carries the state across chunks).
 
-**Compute.** Prefill chunks run the chunked form of the rule (chunks of 64 tokens: the
-in-chunk updates solved as one triangular system, the state carried between chunks); a step
-of decodes only (one token per sequence) runs one recurrent update for the whole batch with no
-host-side loop, which a CUDA graph can capture. Both are torch here (the CPU reference, and the
-GPU path until the Triton kernels land); they compute the same function as transformers'
-``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``.
+**Compute.** Prefill chunks: one conv over all of a step's chunks, then the chunked form of the
+rule (fla-core's varlen kernel on the GPU where it is installed, else sequence by sequence in
+torch); a step of decodes only (one token per sequence) runs one batched recurrent update with
+no host-side loop (on the GPU ``kernels/gdn_decode.py``, in place), which a CUDA graph can
+capture. The torch forms are ``layers/gated_delta_rule.py``.
 
 **Tensor parallelism** splits the heads: each rank holds ``nk / tp`` key heads and ``nv / tp``
 value heads (their projections' rows, conv channels, ``A_log`` and ``dt_bias`` entries, and
@@ -46,125 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvray.layers.attention import AttentionMetadata
+from nvray.layers.gated_delta_rule import (batched_causal_conv, chunked_gated_delta,
+                                           decode_reference, split_heads)
 from nvray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from nvray.layers.tp import PartialSum, divide, tp_rank, tp_size
 from nvray.quantization import Fp8Config
-
-CHUNK = 64
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def batched_causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
-                        lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The depthwise causal conv (SiLU after) of N chunks at once: ``x`` [T, C] holds the
-    chunks one after the other (``lens``), ``prev`` [N, C, K-1] their previous inputs. Each chunk is laid out after its K-1
-    previous inputs in one buffer, one conv runs over all of it, and the outputs at the chunks'
-    tokens are kept (a window never reaches into the chunk before). Returns SiLU(conv) [T, C]
-    and each chunk's new last K-1 inputs [N, C, K-1]."""
-    n, k = len(lens), weight.shape[1]
-    lens_t = torch.tensor(lens, device=x.device)
-    seq_of_token = torch.repeat_interleave(torch.arange(n, device=x.device), lens_t)
-    token_at = torch.arange(x.shape[0], device=x.device) + (seq_of_token + 1) * (k - 1)
-    starts = torch.cumsum(lens_t, 0) - lens_t + torch.arange(n, device=x.device) * (k - 1)
-    state_at = (starts.unsqueeze(1) + torch.arange(k - 1, device=x.device)).flatten()
-    buffer = x.new_zeros(x.shape[0] + n * (k - 1), x.shape[1])
-    buffer[state_at] = prev.to(x.dtype).transpose(1, 2).flatten(0, 1)
-    buffer[token_at] = x
-    out = F.conv1d(buffer.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1),
-                   groups=weight.shape[0])[0]  # [C, len - K + 1]: window ending at i + K - 1
-    ends = starts + lens_t + (k - 1)  # one past each chunk's last token
-    last = (ends.unsqueeze(1) - (k - 1) + torch.arange(k - 1, device=x.device)).flatten()
-    final = buffer[last].view(n, k - 1, -1).transpose(1, 2)
-    return F.silu(out[:, token_at - (k - 1)]).t().to(x.dtype), final
-
-
-def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                        beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence, in chunks. q, k [L, H, dk] (normalised, q
-    scaled), v [L, H, dv], g and beta [L, H], state [H, dk, dv]; all float32. Returns the
-    outputs [L, H, dv] and the final state.
-
-    Within a chunk with cumulative log-decay c_i, the updates u_i = beta_i (v_i - S'_i^T k_i)
-    satisfy (I + A) U = beta V - beta exp(c) K S0 with A_ij = beta_i exp(c_i - c_j) k_i.k_j
-    (j < i): one unit-triangular solve per chunk instead of a loop over its tokens."""
-    length = q.shape[0]
-    pad = -length % chunk
-    if pad:  # padding rows write nothing (k = 0, beta = 0) and decay nothing (g = 0)
-        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
-    n = q.shape[0] // chunk
-    # [H, n, C, d]
-    q, k, v = (t.view(n, chunk, *t.shape[1:]).permute(2, 0, 1, 3) for t in (q, k, v))
-    g, beta = (t.view(n, chunk, -1).permute(2, 0, 1) for t in (g, beta))  # [H, n, C]
-    c = g.cumsum(-1)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is taken as 1 (unitriangular)
-    updates = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False,
-                                            unitriangular=True)
-    state_keys = torch.linalg.solve_triangular(system, k_beta * c.exp().unsqueeze(-1),
-                                               upper=False, unitriangular=True)
-    scores = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * c.exp().unsqueeze(-1)
-    k_to_end = k * (c[..., -1:] - c).exp().unsqueeze(-1)
-    chunk_decay = c[..., -1].exp()  # [H, n]
-    out = torch.empty_like(v)
-    for i in range(n):
-        u = updates[:, i] - state_keys[:, i] @ state
-        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ u
-        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
-    return out.permute(1, 2, 0, 3).reshape(n * chunk, *out.shape[:1], out.shape[-1])[:length], state
-
-
-def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor, state: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of B sequences: q, k [B, H, dk], v [B, H, dv], g, beta [B, H],
-    state [B, H, dk, dv]; float32. Returns the outputs [B, H, dv] and the new states."""
-    state = state * g.exp()[..., None, None]
-    remembered = (state * k.unsqueeze(-1)).sum(-2)
-    delta = (v - remembered) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state * q.unsqueeze(-1)).sum(-2), state
-
-
-def _split_heads(conv_out: torch.Tensor, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv's output [N, conv_dim] -> q, k [N, nv, dk] (normalised, q scaled; key heads
-    repeated for their value heads) and v [N, nv, dv], float32."""
-    key_dim = num_k_heads * head_k_dim
-    q, k, v = conv_out.float().split([key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], -1)
-    group = num_v_heads // num_k_heads
-    q, k = (l2_normalize(t.view(-1, num_k_heads, head_k_dim)).repeat_interleave(group, dim=1)
-            for t in (q, k))
-    return q * head_k_dim ** -0.5, k, v.view(-1, num_v_heads, head_v_dim)
-
-
-def decode_reference(mixed: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
-                     slots: torch.Tensor, positions: torch.Tensor, num_k_heads: int,
-                     head_k_dim: int, head_v_dim: int) -> torch.Tensor:
-    """A decode step of B sequences in torch, batched (``kernels/gdn_decode.py``'s contract):
-    the token's conv over its slot's last inputs and the rule's update of its slot's S, both
-    written back; a sequence at position 0 starts from zero state."""
-    rows = slots.long() % conv_state.shape[0]
-    keep = (positions > 0).view(-1, 1, 1)
-    prev = conv_state.index_select(0, rows) * keep
-    window = torch.cat([prev, mixed.unsqueeze(-1).to(prev.dtype)], dim=-1)  # [B, C, K]
-    conv = F.silu((window.to(conv_weight.dtype) * conv_weight).sum(-1))
-    conv_state.index_copy_(0, rows, window[:, :, 1:])
-    q, k, v = _split_heads(conv.to(mixed.dtype), num_k_heads, ssm_state.shape[1], head_k_dim,
-                           head_v_dim)
-    state = ssm_state.index_select(0, rows) * keep.unsqueeze(-1)
-    out, state = recurrent_gated_delta(q, k, v, g, beta, state)
-    ssm_state.index_copy_(0, rows, state)
-    return out.to(mixed.dtype)
-
 
 class FusedColumnParallelLinear(MergedColumnParallelLinear):
     """Column-parallel parts stored as ONE checkpoint tensor (``in_proj_qkv``: q, k, v rows
@@ -243,8 +128,6 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str) -> None:
         super().__init__()
-        from nvray.models.decoder import quant_for  # noqa: PLC0415 - models import layers
-
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         if nv % nk:
@@ -255,10 +138,14 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = dk, dv
         self.kernel = cfg.linear_conv_kernel_dim
         parts = [nk * dk, nk * dk, nv * dv]
+
+        def quant_for(module: str) -> Fp8Config | None:  # the checkpoint module's, FP8 or not
+            return quant.for_modules([f"{prefix}.{module}"]) if quant is not None else None
+
         self.in_proj_qkv = FusedColumnParallelLinear(
-            cfg.hidden_size, parts, quant=quant_for(quant, prefix, ["in_proj_qkv"]))
+            cfg.hidden_size, parts, quant=quant_for("in_proj_qkv"))
         self.in_proj_z = ColumnParallelLinear(cfg.hidden_size, nv * dv,
-                                              quant=quant_for(quant, prefix, ["in_proj_z"]))
+                                              quant=quant_for("in_proj_z"))
         self.in_proj_b = ColumnParallelLinear(cfg.hidden_size, nv)
         self.in_proj_a = ColumnParallelLinear(cfg.hidden_size, nv)
         self.conv1d = DepthwiseConvWeight(parts, self.kernel)
@@ -266,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = _head_sharded(nv, 1.0)
         self.norm = GatedRMSNorm(dv, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(nv * dv, cfg.hidden_size,
-                                          quant=quant_for(quant, prefix, ["out_proj"]))
+                                          quant=quant_for("out_proj"))
         self.conv_dim = self.conv1d.weight.shape[0]
         self.conv_state = torch.empty(0)  # [rows, conv_dim, K-1]: allocate_state
         self.ssm_state = torch.empty(0)  # [rows, nv, dk, dv] float32
@@ -345,7 +232,7 @@ class GatedDeltaNet(nn.Module):
 
     def _torch_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     initial: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = _split_heads(conv, self.num_k_heads, self.num_v_heads, self.head_k_dim,
+        q, k, v = split_heads(conv, self.num_k_heads, self.num_v_heads, self.head_k_dim,
                                self.head_v_dim)
         out = v.new_empty(v.shape)
         final = torch.empty_like(initial)

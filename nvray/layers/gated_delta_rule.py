@@ -1,0 +1,133 @@
+"""The gated delta rule and the causal conv of Gated DeltaNet linear attention, in torch: the
+CPU path and the references of the GPU kernels (``layers/gated_deltanet.py`` is the layer;
+``kernels/gdn_decode.py`` the decode step's kernels, held to ``decode_reference``).
+
+- ``batched_causal_conv``: the depthwise causal conv (SiLU after) of several chunks at once,
+  each after its sequence's previous inputs;
+- ``chunked_gated_delta``: the rule over one sequence in 64-token chunks (one triangular solve
+  per chunk), from a given state; ``recurrent_gated_delta``: one token of each of B sequences;
+- ``decode_reference``: a decode step of B sequences against their state slots, in place.
+
+All compute in float32 what transformers' ``torch_chunk_gated_delta_rule`` /
+``torch_recurrent_gated_delta_rule`` and ``causal_conv1d_*`` compute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def batched_causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
+                        lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depthwise causal conv (SiLU after) of N chunks at once: ``x`` [T, C] holds the
+    chunks one after the other (``lens``), ``prev`` [N, C, K-1] their previous inputs. Each chunk is laid out after its K-1
+    previous inputs in one buffer, one conv runs over all of it, and the outputs at the chunks'
+    tokens are kept (a window never reaches into the chunk before). Returns SiLU(conv) [T, C]
+    and each chunk's new last K-1 inputs [N, C, K-1]."""
+    n, k = len(lens), weight.shape[1]
+    lens_t = torch.tensor(lens, device=x.device)
+    seq_of_token = torch.repeat_interleave(torch.arange(n, device=x.device), lens_t)
+    token_at = torch.arange(x.shape[0], device=x.device) + (seq_of_token + 1) * (k - 1)
+    starts = torch.cumsum(lens_t, 0) - lens_t + torch.arange(n, device=x.device) * (k - 1)
+    state_at = (starts.unsqueeze(1) + torch.arange(k - 1, device=x.device)).flatten()
+    buffer = x.new_zeros(x.shape[0] + n * (k - 1), x.shape[1])
+    buffer[state_at] = prev.to(x.dtype).transpose(1, 2).flatten(0, 1)
+    buffer[token_at] = x
+    out = F.conv1d(buffer.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1),
+                   groups=weight.shape[0])[0]  # [C, len - K + 1]: window ending at i + K - 1
+    ends = starts + lens_t + (k - 1)  # one past each chunk's last token
+    last = (ends.unsqueeze(1) - (k - 1) + torch.arange(k - 1, device=x.device)).flatten()
+    final = buffer[last].view(n, k - 1, -1).transpose(1, 2)
+    return F.silu(out[:, token_at - (k - 1)]).t().to(x.dtype), final
+
+
+def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence, in chunks. q, k [L, H, dk] (normalised, q
+    scaled), v [L, H, dv], g and beta [L, H], state [H, dk, dv]; all float32. Returns the
+    outputs [L, H, dv] and the final state.
+
+    Within a chunk with cumulative log-decay c_i, the updates u_i = beta_i (v_i - S'_i^T k_i)
+    satisfy (I + A) U = beta V - beta exp(c) K S0 with A_ij = beta_i exp(c_i - c_j) k_i.k_j
+    (j < i): one unit-triangular solve per chunk instead of a loop over its tokens."""
+    length = q.shape[0]
+    pad = -length % chunk
+    if pad:  # padding rows write nothing (k = 0, beta = 0) and decay nothing (g = 0)
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+    n = q.shape[0] // chunk
+    # [H, n, C, d]
+    q, k, v = (t.view(n, chunk, *t.shape[1:]).permute(2, 0, 1, 3) for t in (q, k, v))
+    g, beta = (t.view(n, chunk, -1).permute(2, 0, 1) for t in (g, beta))  # [H, n, C]
+    c = g.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is taken as 1 (unitriangular)
+    updates = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False,
+                                            unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(system, k_beta * c.exp().unsqueeze(-1),
+                                               upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * c.exp().unsqueeze(-1)
+    k_to_end = k * (c[..., -1:] - c).exp().unsqueeze(-1)
+    chunk_decay = c[..., -1].exp()  # [H, n]
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = updates[:, i] - state_keys[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ u
+        state = state * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
+    return out.permute(1, 2, 0, 3).reshape(n * chunk, *out.shape[:1], out.shape[-1])[:length], state
+
+
+def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, state: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: q, k [B, H, dk], v [B, H, dv], g, beta [B, H],
+    state [B, H, dk, dv]; float32. Returns the outputs [B, H, dv] and the new states."""
+    state = state * g.exp()[..., None, None]
+    remembered = (state * k.unsqueeze(-1)).sum(-2)
+    delta = (v - remembered) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(-2), state
+
+
+def split_heads(conv_out: torch.Tensor, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output [N, conv_dim] -> q, k [N, nv, dk] (normalised, q scaled; key heads
+    repeated for their value heads) and v [N, nv, dv], float32."""
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = conv_out.float().split([key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], -1)
+    group = num_v_heads // num_k_heads
+    q, k = (l2_normalize(t.view(-1, num_k_heads, head_k_dim)).repeat_interleave(group, dim=1)
+            for t in (q, k))
+    return q * head_k_dim ** -0.5, k, v.view(-1, num_v_heads, head_v_dim)
+
+
+def decode_reference(mixed: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor, num_k_heads: int,
+                     head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """A decode step of B sequences in torch, batched (``kernels/gdn_decode.py``'s contract):
+    the token's conv over its slot's last inputs and the rule's update of its slot's S, both
+    written back; a sequence at position 0 starts from zero state."""
+    rows = slots.long() % conv_state.shape[0]
+    keep = (positions > 0).view(-1, 1, 1)
+    prev = conv_state.index_select(0, rows) * keep
+    window = torch.cat([prev, mixed.unsqueeze(-1).to(prev.dtype)], dim=-1)  # [B, C, K]
+    conv = F.silu((window.to(conv_weight.dtype) * conv_weight).sum(-1))
+    conv_state.index_copy_(0, rows, window[:, :, 1:])
+    q, k, v = split_heads(conv.to(mixed.dtype), num_k_heads, ssm_state.shape[1], head_k_dim,
+                           head_v_dim)
+    state = ssm_state.index_select(0, rows) * keep.unsqueeze(-1)
+    out, state = recurrent_gated_delta(q, k, v, g, beta, state)
+    ssm_state.index_copy_(0, rows, state)
+    return out.to(mixed.dtype)
