@@ -84,9 +84,12 @@ def test_choices_equal_single_requests_and_greedy_choices_equal_hf(hybrid, famil
     alone = [hybrid.generate(prompt, _sampled(100 + i), use_tqdm=False)[0] for i in range(3)]
     assert [c.token_ids for c in mixed[:3]] == [a.token_ids for a in alone]
     assert len({tuple(c.token_ids) for c in mixed[:3]}) > 1
-    greedy = hybrid.generate(prompt, SamplingParams(n=3, temperature=0.0, max_tokens=16,
-                                                    ignore_eos=True), use_tqdm=False)
-    assert [c.token_ids for c in greedy] == [hf_greedy(family_path("qwen3_5"), prompt, 16)] * 3
+    fresh = random_prompts(1, 37, 37, seed=2)[0]  # no prefix of it cached before
+    greedy = hybrid.generate(fresh, SamplingParams(n=3, temperature=0.0, max_tokens=16,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert [c.token_ids for c in greedy] == [hf_greedy(family_path("qwen3_5"), fresh, 16)] * 3
+    # the other choices start from the first one's state kept at its 32nd token
+    assert [c.num_cached_tokens for c in greedy] == [0, 32, 32]
     _assert_nothing_held(hybrid)
 
 

@@ -28,7 +28,9 @@ has launched all prompt tokens but the last, then takes those blocks (shared, re
 computes only the last prompt token itself; writes into a shared block copy it first
 (``BlockManager``). If the source finished first, or its windowed layers gave back blocks the
 fork needs, or (a model with recurrent state) the source computed past the shared prompt (its
-state holds its own tokens then), the fork prefills on its own.
+state holds its own tokens then), the fork prefills on its own (from the source's kept state
+where prefix caching keeps one: the fork waits while the source computes up to the shared
+prompt, by which time the source's first chunk, cut at its save point, is cached).
 """
 
 from __future__ import annotations
