@@ -105,10 +105,11 @@ class AppArgs(BaseModel):
     reasoning_parser: Literal["qwen3"] | None = Field(None, description="'qwen3': chat answers "
                                                       "move <think>...</think> into "
                                                       "reasoning_content (streamed too)")
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        None, description="the format of the model's tool calls: 'hermes' (<tool_call> blocks: "
-                          "Qwen), 'llama3_json' (Llama 3.1's JSON objects); default: the "
-                          "checkpoint's architecture's (LlamaForCausalLM: llama3_json)")
+    tool_call_parser: Literal["hermes", "qwen3_xml", "llama3_json"] | None = Field(
+        None, description="the format of the model's tool calls: 'hermes' (<tool_call> blocks "
+                          "of JSON: Qwen3), 'qwen3_xml' (<tool_call> blocks of XML: Qwen3.5), "
+                          "'llama3_json' (Llama 3.1's JSON objects); default: the checkpoint's "
+                          "architecture's (LlamaForCausalLM: llama3_json; Qwen3.5: qwen3_xml)")
     prefix_routing: bool | None = Field(None, description="route each request to the engine "
                                         "replica most likely to hold its prompt's prefix in "
                                         "its KV cache (load permitting); default: on when "

@@ -328,6 +328,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         """Whether the answer may hold tool calls (parsed into ``tool_calls``)."""
         return bool(self.tools) and self.effective_tool_choice != "none"
 
+    def tool_schemas(self) -> dict[str, dict[str, Any]]:
+        """Each tool's parameters schema by function name (XML calls' values are typed by it)."""
+        return {t.function.name: t.function.parameters or {} for t in self.tools or []}
+
     @property
     def thinks(self) -> bool:
         """Whether the prompt leaves the model free to think (Qwen3's ``enable_thinking``)."""

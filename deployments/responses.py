@@ -141,11 +141,13 @@ class ChatFormat:
     reasoning-parser state)."""
 
     def __init__(self, model: str, reasoning: ReasoningParser | None = None,
-                 texts: TokenTexts | None = None, tools: ToolParser | None = None) -> None:
+                 texts: TokenTexts | None = None, tools: ToolParser | None = None,
+                 tool_schemas: dict[str, dict[str, Any]] | None = None) -> None:
         self.model, self.id, self.created = model, new_id("chatcmpl"), int(time.time())
         self.reasoning = reasoning
         self.texts = texts  # token texts, when the request asked for log-probabilities
         self.tools = tools  # the answer may hold tool calls of this format (deployments/tools.py)
+        self.tool_schemas = tool_schemas  # each function's parameters schema (XML calls' types)
         self.streams: dict[int, ReasoningStream] = {}  # choice index -> its parser state
         self.calls: dict[int, ToolCallStream] = {}  # choice index -> its tool-call parser
         self.pending: dict[int, _Pending] = {}
@@ -161,7 +163,8 @@ class ChatFormat:
             message = {"role": "assistant", "reasoning_content": reasoning,
                        "content": content if content or reasoning is None else None}
         if self.tools and message["content"]:
-            message["content"], calls = parse_tool_calls(message["content"], self.tools)
+            message["content"], calls = parse_tool_calls(message["content"], self.tools,
+                                                         self.tool_schemas)
             if calls:
                 message["tool_calls"] = calls
         return message
@@ -194,7 +197,7 @@ class ChatFormat:
         delta: dict[str, Any] = {"reasoning_content": part.reasoning} if part.reasoning else {}
         content = part.content
         if self.tools:
-            calls = self.calls.setdefault(index, self.tools.stream())
+            calls = self.calls.setdefault(index, self.tools.stream(self.tool_schemas))
             first = calls.num_calls
             content, new = calls.feed(content)
             if out.finished:

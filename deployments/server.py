@@ -276,7 +276,7 @@ class NvrayServer:
         prompts = [body.prompt()]
         fmt = ChatFormat(self.model_name, self.reasoning,
                          self.token_texts() if body.logprobs else None,
-                         self.tool_parser if body.calls_tools else None)
+                         self.tool_parser if body.calls_tools else None, body.tool_schemas())
         if body.stream:
             return await self._streaming_response(prompts, params, fmt, body)
         return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority)))

@@ -1,5 +1,7 @@
 """Tool calling: OpenAI's ``tools`` / ``tool_choice`` in, the model family's calls out:
-Hermes/Qwen ``<tool_call>`` blocks (``HERMES``) or Llama 3.1's JSON objects (``LLAMA3_JSON``:
+Hermes/Qwen ``<tool_call>`` blocks of JSON (``HERMES``), Qwen3.5's ``<tool_call>`` blocks of XML
+(``QWEN3_XML``: ``<function=NAME>`` then ``<parameter=KEY>VALUE</parameter>`` each, a value
+read as its parameter's schema type says) or Llama 3.1's JSON objects (``LLAMA3_JSON``:
 ``{"name": ..., "parameters": {...}}``, after ``<|python_tag|>`` or not, ``;``-separated);
 ``tool_parser_for`` picks the app's (``tool_call_parser``, default by architecture).
 
@@ -138,7 +140,8 @@ class ToolCallStream:
 
     separators = ""  # characters dropped between a call and what follows, besides whitespace
 
-    def __init__(self) -> None:
+    def __init__(self, schemas: dict[str, dict[str, Any]] | None = None) -> None:
+        self.schemas = schemas or {}  # each function's parameters schema (the XML format's)
         self.buf = ""  # text not yet resolved: a block in progress or a possible block start
         self.held = ""  # whitespace that goes out only if content (not a block) follows
         self.after_block = False  # whitespace right after a call is dropped
@@ -187,7 +190,11 @@ class ToolCallStream:
         end = buf.find(CLOSE)
         if end < 0:
             return (len(buf), None) if final else (None, None)
-        return end + len(CLOSE), _call_of(buf[len(OPEN):end])
+        return end + len(CLOSE), self._call(buf[len(OPEN):end])
+
+    def _call(self, body: str) -> dict[str, Any] | None:
+        """A block's call (None: malformed)."""
+        return _call_of(body)
 
     def _outside(self, text: str) -> str:
         """Content outside blocks: what can go out now; trailing whitespace is held."""
@@ -202,6 +209,54 @@ class ToolCallStream:
             return ""
         out, self.held = self.held + body, text[len(body):]
         return out
+
+
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)\n?</function>\s*", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+class XmlToolCallStream(ToolCallStream):
+    """Qwen3.5's calls: ``<tool_call>`` blocks holding ``<function=NAME>`` and its
+    ``<parameter=KEY>VALUE</parameter>`` (whitespace around each value dropped); a block that
+    holds anything else is malformed (it stays content)."""
+
+    def _call(self, body: str) -> dict[str, Any] | None:
+        return _xml_call(body, self.schemas)
+
+
+def _xml_call(body: str, schemas: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    found = _XML_CALL.fullmatch(body)
+    if found is None:
+        return None
+    name, inner = found.group(1).strip(), found.group(2)
+    properties = (schemas.get(name) or {}).get("properties") or {}
+    arguments, at = {}, 0
+    for parameter in _XML_PARAMETER.finditer(inner):
+        if inner[at:parameter.start()].strip():
+            return None  # text between parameters: not a call
+        key = parameter.group(1).strip()
+        arguments[key] = _xml_value(parameter.group(2), properties.get(key))
+        at = parameter.end()
+    if inner[at:].strip():
+        return None
+    return _openai_call({"name": name, "arguments": arguments})
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type: a string as written (also where the schema
+    names no type, or the parameter is unknown); a number, boolean, null, object or array from
+    its JSON, or as written where it is not valid JSON. Whitespace around a value is the
+    format's (the template's newlines; the grammar lets a model put more there), not the
+    value's."""
+    text = text.strip()
+    types = schema.get("type") if isinstance(schema, dict) else None
+    types = [types] if isinstance(types, str) else list(types or [])
+    if not types or "string" in types:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -258,10 +313,11 @@ def _open_prefix_len(text: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str, parser: "ToolParser | None" = None
+def parse_tool_calls(text: str, parser: "ToolParser | None" = None,
+                     schemas: dict[str, dict[str, Any]] | None = None
                      ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a whole answer; content is None when only calls were made."""
-    stream = (parser or HERMES).stream()
+    stream = (parser or HERMES).stream(schemas)
     content, calls = stream.feed(text)
     rest, last = stream.finish()
     content, calls = content + rest, calls + last
@@ -277,18 +333,23 @@ class ToolParser:
     xgrammar_format: str
     stream_class: type[ToolCallStream]
 
-    def stream(self) -> ToolCallStream:
-        return self.stream_class()
+    def stream(self, schemas: dict[str, dict[str, Any]] | None = None) -> ToolCallStream:
+        """A parser of one answer; ``schemas``: each function's parameters schema."""
+        return self.stream_class(schemas)
 
 
 HERMES = ToolParser("hermes", "qwen_3", ToolCallStream)
+QWEN3_XML = ToolParser("qwen3_xml", "qwen_3_coder", XmlToolCallStream)
 LLAMA3_JSON = ToolParser("llama3_json", "llama", JsonToolCallStream)
-TOOL_PARSERS = {p.name: p for p in (HERMES, LLAMA3_JSON)}
+TOOL_PARSERS = {p.name: p for p in (HERMES, QWEN3_XML, LLAMA3_JSON)}
 # What each architecture's chat template asks its model to write
-_BY_ARCHITECTURE = {"LlamaForCausalLM": "llama3_json"}
+_BY_ARCHITECTURE = {"LlamaForCausalLM": "llama3_json",
+                    **{arch: "qwen3_xml" for arch in (
+                        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")}}
 
 
 def tool_parser_for(name: str | None, architecture: str) -> ToolParser:
     """The app's ``tool_call_parser``, or (None) the architecture's: Llama 3.x's JSON calls,
-    Hermes ``<tool_call>`` blocks for the others (Qwen's)."""
+    Qwen3.5's XML calls, Hermes ``<tool_call>`` blocks for the others (Qwen's)."""
     return TOOL_PARSERS[name or _BY_ARCHITECTURE.get(architecture, "hermes")]

@@ -2,7 +2,8 @@
 HF-written random weights), with the real openai client: ``/v1/models`` names its architecture,
 chat works through the checkpoint's template, and tool calls come back as ``tool_calls`` in
 Llama 3.1's JSON format (the parser the architecture picks; the grammar keeps the calls
-well-formed), streamed or not; an app args' ``hf_overrides`` reach the engine."""
+well-formed), streamed or not; an app args' ``hf_overrides`` reach the engine. Qwen3.5 (a
+hybrid) the same way in its XML call format, and an image part is refused naming it."""
 
 from __future__ import annotations
 
@@ -75,3 +76,45 @@ def test_a_length_past_the_overridden_one_is_refused(llama_url):
     resp = requests.post(f"{llama_url}/v1/completions", timeout=60, json={
         "model": "llama", "prompt": "hi", "max_tokens": 2100})
     assert resp.status_code == 400, resp.text
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_url(serve_http, family_path):
+    path = family_path("qwen3_5")
+    serve.run(build_app({"model": path, "served_model_name": "qwen35", "num_cpus_per_rank": 0.5,
+                         "max_model_len": 1024}), name="qwen35", route_prefix="/qwen35")
+    try:
+        yield f"{serve_http}/qwen35"
+    finally:
+        serve.delete("qwen35")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_qwen3_5_tool_calls_come_back_from_its_xml_format(qwen3_5_url, stream):
+    """Qwen3.5 writes calls as <tool_call><function=...><parameter=...>: the architecture picks
+    that parser (and the grammar that format), and the calls come back as ``tool_calls``."""
+    client = openai.OpenAI(base_url=f"{qwen3_5_url}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    kwargs = dict(model="qwen35", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  max_tokens=300, seed=3, parallel_tool_calls=False)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+    else:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        calls = [c for chunk in chunks for choice in chunk.choices
+                 for c in (choice.delta.tool_calls or [])]
+        finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices][-1]
+    assert finish == "tool_calls"
+    assert [c.function.name for c in calls] == ["get_weather"]
+    import jsonschema
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+
+
+def test_an_image_part_is_refused_naming_it(qwen3_5_url):
+    resp = requests.post(f"{qwen3_5_url}/v1/chat/completions", timeout=60, json={
+        "model": "qwen35", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/a.png"}}]}]})
+    assert resp.status_code == 400, resp.text
+    assert "image_url" in resp.json()["error"]["message"]

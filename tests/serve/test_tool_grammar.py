@@ -65,3 +65,27 @@ def test_llama_json_calls_are_constrained_to_their_own_format(compiler, choice):
     assert accepts_llama(compiler, choice, llama)
     assert not accepts_llama(compiler, choice, call('{"city": "Paris", "unit": "c"}'))
     assert not accepts_llama(compiler, choice, llama.replace('"c"', '"kelvin"'))
+
+
+def accepts_xml(compiler, choice, text: str) -> bool:
+    spec = tool_constraint(TOOLS, choice, parallel=True, xgrammar_format="qwen_3_coder").spec()
+    return compiler.matcher(compiler.compile(spec)).accept_string(text)
+
+
+def xml_call(unit: str) -> str:
+    return ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            f"<parameter=unit>\n{unit}\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED, "auto"])
+def test_qwen3_5_xml_calls_are_constrained_to_their_own_format(compiler, choice):
+    """What the constraint lets Qwen3.5 write is what its parser reads back as the call."""
+    from deployments.tools import QWEN3_XML, parse_tool_calls
+
+    assert accepts_xml(compiler, choice, xml_call("c"))
+    assert not accepts_xml(compiler, choice, xml_call("kelvin"))  # outside the enum
+    if choice != "auto":  # (auto: text that opens no XML call is text)
+        assert not accepts_xml(compiler, choice, call('{"city": "Paris", "unit": "c"}'))
+    _, calls = parse_tool_calls(xml_call("c"), QWEN3_XML, {"get_weather": WEATHER})
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]

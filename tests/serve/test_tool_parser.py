@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deployments.tools import ToolCallStream, parse_tool_calls
+from deployments.tools import QWEN3_XML, ToolCallStream, parse_tool_calls
 
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_B = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>'
@@ -129,6 +129,62 @@ def test_llama_json_calls_stream_to_what_the_whole_answer_gives(text):
 
 def test_the_parser_follows_the_architecture_unless_the_app_names_one():
     assert tool_parser_for(None, "LlamaForCausalLM") is LLAMA3_JSON
+    assert tool_parser_for(None, "Qwen3_5ForConditionalGeneration") is QWEN3_XML
+    assert tool_parser_for(None, "Qwen3_5MoeForCausalLM") is QWEN3_XML
     assert tool_parser_for(None, "Qwen3ForCausalLM") is HERMES
     assert tool_parser_for("hermes", "LlamaForCausalLM") is HERMES
     assert tool_parser_for("llama3_json", "Qwen3ForCausalLM") is LLAMA3_JSON
+
+
+# Qwen3.5's XML calls, as its chat template writes them
+XML_A = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+XML_B = ("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2, 3]\n"
+         "</parameter>\n<parameter=note>\n42\n</parameter>\n</function>\n</tool_call>")
+XML_SCHEMAS = {"get_weather": {"type": "object", "properties": {
+                   "city": {"type": "string"}, "days": {"type": "integer"}}},
+               "add": {"type": "object", "properties": {
+                   "a": {"type": "number"}, "b": {"type": "array"}, "note": {"type": "string"}}}}
+XML_ANSWERS = [
+    XML_A,
+    "Checking.\n" + XML_A + "\n" + XML_B + "\nDone.",
+    "<tool_call>\n<function=add>\nstray text\n<parameter=a>\n1\n</parameter>\n</function>\n"
+    "</tool_call> then " + XML_A,
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n",
+]
+
+
+def test_qwen3_5_xml_calls_take_their_parameters_types_from_the_schema():
+    content, calls = parse_tool_calls("Checking.\n" + XML_A + "\n" + XML_B + "\nDone.",
+                                      QWEN3_XML, XML_SCHEMAS)
+    assert content == "Checking.Done."
+    # a string parameter stays a string even where it reads as a number; others are JSON
+    assert names(calls) == [("get_weather", {"city": "Paris", "days": 3}),
+                            ("add", {"a": 1, "b": [2, 3], "note": "42"})]
+    # without the function's schema every value is the text written
+    assert names(parse_tool_calls(XML_A, QWEN3_XML)[1]) == [("get_weather",
+                                                             {"city": "Paris", "days": "3"})]
+
+
+def test_qwen3_5_xml_blocks_with_other_text_or_unclosed_stay_content():
+    malformed, unclosed = XML_ANSWERS[2], XML_ANSWERS[3]
+    content, calls = parse_tool_calls(malformed, QWEN3_XML, XML_SCHEMAS)
+    assert names(calls) == [("get_weather", {"city": "Paris", "days": 3})]
+    assert content == malformed[:malformed.index(" then") + len(" then")]
+    assert parse_tool_calls(unclosed, QWEN3_XML, XML_SCHEMAS) == (unclosed, [])
+    # and a Hermes JSON block is no XML call
+    assert parse_tool_calls(CALL_A, QWEN3_XML) == (CALL_A, [])
+
+
+@pytest.mark.parametrize("text", XML_ANSWERS)
+def test_a_streamed_xml_answer_split_anywhere_parses_as_the_whole_one(text):
+    whole_content, whole_calls = parse_tool_calls(text, QWEN3_XML, XML_SCHEMAS)
+    for cut in range(len(text) + 1):
+        stream, content, calls = QWEN3_XML.stream(XML_SCHEMAS), "", []
+        for piece in (text[:cut], text[cut:]):
+            part, new = stream.feed(piece)
+            content, calls = content + part, calls + new
+        rest, last = stream.finish()
+        content, calls = content + rest, calls + last
+        assert names(calls) == names(whole_calls), (text, cut)
+        assert (content or None if calls else content) == whole_content, (text, cut)
