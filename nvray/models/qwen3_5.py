@@ -30,12 +30,12 @@ from torch import nn
 from nvray.layers.attention import Attention, AttentionMetadata
 from nvray.layers.gated_deltanet import GatedDeltaNet
 from nvray.layers.linear import QKVParallelLinear, RowParallelLinear
-from nvray.layers.moe import FusedMoE
 from nvray.layers.norm import ZeroCenteredRMSNorm
 from nvray.layers.rotary import get_rope, rope_max_positions, rope_spec_of
 from nvray.layers.tp import PartialSum, divide, tp_size
 from nvray.models.decoder import (CausalLM, DecoderModel, GatedMLP, check_hidden_act,
                                   head_dim_of, layer_types_of, quant_for)
+from nvray.models.qwen3_moe import SparseMoeBlock
 from nvray.quantization import Fp8Config
 
 LINEAR = "linear_attention"
@@ -150,19 +150,13 @@ class Qwen3_5ForCausalLM(CausalLM):
                 if layer.mixer_name == "linear_attn"]
 
 
-class SharedExpertMoeBlock(nn.Module):
-    """Routed experts (top-k of ``num_experts``, weights renormalised) plus a shared expert
-    scaled by ``sigmoid(shared_expert_gate(x))``; under tensor parallelism both are the rank's
-    partial sums, added before the norm that follows sums them."""
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's routed experts (weights always renormalised) plus a shared expert scaled by
+    ``sigmoid(shared_expert_gate(x))``; under tensor parallelism both are the rank's partial
+    sums, added before the norm that follows sums them."""
 
     def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str) -> None:
-        super().__init__()
-        check_hidden_act(cfg)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.gate.weight.requires_grad_(False)
-        self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                cfg.moe_intermediate_size, True,
-                                quant_for(quant, prefix, ["experts"]))
+        super().__init__(cfg, quant, prefix, renormalize=True)
         self.shared_expert = GatedMLP(cfg, quant, f"{prefix}.shared_expert",
                                       cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
@@ -170,8 +164,7 @@ class SharedExpertMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None
                 ) -> torch.Tensor | PartialSum:
-        real = meta.real_tokens() if meta is not None and self.experts.expert_parallel else None
-        routed = self.experts(x, F.linear(x, self.gate.weight), real)
+        routed = super().forward(x, meta)
         shared = self.shared_expert(x)
         scale = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
         if isinstance(routed, PartialSum):

@@ -24,13 +24,18 @@ from nvray.quantization import Fp8Config
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str) -> None:
+    """The router and the experts of one sparse layer; ``renormalize`` (None: the config's
+    ``norm_topk_prob``) rescales each token's top-k weights to sum to 1."""
+
+    def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str,
+                 renormalize: bool | None = None) -> None:
         super().__init__()
         check_hidden_act(cfg)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
+        renormalize = bool(cfg.norm_topk_prob) if renormalize is None else renormalize
         self.experts = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
-                                cfg.moe_intermediate_size, bool(cfg.norm_topk_prob),
+                                cfg.moe_intermediate_size, renormalize,
                                 quant_for(quant, prefix, ["experts"]))
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None

@@ -22,6 +22,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 
+def required_calls(client: openai.OpenAI, model: str, stream: bool, max_tokens: int
+                   ) -> tuple[list, str]:
+    """The tool calls and finish reason of a ``tool_choice="required"`` weather request,
+    streamed (the deltas' calls, the last finish reason) or not."""
+    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  max_tokens=max_tokens, seed=3, parallel_tool_calls=False)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.message.tool_calls, choice.finish_reason
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    calls = [c for chunk in chunks for choice in chunk.choices
+             for c in (choice.delta.tool_calls or [])]
+    return calls, [choice.finish_reason for chunk in chunks for choice in chunk.choices][-1]
+
+
 @pytest.fixture(scope="module")
 def llama_url(serve_http, family_path):
     path = family_path("llama3-tied")
@@ -56,16 +71,7 @@ def test_chat_without_tools_answers_text(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_calls_come_back_in_llama_json_format_as_tool_calls(client, stream):
-    kwargs = dict(model="llama", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                  max_tokens=120, seed=3, parallel_tool_calls=False)
-    if not stream:
-        choice = client.chat.completions.create(**kwargs).choices[0]
-        calls, finish = choice.message.tool_calls, choice.finish_reason
-    else:
-        chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        calls = [c for chunk in chunks for choice in chunk.choices
-                 for c in (choice.delta.tool_calls or [])]
-        finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices][-1]
+    calls, finish = required_calls(client, "llama", stream, max_tokens=120)
     assert finish == "tool_calls"
     assert [c.function.name for c in calls] == ["get_weather"]
     import jsonschema
@@ -95,16 +101,7 @@ def test_qwen3_5_tool_calls_come_back_from_its_xml_format(qwen3_5_url, stream):
     that parser (and the grammar that format), and the calls come back as ``tool_calls``."""
     client = openai.OpenAI(base_url=f"{qwen3_5_url}/v1", api_key="unused", max_retries=0,
                            timeout=120)
-    kwargs = dict(model="qwen35", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                  max_tokens=300, seed=3, parallel_tool_calls=False)
-    if not stream:
-        choice = client.chat.completions.create(**kwargs).choices[0]
-        calls, finish = choice.message.tool_calls, choice.finish_reason
-    else:
-        chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        calls = [c for chunk in chunks for choice in chunk.choices
-                 for c in (choice.delta.tool_calls or [])]
-        finish = [choice.finish_reason for chunk in chunks for choice in chunk.choices][-1]
+    calls, finish = required_calls(client, "qwen35", stream, max_tokens=300)
     assert finish == "tool_calls"
     assert [c.function.name for c in calls] == ["get_weather"]
     import jsonschema

@@ -23,6 +23,16 @@ ANSWERS = [
 ]
 
 
+def streamed(stream: ToolCallStream, pieces: list[str]) -> tuple[str, list]:
+    """(content, calls) of an answer fed to ``stream`` piece by piece, then finished."""
+    content, calls = "", []
+    for piece in pieces:
+        part, new = stream.feed(piece)
+        content, calls = content + part, calls + new
+    rest, last = stream.finish()
+    return content + rest, calls + last
+
+
 def names(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
@@ -56,12 +66,7 @@ def test_a_streamed_answer_split_anywhere_parses_as_the_whole_one(text):
         for pieces in ([text[:cut], text[cut:]], list(text) if cut == 0 else None):
             if pieces is None:
                 continue
-            stream, content, calls = ToolCallStream(), "", []
-            for piece in pieces:
-                part, new = stream.feed(piece)
-                content, calls = content + part, calls + new
-            rest, last = stream.finish()
-            content, calls = content + rest, calls + last
+            content, calls = streamed(ToolCallStream(), pieces)
             assert names(calls) == names(whole_calls), (text, cut)
             assert (content or None if calls else content) == whole_content, (text, cut)
 
@@ -117,12 +122,7 @@ def test_llama_json_calls_are_parsed(text, content, calls):
 def test_llama_json_calls_stream_to_what_the_whole_answer_gives(text):
     whole_content, whole_calls = llama_parse(text)
     for cut in range(len(text) + 1):
-        stream, content, calls = LLAMA3_JSON.stream(), "", []
-        for piece in (text[:cut], text[cut:]):
-            part, new = stream.feed(piece)
-            content, calls = content + part, calls + new
-        rest, last = stream.finish()
-        content, calls = content + rest, calls + last
+        content, calls = streamed(LLAMA3_JSON.stream(), [text[:cut], text[cut:]])
         assert [c["function"] for c in calls] == [c["function"] for c in whole_calls], cut
         assert (content or None if calls else content) == whole_content, cut
 
@@ -180,11 +180,6 @@ def test_qwen3_5_xml_blocks_with_other_text_or_unclosed_stay_content():
 def test_a_streamed_xml_answer_split_anywhere_parses_as_the_whole_one(text):
     whole_content, whole_calls = parse_tool_calls(text, QWEN3_XML, XML_SCHEMAS)
     for cut in range(len(text) + 1):
-        stream, content, calls = QWEN3_XML.stream(XML_SCHEMAS), "", []
-        for piece in (text[:cut], text[cut:]):
-            part, new = stream.feed(piece)
-            content, calls = content + part, calls + new
-        rest, last = stream.finish()
-        content, calls = content + rest, calls + last
+        content, calls = streamed(QWEN3_XML.stream(XML_SCHEMAS), [text[:cut], text[cut:]])
         assert names(calls) == names(whole_calls), (text, cut)
         assert (content or None if calls else content) == whole_content, (text, cut)
