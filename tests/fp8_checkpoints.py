@@ -31,8 +31,9 @@ from safetensors.torch import save_file
 
 E4M3_MAX = 448.0
 BLOCK = (128, 128)
-# decoder linear weights: what both formats quantize (embeddings, norms, lm_head stay)
-_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+# decoder linear weights: what both formats quantize (embeddings, norms, lm_head stay);
+# Qwen3.5's linear-attention projections too (in_proj_qkv, in_proj_z, out_proj, ...)
+_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp|linear_attn)\.\w*proj\w*\.weight$")
 # a Qwen3 shape whose every projection splits into 128x128 blocks, also on 2 ranks
 FP8_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": 2}

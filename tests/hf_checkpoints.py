@@ -61,8 +61,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 _QWEN3_5_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4,
                    "linear_key_head_dim": 16, "linear_value_head_dim": 8,
                    "linear_conv_kernel_dim": 4}
-# Qwen3.5 hybrids (linear + gated full attention): not in FAMILIES' generic tests (no prefix
-# cache yet), tests/test_qwen3_5.py runs them
+# Qwen3.5 hybrids (linear + gated full attention): not in FAMILIES' generic tests (their
+# prefix cache keeps states, not blocks alone); tests/test_qwen3_5.py runs them
 HYBRID_SHAPES: dict[str, dict[str, Any]] = {
     # a full-attention layer first; GQA in the linear layers (4 value heads read 2 key heads)
     "qwen3_5": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",

@@ -162,6 +162,29 @@ def test_prefix_hits_resume_from_the_kept_state_and_skip_its_prefill(family_path
         llm.shutdown()
 
 
+def test_prompts_sharing_a_system_prompt_resume_after_it_from_the_third_on(family_path):
+    """The first prompt keeps its state at its own end only; the second shares the 48-token
+    system prompt's KV but no state there, so it computes it, keeping the state where it
+    leaves the cached KV; from the third on, prompts with that system prompt resume after it,
+    with HF's tokens."""
+    path = family_path("qwen3_5")
+    system = random_prompts(1, 48, 48, seed=21)[0]
+    questions = random_prompts(4, 20, 28, seed=22)
+    llm = LLM(path, runtime="inprocess", num_kvcache_blocks=60, kvcache_block_size=16,
+              max_model_len=160, max_num_seqs=4)
+    try:
+        cached = []
+        for question in questions:
+            prompt = system + question
+            out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+            assert out.token_ids == hf_greedy(path, prompt, 24), f"question {len(cached)}"
+            cached.append(out.num_cached_tokens)
+        assert cached == [0, 0, 48, 48]
+        _assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_a_cache_the_state_leaves_too_small_is_refused_naming_the_state(family_path):
     """The state rows come out of the cache budget first (513 slots of ~6 KiB here: 256 running
     sequences, 256 kept prefix states and the scratch row)."""
@@ -183,3 +206,61 @@ def test_the_language_model_of_a_vision_language_checkpoint_matches_hf(family_pa
     assert architecture == "Qwen3_5ForConditionalGeneration"
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(path, prompt, 24)
+
+
+# a hybrid whose every projection splits into Qwen's 128x128 FP8 blocks (but a and b: 4 rows)
+FP8_HYBRID = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+              "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "layer_types": ["linear_attention", "full_attention"],
+              "max_position_embeddings": 1024, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+              "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_fp8(tmp_path_factory, tiny_path) -> tuple[str, str]:
+    from fp8_checkpoints import write_fp8_checkpoint
+    from hf_checkpoints import write_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen3_5-fp8")
+    src = write_hf_checkpoint(str(root / "src"), FP8_HYBRID, tiny_path, seed=5)
+    small = ("model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b")
+    return src, write_fp8_checkpoint(src, str(root / "fp8"), "qwen-fp8", ignore=small)
+
+
+def test_qwens_fp8_checkpoint_of_a_hybrid_matches_transformers_reading_of_it(qwen3_5_fp8):
+    """Qwen's FP8 format (128x128 block scales, dynamic activations) for a hybrid: the linear
+    layers' fused q/k/v, z and out projections, the gated attention's and the MLP's are FP8
+    (a and b, left unquantized by the config, full precision); prefill logits within a third of
+    the quantization noise of transformers' own FP8 reading of the files, and greedy tokens
+    its argmax (or a near-tie of it)."""
+    from fp8_checkpoints import assert_near_argmax, hf_fp8_model
+
+    src, path = qwen3_5_fp8
+    runner = ModelRunner(EngineConfig(model=path, num_kvcache_blocks=16, kvcache_block_size=16),
+                         path)
+    runner.allocate_kv_cache(16, state_rows=2)
+    linear, full = runner.model.model.layers[0], runner.model.model.layers[1]
+    for layer in (linear.linear_attn.in_proj_qkv, linear.linear_attn.in_proj_z,
+                  linear.linear_attn.out_proj, full.self_attn.qkv_proj, full.mlp.down_proj):
+        assert layer.weight.dtype == torch.float8_e4m3fn
+    assert linear.linear_attn.in_proj_a.weight.dtype == torch.float32
+    oracle, unquantized = hf_fp8_model(path), hf_model(src)
+    prompts = random_prompts(3, 30, 90, seed=4)
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = oracle(torch.tensor([prompt])).logits[0, -1]
+            noise = float((ref - unquantized(torch.tensor([prompt])).logits[0, -1]).abs().max())
+        ours = runner.forward(greedy_step(prompt, 0, list(range(15, -1, -1))))[0][0]
+        assert noise > 0.05, "the FP8 files must differ visibly from the unquantized model"
+        assert float((ours - ref).abs().max()) <= 0.35 * noise
+    llm = LLM(path, runtime="inprocess", num_kvcache_blocks=32, max_model_len=160)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8,
+                                                    ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    exact = [assert_near_argmax(oracle, prompt, out.token_ids, 0.35 * noise)
+             for prompt, out in zip(prompts, outs)]
+    assert sum(exact) / len(exact) >= 0.75, f"oracle argmax rate per prompt {exact}"

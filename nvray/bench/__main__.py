@@ -31,6 +31,11 @@ Subcommands:
   vocabulary and with the sort-free kernel (``nvray/bench/sampler.py``).
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
   (``nvray/bench/gpu_busy.py``).
+- ``long-context``: decode at long context (by default 64 sequences of 32K tokens), Qwen3.5's
+  hybrid against the Qwen3-8B shape: the KV blocks each holds, the sequences that fit, decode
+  tok/s and their ratio (``nvray/bench/long_context.py``).
+- ``prefix-ttft``: TTFT of a 4K-token system prompt + question, missing the prefix cache and
+  hitting it (``nvray/bench/prefix_ttft.py``).
 - ``soak``: minutes of streaming load with random disconnects against the app: unexpected
   errors, driver memory and KV usage over time (``nvray/bench/soak.py``).
 - ``structured``: structured outputs: output tok/s with every request (and one in ten) under
@@ -88,11 +93,12 @@ def _sizes(text: str, flag: str = "--tensor-parallel-size") -> tuple[int, ...]:
         raise SystemExit(f"{flag} {text!r}: give sizes, e.g. 1,2") from None
 
 
-def _features(text: str) -> tuple[str, ...]:
+def _names(flag: str, text: str, known: list[str]) -> tuple[str, ...]:
+    """``--flag a,b``: the comma-separated names, each one of ``known``; others refused."""
     names = tuple(text.split(","))
-    unknown = [n for n in names if n not in FEATURES]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"--features: unknown {unknown}; choose from {list(FEATURES)}")
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {known}")
     return names
 
 
@@ -194,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "built on first use: GPU-sized; give 'tiny' on a CPU)")
     st.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES))
     startup.add_arguments(st)
+    lc = sub.add_parser("long-context", parents=[common],
+                        help="decode tok/s at long context, hybrid against full attention")
+    lc.add_argument("--shape", default="qwen3.5-9b,qwen3-8b", help="comma-separated shapes")
+    lc.add_argument("--num-seqs", type=int, default=64)
+    lc.add_argument("--context", type=int, default=32768, help="prompt tokens per sequence")
+    lc.add_argument("--steps", type=int, default=30, help="decode steps timed")
+    pt = sub.add_parser("prefix-ttft", parents=[common],
+                        help="TTFT of a long system prompt, prefix-cache miss against hit")
+    pt.add_argument("--shape", default="qwen3.5-9b", help="comma-separated shapes")
+    pt.add_argument("--system-len", type=int, default=4096)
+    pt.add_argument("--question-len", type=int, default=64)
+    pt.add_argument("--requests", type=int, default=8, help="timed requests of each kind")
     sk = sub.add_parser("soak", parents=[common],
                         help="streaming load with random disconnects for minutes: errors, memory")
     soak.add_arguments(sk)
@@ -231,7 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.environ["NVRAY_PROFILE_DIR"] = args.profile
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
                                 args.max_model_len, args.floor, overlaps,
-                                _features(args.features), _budgets(args.max_num_batched_tokens),
+                                _names("--features", args.features, list(FEATURES)),
+                                _budgets(args.max_num_batched_tokens),
                                 sizes, args.shape, quantizations, kv_dtypes, all_reduces,
                                 expert_parallels, stages)
     if args.cmd == "allreduce":
@@ -252,6 +271,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         return bench_idle(args.model, args.idle_s, args.window_s, args.runs,
                           max_model_len=args.max_model_len)
+    if args.cmd == "long-context":
+        from nvray.bench.long_context import bench_long_context  # noqa: PLC0415
+
+        return bench_long_context(_names("--shape", args.shape, SHAPES), args.num_seqs,
+                                  args.context, args.steps)
+    if args.cmd == "prefix-ttft":
+        from nvray.bench.prefix_ttft import bench_prefix_ttft  # noqa: PLC0415
+
+        return bench_prefix_ttft(_names("--shape", args.shape, SHAPES), args.system_len,
+                                 args.question_len,
+                                 args.requests)
     if args.cmd == "gpu-busy":
         from nvray.bench.gpu_busy import bench_gpu_busy  # noqa: PLC0415
 

@@ -27,9 +27,13 @@ QWEN3_SHAPES: dict[str, dict[str, Any]] = {"0.6b": QWEN3_0_6B_SHAPE, "8b": QWEN3
 QWEN3_VOCAB, QWEN3_TOKENIZER_VOCAB = 151936, 151669
 
 # Other families' shapes, from their config.json (Llama-3.1-8B, Qwen3-30B-A3B, Gemma-3-12B's text
-# model; Qwen3.5's below): only the config is written, and the engine makes random weights on the GPU
-# (load_format="dummy": 16-60 GB of random safetensors would take longer to write than to bench).
+# model; Qwen3.5's below; Qwen3-8B's again): only the config is written, and the engine makes
+# random weights on the GPU (load_format="dummy": 16-60 GB of random safetensors would take
+# longer to write than to bench).
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen3-8B's shape again, config only: long-context runs need no written weights
+    "qwen3-8b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                 **QWEN3_8B_SHAPE, "vocab_size": QWEN3_VOCAB},
     "llama3-8b": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -20,7 +20,9 @@ from nvray.bench.checkpoints import default_checkpoint
 from nvray.sampling_params import SamplingParams
 
 
-def _fill(engine: Any, num_seqs: int, prompt_len: int, vocab: int) -> None:
+def fill_running(engine: Any, num_seqs: int, prompt_len: int, vocab: int) -> None:
+    """Add ``num_seqs`` random prompts of ``prompt_len`` tokens (running to the context's end),
+    step until every one is prefilled, then ten decode steps more."""
     rng = random.Random(0)
     params = SamplingParams(temperature=0.6, max_tokens=engine.limits.max_model_len - prompt_len,
                             ignore_eos=True)
@@ -72,7 +74,7 @@ def _profiled_busy(engine: Any, steps: int) -> dict[str, float]:
             "gpu_busy_pct": round(100 * busy / wall_us, 1)}
 
 
-def _step_times(engine: Any, steps: int) -> list[float]:
+def step_times(engine: Any, steps: int) -> list[float]:
     times = []
     _sync()
     for _ in range(steps):
@@ -82,7 +84,7 @@ def _step_times(engine: Any, steps: int) -> list[float]:
     return times
 
 
-def _drain(engine: Any) -> None:
+def drain(engine: Any) -> None:
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
     for _ in range(10):
@@ -92,11 +94,11 @@ def _drain(engine: Any) -> None:
 
 
 def _measure(engine: Any, num_seqs: int, prompt_len: int, steps: int) -> dict[str, Any]:
-    _fill(engine, num_seqs, prompt_len, min(10000, engine.limits.vocab_size))
-    times = _step_times(engine, steps)
+    fill_running(engine, num_seqs, prompt_len, min(10000, engine.limits.vocab_size))
+    times = step_times(engine, steps)
     busy = _profiled_busy(engine, steps)
     assert len(engine.scheduler.running) == num_seqs, "every sequence must still decode"
-    _drain(engine)
+    drain(engine)
     step_ms = statistics.median(times) * 1e3
     return {"num_seqs": num_seqs, "step_ms_median": round(step_ms, 2),
             "decode_tok_per_s": round(num_seqs / step_ms * 1e3, 1),

@@ -28,9 +28,12 @@ Contract:
   ``num_computed_tokens``, so a fork shares all of the parent's computed tokens). A slot's
   state describes the sequence's whole past, not one block: with prefix caching, the slots
   from ``num_live_states`` on keep states at block boundaries (``PrefixStates``). A new
-  sequence's save point is its prompt's last block boundary before the last prompt token (where
-  the same prompt would resume); the scheduler ends a chunk there (``state_save_point``), and
-  the step after it copies the state into a row kept under that block's hash (``save_state``).
+  sequence's save points are where its prompt leaves the cached KV, if that is past the deepest
+  kept state (after a system prompt an earlier prompt shared: the next prompt that shares it
+  resumes there), and its prompt's last block boundary before the last prompt token (where the
+  same prompt, or the conversation's next turn, would resume); the scheduler ends a chunk at
+  each (``state_save_point``), and the step after it copies the state into a row kept under that
+  block's hash (``save_state``).
   A cached prefix is served to the deepest block whose state is kept (its KV blocks cached
   too); the sequence's slot gets that state copied in before its first step.
 - The ranks keep each sequence's block table between steps and get only its changes
@@ -91,11 +94,14 @@ class Block:
 class CachedPrefix(NamedTuple):
     """A cached prefix of a waiting sequence: its table entries (``num_groups`` per logical
     block, -1 where a windowed group needs none), the chained hash of each logical block, and
-    (models with recurrent state) the prefix-state row holding the state at its end."""
+    (models with recurrent state) the prefix-state row holding the state at its end and how
+    many tokens' KV is cached (deeper than the prefix where no state is kept there: where an
+    earlier prompt diverged from this one, e.g. after a shared system prompt)."""
 
     blocks: list[int]
     hashes: list[int]
     state_row: int = -1
+    kv_cached_tokens: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -173,11 +179,13 @@ class BlockManager:
         cached = self._find_cached_blocks(seq)
         if self.prefix_states is None:
             return cached
+        kv_tokens = cached.num_blocks * self.block_size
         for k in range(cached.num_blocks, 0, -1):
             row = self.prefix_states.row_of(cached.hashes[k - 1])
             if row is not None:
-                return CachedPrefix(cached.blocks[:k * self.num_groups], cached.hashes[:k], row)
-        return NO_PREFIX
+                return CachedPrefix(cached.blocks[:k * self.num_groups], cached.hashes[:k], row,
+                                    kv_tokens)
+        return CachedPrefix([], [], -1, kv_tokens)
 
     def _find_cached_blocks(self, seq: Sequence) -> CachedPrefix:
         """The longest prefix of ``seq`` whose KV blocks are cached."""
@@ -305,7 +313,8 @@ class BlockManager:
             self.prefix_states.use(cached.hashes[-1])  # type: ignore[union-attr]
             self.state_copies.append((cached.state_row, seq.state_slot))
         seq.num_computed_tokens = cached.num_blocks * self.block_size
-        seq.state_save_at = self.state_save_point(seq, seq.num_computed_tokens)
+        seq.state_save_at = self.state_save_point(seq, seq.num_computed_tokens,
+                                                  cached.kv_cached_tokens)
         seq.num_cached_tokens = seq.num_computed_tokens
         self.seq_block_hashes[seq.seq_id] = list(cached.hashes)
         self.num_queried_tokens += seq.num_tokens
@@ -335,23 +344,38 @@ class BlockManager:
         copies, self.copies = self.copies, []
         return copies
 
-    def state_save_point(self, seq: Sequence, start: int) -> int:
-        """Where ``seq``'s state is to be kept, for a sequence computing from ``start``: its
-        prompt's last block boundary before the last prompt token, if past ``start`` (-1:
-        nowhere; no prefix caching of states)."""
+    def state_save_point(self, seq: Sequence, start: int, diverges_at: int = 0) -> int:
+        """Where ``seq``'s state is next to be kept, for a sequence computed up to ``start``
+        (-1: nowhere further; no prefix caching of states): where it diverges from the cached
+        KV (``diverges_at``, ``CachedPrefix.kv_cached_tokens``: a prompt that shares a system
+        prompt with an earlier one keeps the state at its end for the next), else its prompt's
+        last block boundary before its last token (where the same prompt would resume)."""
         if self.prefix_states is None:
             return -1
-        point = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+        last = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+        point = diverges_at if start < diverges_at < last else last
         return point if point > start else -1
 
     def save_state(self, seq: Sequence) -> None:
         """``seq`` has computed up to its save point in the step just launched: the next step
-        copies its state into a prefix-state row kept under that block's hash."""
-        point, seq.state_save_at = seq.state_save_at, -1
-        block_hash = hash_blocks(_ROOT_HASH, seq.token_ids[:point], self.block_size)[-1]
-        row = self.prefix_states.save(block_hash)  # type: ignore[union-attr]
+        copies its state into a prefix-state row kept under that block's hash; its next save
+        point is set."""
+        point = seq.state_save_at
+        seq.state_save_at = self.state_save_point(seq, point)
+        row = self.prefix_states.save(self._prefix_hash(seq, point))  # type: ignore[union-attr]
         if row is not None:
             self.state_copies.append((seq.state_slot, row))
+
+    def _prefix_hash(self, seq: Sequence, num_tokens: int) -> int:
+        """The chained hash of ``seq``'s first ``num_tokens`` tokens (whole blocks), extending
+        the hashes of its blocks cached so far."""
+        bs = self.block_size
+        known = self.seq_block_hashes.get(seq.seq_id, [])
+        k = min(len(known), num_tokens // bs)
+        if k == num_tokens // bs:
+            return known[k - 1]
+        return hash_blocks(known[k - 1] if k else _ROOT_HASH, seq.token_ids[k * bs:num_tokens],
+                           bs)[-1]
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The state-slot copies of forks since the last call (the next launched step)."""

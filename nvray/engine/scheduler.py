@@ -193,7 +193,8 @@ class Scheduler:
             start = cached.num_blocks * bm.block_size
             remaining = seq.num_tokens - start
             num_new = min(remaining, budget)
-            if self.enable_chunked_prefill and (save := bm.state_save_point(seq, start)) > 0:
+            if self.enable_chunked_prefill and (save := bm.state_save_point(
+                    seq, start, cached.kv_cached_tokens)) > 0:
                 num_new = min(num_new, save - start)  # the chunk ends where its state is kept
             if num_new < remaining and not self.enable_chunked_prefill:
                 break

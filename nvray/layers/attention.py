@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +64,7 @@ class AttentionMetadata:
     _cu_seqlens_k: torch.Tensor | None = None
     _decode_order: torch.Tensor | None = None
     _real_tokens: torch.Tensor | None = None
+    _per_step: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     # a group's: the step's metadata, whose per-step values it takes
     _parent: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
 
@@ -77,6 +80,15 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def once_per_step(self, key: str, make: Callable[[], Any]) -> Any:
+        """What ``make()`` returns, made by the first layer that asks in this step and shared
+        with the others (e.g. a recurrent layer's chunk layout)."""
+        if self._parent is not None:
+            return self._parent.once_per_step(key, make)
+        if key not in self._per_step:
+            self._per_step[key] = make()
+        return self._per_step[key]
 
     def real_tokens(self) -> torch.Tensor:
         """[T] bool: the rows that are tokens, not a CUDA graph's padding (which writes no KV

@@ -3,7 +3,7 @@ CPU path and the references of the GPU kernels (``layers/gated_deltanet.py`` is 
 ``kernels/gdn_decode.py`` the decode step's kernels, held to ``decode_reference``).
 
 - ``batched_causal_conv``: the depthwise causal conv (SiLU after) of several chunks at once,
-  each after its sequence's previous inputs;
+  each after its sequence's previous inputs (laid out by ``conv_index``, once per step);
 - ``chunked_gated_delta``: the rule over one sequence in 64-token chunks (one triangular solve
   per chunk), from a given state; ``recurrent_gated_delta``: one token of each of B sequences;
 - ``decode_reference``: a decode step of B sequences against their state slots, in place.
@@ -13,6 +13,8 @@ All compute in float32 what transformers' ``torch_chunk_gated_delta_rule`` /
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,28 +26,59 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+class ConvIndex(NamedTuple):
+    """Where ``batched_causal_conv``'s buffer holds each chunk's previous inputs and tokens
+    (the same for every layer of a step: ``conv_index`` makes it once)."""
+
+    token_at: torch.Tensor  # [T] the buffer row of each token
+    state_at: torch.Tensor  # [N * (K-1)] the rows of each chunk's previous inputs
+    last_at: torch.Tensor  # [N * (K-1)] the rows of each chunk's last K-1 inputs (its new state)
+    rows: int
+
+
+def conv_index(lens: list[int], kernel: int, device: torch.device) -> ConvIndex:
+    """The buffer layout of chunks of ``lens`` tokens: each after its K-1 previous inputs.
+    Computed on the host and moved in one copy (no device sync)."""
+    n, k = len(lens), kernel
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    starts = torch.cumsum(lens_t, 0) - lens_t + torch.arange(n) * (k - 1)
+    token_at = (torch.arange(int(lens_t.sum()))
+                + (torch.repeat_interleave(torch.arange(n), lens_t) + 1) * (k - 1))
+    state_at = (starts.unsqueeze(1) + torch.arange(k - 1)).flatten()
+    last_at = (starts.unsqueeze(1) + lens_t.unsqueeze(1) + torch.arange(k - 1)).flatten()
+    moved = torch.cat([token_at, state_at, last_at]).to(device).split(
+        [len(token_at), len(state_at), len(last_at)])
+    return ConvIndex(*moved, int(lens_t.sum()) + n * (k - 1))
+
+
+def padded_conv_index(length: int, kernel: int, padding: torch.Tensor) -> ConvIndex:
+    """The buffer layout of ONE chunk of ``length`` rows whose last ``padding`` rows (a device
+    scalar: a CUDA graph's padding) are not tokens: its new state is the K-1 inputs before
+    them. Built on the device (capturable)."""
+    k, device = kernel, padding.device
+    ahead = torch.arange(k - 1, device=device)
+    return ConvIndex(torch.arange(length, device=device) + (k - 1), ahead,
+                     ahead + (length - padding), length + k - 1)
+
+
 def batched_causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,
-                        lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                        lens: list[int], index: ConvIndex | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The depthwise causal conv (SiLU after) of N chunks at once: ``x`` [T, C] holds the
-    chunks one after the other (``lens``), ``prev`` [N, C, K-1] their previous inputs. Each chunk is laid out after its K-1
-    previous inputs in one buffer, one conv runs over all of it, and the outputs at the chunks'
-    tokens are kept (a window never reaches into the chunk before). Returns SiLU(conv) [T, C]
-    and each chunk's new last K-1 inputs [N, C, K-1]."""
+    chunks one after the other (``lens``), ``prev`` [N, C, K-1] their previous inputs. Each
+    chunk is laid out after its K-1 previous inputs in one buffer (``index``, default
+    ``conv_index(lens)``), one conv runs over all of it, and the outputs at the chunks' tokens
+    are kept (a window never reaches into the chunk before). Returns SiLU(conv) [T, C] and each
+    chunk's new last K-1 inputs [N, C, K-1]."""
     n, k = len(lens), weight.shape[1]
-    lens_t = torch.tensor(lens, device=x.device)
-    seq_of_token = torch.repeat_interleave(torch.arange(n, device=x.device), lens_t)
-    token_at = torch.arange(x.shape[0], device=x.device) + (seq_of_token + 1) * (k - 1)
-    starts = torch.cumsum(lens_t, 0) - lens_t + torch.arange(n, device=x.device) * (k - 1)
-    state_at = (starts.unsqueeze(1) + torch.arange(k - 1, device=x.device)).flatten()
-    buffer = x.new_zeros(x.shape[0] + n * (k - 1), x.shape[1])
-    buffer[state_at] = prev.to(x.dtype).transpose(1, 2).flatten(0, 1)
-    buffer[token_at] = x
+    index = index or conv_index(lens, k, x.device)
+    buffer = x.new_zeros(index.rows, x.shape[1])
+    buffer[index.state_at] = prev.to(x.dtype).transpose(1, 2).flatten(0, 1)
+    buffer[index.token_at] = x
     out = F.conv1d(buffer.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1),
                    groups=weight.shape[0])[0]  # [C, len - K + 1]: window ending at i + K - 1
-    ends = starts + lens_t + (k - 1)  # one past each chunk's last token
-    last = (ends.unsqueeze(1) - (k - 1) + torch.arange(k - 1, device=x.device)).flatten()
-    final = buffer[last].view(n, k - 1, -1).transpose(1, 2)
-    return F.silu(out[:, token_at - (k - 1)]).t().to(x.dtype), final
+    final = buffer[index.last_at].view(n, k - 1, -1).transpose(1, 2)
+    return F.silu(out[:, index.token_at - (k - 1)]).t().to(x.dtype), final
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -38,15 +38,16 @@ their state); ``out_proj`` is row-parallel.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nvray.layers.attention import AttentionMetadata
-from nvray.layers.gated_delta_rule import (batched_causal_conv, chunked_gated_delta,
-                                           decode_reference, split_heads)
+from nvray.layers.gated_delta_rule import (ConvIndex, batched_causal_conv, chunked_gated_delta,
+                                           conv_index, decode_reference, padded_conv_index,
+                                           split_heads)
 from nvray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from nvray.layers.tp import PartialSum, divide, tp_rank, tp_size
 from nvray.quantization import Fp8Config
@@ -198,8 +199,7 @@ class GatedDeltaNet(nn.Module):
         if meta.is_decode_only:
             core = self._decode(mixed, g, beta, positions, meta)
         else:
-            rows = meta.state_slots.long() % self.conv_state.shape[0]  # -1: the scratch row
-            core = self._prefill(mixed, g, beta, rows, meta)
+            core = self._prefill(mixed, g, beta, meta)
         heads = core.reshape(-1, self.head_v_dim)
         out = self.norm(heads, z.reshape(-1, self.head_v_dim)).view(x.shape[0], -1)
         return self.out_proj(out)
@@ -212,21 +212,26 @@ class GatedDeltaNet(nn.Module):
                                self.head_k_dim, self.head_v_dim)
 
     def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata) -> torch.Tensor:
         """Chunks of any lengths: the conv over all of them at once, then the rule (fla's
-        varlen kernel where it is installed and the layer runs on the GPU, else sequence by
-        sequence in torch); each slot's states read where its chunk resumes, written after."""
-        lens = meta.query_lens_cpu
-        resumes = torch.tensor([c > q for q, c in zip(lens, meta.seq_lens_cpu)],
-                               device=mixed.device).view(-1, 1, 1)
+        kernel where it is installed and the layer runs on the GPU, else sequence by sequence
+        in torch); each slot's states read where its chunk resumes, written after. The chunks'
+        layout is made once per step (``PrefillLayout``); a prefill CUDA graph's padding rows
+        neither decay nor write the state (g = 0, beta = 0)."""
+        layout = meta.once_per_step("gated_deltanet", lambda: PrefillLayout.of(
+            meta, self.kernel, self.conv_state.shape[0], self._chunk_rule is not None))
+        rows, resumes = layout.rows, layout.resumes
+        if layout.real is not None:
+            g, beta = g * layout.real, beta * layout.real
         conv, conv_final = batched_causal_conv(
-            mixed, self.conv_state.index_select(0, rows) * resumes, self.conv1d.weight, lens)
+            mixed, self.conv_state.index_select(0, rows) * resumes, self.conv1d.weight,
+            layout.lens, layout.conv)
         self.conv_state.index_copy_(0, rows, conv_final)
         initial = self.ssm_state.index_select(0, rows) * resumes.unsqueeze(-1)
         if self._chunk_rule is not None:
-            out, final = self._fla_rule(conv, g, beta, initial, meta)
+            out, final = self._fla_rule(conv, g, beta, initial, layout)
         else:
-            out, final = self._torch_rule(conv, g, beta, initial, lens)
+            out, final = self._torch_rule(conv, g, beta, initial, layout.lens)
         self.ssm_state.index_copy_(0, rows, final)
         return out
 
@@ -246,7 +251,7 @@ class GatedDeltaNet(nn.Module):
         return out.to(conv.dtype), final
 
     def _fla_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  initial: torch.Tensor, meta: AttentionMetadata
+                  initial: torch.Tensor, layout: "PrefillLayout"
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = conv.split([key_dim, key_dim, conv.shape[1] - 2 * key_dim], -1)
@@ -255,5 +260,48 @@ class GatedDeltaNet(nn.Module):
             k.reshape(1, -1, self.num_k_heads, self.head_k_dim),
             v.reshape(1, -1, self.num_v_heads, self.head_v_dim), g=g.unsqueeze(0),
             beta=beta.unsqueeze(0), initial_state=initial, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=meta.query_start_loc.long())
+            use_qk_l2norm_in_kernel=True, cu_seqlens=layout.cu_seqlens,
+            cu_seqlens_cpu=layout.cu_seqlens_cpu, chunk_indices=layout.chunk_indices)
         return out[0], final
+
+
+class PrefillLayout(NamedTuple):
+    """A prefill step's chunks as every linear-attention layer of the step reads them, made
+    once (``AttentionMetadata.once_per_step``) with no device sync: their lengths, each
+    chunk's state row, whether it resumes a state, the conv buffer's layout, and the varlen
+    arguments of fla-core's kernel (int64 offsets on the device and the host, and its 64-token
+    chunk indices). In a prefill CUDA graph (one sequence padded to the graph's length, no host
+    lists) everything is built on the device, ``real`` marks the token rows, and fla-core runs
+    the chunk as a batch of one."""
+
+    lens: list[int]
+    rows: torch.Tensor  # [N] long: each chunk's state row (-1 slots: the scratch row)
+    resumes: torch.Tensor  # [N, 1, 1] bool: the chunk starts past position 0
+    conv: ConvIndex
+    real: torch.Tensor | None = None  # [T, 1]: 1 on tokens, 0 on padding (a graph's)
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None
+    chunk_indices: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, kernel: int, state_rows: int, fla: bool
+           ) -> "PrefillLayout":
+        assert meta.state_slots is not None
+        rows = meta.state_slots.long() % state_rows  # -1: the scratch row
+        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        resumes = (meta.seq_lens > query_lens).view(-1, 1, 1)
+        if not meta.query_lens_cpu:  # a prefill CUDA graph's one padded sequence
+            length, real = meta.max_query_len, meta.real_tokens()
+            padding = length - real.sum()
+            return cls([length], rows, resumes, padded_conv_index(length, kernel, padding),
+                       real.unsqueeze(-1).float())
+        lens, device = meta.query_lens_cpu, meta.query_start_loc.device
+        layout = cls(lens, rows, resumes, conv_index(lens, kernel, device))
+        if not fla:
+            return layout
+        from fla.ops.utils.index import prepare_chunk_indices  # noqa: PLC0415
+
+        cu_cpu = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
+        cu = cu_cpu.to(device)
+        return layout._replace(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                               chunk_indices=prepare_chunk_indices(cu, 64, cu_seqlens_cpu=cu_cpu))

@@ -16,7 +16,7 @@ With several block-table groups (``nvray/kv_layout.py``) every token has a KV sl
 group (the flat table's entry ``b * G + g``), and the metadata carries one per group
 (``AttentionMetadata.groups``).
 A model with recurrent layers adds a field: each sequence's state slot (padding: -1, the
-layers' scratch row); it gets no prefill graphs (``ModelRunner``).
+layers' scratch row).
 A step that is one sequence's query chunk fitting a prefill graph (``cuda_graph.py``) writes its
 tokens there too, padded to the graph's query length with tokens that write nowhere; its
 context length is the chunk's start + the graph's query length.

@@ -119,9 +119,8 @@ class ModelRunner:
             self.fused_sampler = use_triton_kernels(self.model)
         graphs = self._graphs_wanted()
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
-        # a prefill graph's padding tokens would run through the recurrent state: none there
         self.prefill_sizes = (prefill_graph_sizes(config.max_prefill_graph_tokens)
-                              if graphs and not self.state_layers else [])
+                              if graphs else [])
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    max([*self.graph_sizes, *self.prefill_sizes], default=0),
                                    self.device, self.kv_layout.num_groups,

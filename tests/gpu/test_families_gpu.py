@@ -91,3 +91,34 @@ def test_greedy_continuations_are_fp32_argmaxes_up_to_bf16_noise(family_path):
         llm.shutdown()
     for prompt, out in zip(prompts, outs):
         check_greedy_near_argmax(family_path, prompt, out.token_ids)
+
+
+def test_a_hybrids_one_sequence_chunks_replay_prefill_graphs_and_match_hf(family_path):
+    """Qwen3.5's one-sequence prefill chunks (40 tokens, then 60 resuming from the state the
+    first left) replay prefill CUDA graphs padded to 64 rows; the logits of each chunk's last
+    token and of a decode step equal HF's in float32."""
+    if "qwen3_5" not in family_path:
+        pytest.skip("the hybrids' padded prefill graphs")
+    from nvray.worker.model_runner import ModelRunner
+    from nvray.worker.startup import prepare_kv_cache
+
+    config = EngineConfig(model=family_path, max_model_len=512, max_num_seqs=4,
+                          num_kvcache_blocks=64, dtype="float32", max_prefill_graph_tokens=64)
+    runner = ModelRunner(config, family_path)
+    try:
+        prepare_kv_cache(runner, 64)
+        prompt = random_prompts(1, 100, 100, seed=8)[0]
+        table = list(range(31, -1, -1))
+        ids, replays = list(prompt), runner.num_graph_replays
+        for start, end in ((0, 40), (40, 100), (100, 101)):
+            if end == 101:
+                ids.append(int(hf_logits(family_path, ids, torch.float32)[-1].argmax()))
+            step = StepInput([SeqStep(0, ids[start:end], start, table, GREEDY_SPEC,
+                                      state_slot=2)])
+            ours = runner.forward(step)[0]
+            ref = hf_logits(family_path, ids[:end], torch.float32)[-1]
+            err = rel_err(ours[0], ref)
+            assert err <= 2e-3, f"tokens {start}..{end}: rel err {err:.5f}"
+        assert runner.num_graph_replays - replays == 3, "two prefill graphs and a decode graph"
+    finally:
+        runner.close()
