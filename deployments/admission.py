@@ -26,8 +26,8 @@ class Overloaded(OpenAIError):
         super().__init__(503, f"the engine is overloaded ({running} requests running, {waiting} "
                               "waiting); retry shortly", code="engine_overloaded")
 
-    def response(self):  # noqa: ANN201 - a JSONResponse
-        response = super().response()
+    def response(self, path: str = ""):  # noqa: ANN201 - a JSONResponse
+        response = super().response(path)
         response.headers["Retry-After"] = "1"
         return response
 

@@ -1,4 +1,5 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; on Anthropic's
+routes (``/v1/messages...``) in Anthropic's: ``{"type": "error", "error": {"type", "message"}}``.
 
 Every failure reaching a client goes through here, with a short message: validation failures
 are 400 (never 422 or 500; unknown fields too, all named in one error), a body not sent as
@@ -33,6 +34,19 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           504: "timeout", 500: "internal_error"}
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "api_error", 500: "api_error"}
+ANTHROPIC_ROUTES = ("/v1/messages",)
+
+
+def is_anthropic_route(path: str) -> bool:
+    """Whether ``path`` (under any route prefix) is one of Anthropic's API routes."""
+    return any(path.endswith(r) or r + "/" in path for r in ANTHROPIC_ROUTES)
+
+
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None) -> None:
@@ -43,11 +57,22 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def anthropic_body(self) -> dict[str, Any]:
+        message = f"{self.param}: {self.message}" if self.param and not self.message.startswith(
+            self.param) else self.message
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error response, in Anthropic's shape on its routes (``path``)."""
+        body = self.anthropic_body() if is_anthropic_route(path) else self.body()
+        return JSONResponse(body, status_code=self.status)
 
     def sse(self) -> str:
         return f"data: {json.dumps(self.body())}\n\n"
+
+    def anthropic_sse(self) -> str:
+        return f"event: error\ndata: {json.dumps(self.anthropic_body())}\n\n"
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -186,30 +211,31 @@ def _shown(text: str) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc, request.headers.get("content-type")).response()
+        return _validation_error(exc, request.headers.get("content-type")).response(
+            request.url.path)
 
     @app.exception_handler(OpenAIError)
-    async def on_openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(ValueError)
-    async def on_bad_request(_: Request, exc: ValueError) -> JSONResponse:
+    async def on_bad_request(request: Request, exc: ValueError) -> JSONResponse:
         """An expected 400: one log line, answered here (a handler for ``Exception`` would
         answer too, but Starlette then re-raises it: a traceback in the log, and an exception
         Serve's proxy would have to unpickle)."""
         error = to_openai_error(exc)
         logger.info("%d %s: %s", error.status, error.param, error.message)
-        return error.response()
+        return error.response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code in (404, 405):  # the router matched no route, or not this method
-            response = _no_such_route(request, exc.status_code).response()
+            response = _no_such_route(request, exc.status_code).response(request.url.path)
         else:
-            response = OpenAIError(exc.status_code, str(exc.detail)).response()
+            response = OpenAIError(exc.status_code, str(exc.detail)).response(request.url.path)
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
     @app.exception_handler(Exception)
-    async def on_any_error(_: Request, exc: Exception) -> JSONResponse:
-        return to_openai_error(exc).response()
+    async def on_any_error(request: Request, exc: Exception) -> JSONResponse:
+        return to_openai_error(exc).response(request.url.path)

@@ -73,7 +73,20 @@ class _Pending:
         return taken
 
 
-class CompletionFormat:
+class OpenAIEvents:
+    """How an OpenAI format's streamed chunks go out: ``data:`` lines, ``[DONE]`` last, a
+    failure as an error chunk (``MessagesFormat`` has Anthropic's events instead)."""
+
+    done = DONE
+
+    def sse(self, chunk: dict[str, Any]) -> str:
+        return sse(chunk)
+
+    def error_event(self, error: Any) -> str:
+        return error.sse()
+
+
+class CompletionFormat(OpenAIEvents):
     """/v1/completions bodies (one per response: it keeps each streamed choice's state).
 
     ``echo_texts[i]``: choice ``i``'s prompt text when the request echoes it; ``texts``: token
@@ -132,11 +145,12 @@ class CompletionFormat:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": [], "usage": usage_of(outputs)}
 
-    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+    def first_chunks(self, num_choices: int, prompt_tokens: list[int] | None = None
+                     ) -> list[dict[str, Any]]:
         return []
 
 
-class ChatFormat:
+class ChatFormat(OpenAIEvents):
     """/v1/chat/completions bodies (one per response: it keeps each streamed choice's
     reasoning-parser state)."""
 
@@ -185,7 +199,8 @@ class ChatFormat:
             return None
         return chat_logprobs(self.texts, ids, logprobs)
 
-    def _delta(self, index: int, out: RequestOutput) -> dict[str, Any]:
+    def delta(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        """What choice ``index``'s new output adds: reasoning, content and whole tool calls."""
         if self.reasoning is None:
             part = Delta("", out.delta_text)
         else:
@@ -209,7 +224,8 @@ class ChatFormat:
             delta["content"] = content
         return delta
 
-    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+    def first_chunks(self, num_choices: int, prompt_tokens: list[int] | None = None
+                     ) -> list[dict[str, Any]]:
         return [{**self._envelope("chat.completion.chunk"),
                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}]}
@@ -219,7 +235,7 @@ class ChatFormat:
               usage: dict[str, int] | None = None) -> dict[str, Any] | None:
         pending = self.pending.setdefault(index, _Pending())
         pending.add(out.delta_token_ids, out.delta_logprobs)
-        delta = self._delta(index, out)
+        delta = self.delta(index, out)
         if not delta and not out.finished:
             return None
         ids, logprobs = pending.take()

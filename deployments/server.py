@@ -1,5 +1,6 @@
-"""NvrayServer: the app's ingress — the OpenAI-compatible HTTP API (FastAPI) and a Python handle
-API (``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks.
+"""NvrayServer: the app's ingress — the OpenAI-compatible HTTP API (FastAPI), Anthropic's Messages
+API on the same chat path (``deployments/anthropic.py``), and a Python handle API
+(``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks.
 
 It finds its engine one of two ways (``deployments/engines.py``):
 - without prefix routing, each replica is one whole nvray engine: the replica lives in bundle 0
@@ -47,7 +48,8 @@ from starlette.background import BackgroundTask
 from ray import serve
 
 from deployments.args import AppArgs, parse_args
-from deployments.auth import bearer_key_matches
+from deployments.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
+from deployments.auth import bearer_key_matches, header_key_matches
 from deployments.body_limit import BodySizeLimit
 from deployments.client_left import ClientLeft
 from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngine
@@ -58,7 +60,7 @@ from deployments.tools import tool_parser_for
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
 from deployments.logprobs_format import TokenTexts
-from deployments.responses import DONE, ChatFormat, CompletionFormat, sse, with_usage
+from deployments.responses import ChatFormat, CompletionFormat, with_usage
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
@@ -146,7 +148,8 @@ class NvrayServer:
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
-        if not bearer_key_matches(request.headers.get("authorization", ""), self.api_key):
+        if not (bearer_key_matches(request.headers.get("authorization", ""), self.api_key)
+                or header_key_matches(request.headers.get("x-api-key", ""), self.api_key)):
             raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
 
     def _check_model(self, model: str | None, param: str | None = "model") -> None:
@@ -281,9 +284,35 @@ class NvrayServer:
             return await self._streaming_response(prompts, params, fmt, body)
         return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority)))
 
+    @api.post("/v1/messages")
+    async def messages(self, body: MessagesRequest, request: Request) -> Any:
+        """Anthropic's Messages API over the chat machinery (``deployments/anthropic.py``)."""
+        chat = self._chat_of_messages(body, request)
+        params = chat.sampling_params(chat.output_limit(), reasoning=self.reasoning is not None,
+                                      tool_format=self.tool_parser.xgrammar_format)
+        fmt = MessagesFormat(ChatFormat(self.model_name, self.reasoning, None,
+                                        self.tool_parser if chat.calls_tools else None,
+                                        chat.tool_schemas()), body.shows_thinking)
+        if body.stream:
+            return await self._streaming_response([chat.prompt()], params, fmt, chat)
+        return JSONResponse(fmt.full(await self._finals([chat.prompt()], params)))
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(self, body: CountTokensRequest, request: Request) -> JSONResponse:
+        chat = self._chat_of_messages(body, request)
+        tokens = await self._ask_driver(self.engines.tokenize(chat.prompt()), "messages")
+        return JSONResponse({"input_tokens": len(tokens)})
+
+    def _chat_of_messages(self, body: MessagesRequest, request: Request) -> ChatCompletionRequest:
+        self._authorize(request)
+        self._check_model(body.model)
+        chat = body.to_chat()
+        chat.check_supported()
+        return chat
+
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,
-                                  fmt: CompletionFormat | ChatFormat,
+                                  fmt: CompletionFormat | ChatFormat | MessagesFormat,
                                   body: SamplingFields) -> StreamingResponse:
         """Admit every prompt first, so a request the engine rejects gets an HTTP 400 instead
         of a stream that fails at once; then stream. The engine is given back when the body ends
@@ -299,7 +328,7 @@ class NvrayServer:
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
                                  background=end_stream_task(sink, lease))
 
-    async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat,
+    async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat | MessagesFormat,
                         include_usage: bool, continuous_usage: bool,
                         lease: Lease) -> AsyncIterator[str]:
         counts = [0] * len(sink.request_ids)  # completion tokens so far, per choice
@@ -307,9 +336,10 @@ class NvrayServer:
         not_before = None  # the first tokens are never held
         self.open_streams += 1
         try:
-            if first := fmt.first_chunks(len(counts)):  # chat: the role, before any token
-                yield "".join(sse(with_usage(chunk, usage_so_far(sink, i, counts)
-                                             if continuous_usage else None))
+            # chat: the role, before any token; messages: message_start
+            if first := fmt.first_chunks(len(counts), sink.num_prompt_tokens):
+                yield "".join(fmt.sse(with_usage(chunk, usage_so_far(sink, i, counts)
+                                                 if continuous_usage else None))
                               for i, chunk in enumerate(first))
             # all that arrived since the last write goes out as one write
             while batch := await sink.next_batch(deadline - time.monotonic(), not_before):
@@ -318,18 +348,19 @@ class NvrayServer:
                     counts[index] += len(out.delta_token_ids)
                     usage = usage_so_far(sink, index, counts) if continuous_usage else None
                     if (chunk := fmt.chunk(index, out, usage)) is not None:
-                        events.append(sse(chunk))
+                        events.append(fmt.sse(chunk))
                 if events:
                     yield "".join(events)
                     not_before = self._next_write_at()
             if include_usage:
-                yield sse(fmt.usage_chunk(sink.finals))  # type: ignore[arg-type]
+                yield fmt.sse(fmt.usage_chunk(sink.finals))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - after the 200 header: an SSE error event
-            yield to_openai_error(e).sse()
+            yield fmt.error_event(to_openai_error(e))
         finally:
             self.open_streams -= 1
             _end_stream(sink, lease)  # disconnect or failure: free the blocks of what still runs
-        yield DONE
+        if fmt.done:
+            yield fmt.done
 
     # ------------------------------------------------------------ handle API
     async def generate(self, prompt: Any, sampling_params: Any = None

@@ -48,6 +48,9 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    # what stopped it, as vLLM reports: the stop string matched or the stop_token_ids id
+    # sampled (None: EOS, a length limit, or not finished)
+    stop_reason: str | int | None = None
     error: str | None = None
     num_cached_tokens: int = 0
     prompt: str | None = None

@@ -1,7 +1,8 @@
 """Output processing: what a sampled token does to its request, and what the user sees.
 
 ``append_token`` adds a choice's new token, applies the stop rules (stop ids after
-``min_tokens``, stop strings, ``max_tokens``, ``max_model_len``) and sets ``finish_reason``;
+``min_tokens``, stop strings, ``max_tokens``, ``max_model_len``) and sets ``finish_reason``
+(and ``stop_reason``: the stop string, or the request's stop token id, that ended it);
 ``make_output`` builds the ``RequestOutput`` to send: the deltas since the last output (a
 streaming step) or the whole result (the final one).
 
@@ -31,6 +32,8 @@ def append_token(state: RequestState, token: int, now: float, max_model_len: int
     can_stop = num_output >= params.min_tokens
     if can_stop and token in state.plan.stop_ids:
         state.finish_reason = "stop"  # the stop token stays in token_ids, not in text
+        if token in params.stop_token_ids:  # the request's own (EOS: None, as vLLM)
+            state.stop_reason = token
         complete_text(state, num_output - 1, flush=True)
         return
     if state.stream or params.stop:  # someone reads the text before the end: as it comes
@@ -65,6 +68,7 @@ def _apply_stop_strings(state: RequestState, prev_len: int) -> bool:
     if not hits:
         return False
     at, stop = min(hits)
+    state.stop_reason = stop
     state.text = state.text[:at + len(stop) if params.include_stop_str_in_output else at]
     return True
 
@@ -83,8 +87,9 @@ def make_output(state: RequestState) -> RequestOutput:
             request_id=seq.request_id, index=seq.index, prompt_token_ids=state.prompt_token_ids,
             text=state.text, token_ids=seq.output_token_ids, delta_text=delta_text,
             delta_token_ids=delta_token_ids, finished=True, finish_reason=state.finish_reason,
-            error=state.error, num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt,
-            logprobs=state.logprobs, prompt_logprobs=state.prompt_logprobs)
+            stop_reason=state.stop_reason, error=state.error,
+            num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt, logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs)
     else:  # a streaming step: the deltas only
         out = RequestOutput(seq.request_id, [], delta_text=delta_text,
                             delta_token_ids=delta_token_ids, index=seq.index)

@@ -156,6 +156,7 @@ class RequestState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids id that ended it
     error: str | None = None
     timestamps: list[float] = field(default_factory=list)  # one per generated token
     logprobs: list[TokenLogprobs] | None = None  # one per output token, if asked for

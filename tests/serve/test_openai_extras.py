@@ -25,7 +25,7 @@ from ray import serve
 
 from deployments import build_app
 from deployments.args import AppArgs
-from serve_helpers import MAX_MODEL_LEN, greedy, metric
+from serve_helpers import MAX_MODEL_LEN, build_scripted_thinker, greedy, metric
 
 MESSAGES = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello there!"}]
 REASONING, CONTENT = "The quick fox", "Hello world!"
@@ -239,33 +239,8 @@ def test_harmless_fields_openai_clients_send_are_accepted(base_url):
 def scripted_thinker(tmp_path_factory) -> str:
     """A Qwen3 checkpoint whose greedy answer to MESSAGES is
     ``<think>REASONING</think>CONTENT`` then EOS."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from nvray.tokenizer import load_hf_tokenizer
-    from nvray.models.tiny import build_checkpoint
-
-    path = build_checkpoint(str(tmp_path_factory.mktemp("scripted-thinker")),
-                            {"tie_word_embeddings": False, "max_position_embeddings": LONG})
-    tok = load_hf_tokenizer(path)
-    prompt = tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
-                        add_special_tokens=False)
-    ids = tok.convert_tokens_to_ids
-    chain = [prompt[-1], ids("<think>"), *tok.encode(REASONING, add_special_tokens=False),
-             ids("</think>"), *tok.encode(CONTENT, add_special_tokens=False), ids("<|im_end|>")]
-    assert len(set(chain)) == len(chain), "each token of the chain needs a single successor"
-    weights = load_file(f"{path}/model.safetensors")
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w.zero_()  # the residual stream stays the current token's embedding
-    weights["model.norm.weight"].fill_(1.0)
-    weights["lm_head.weight"].zero_()
-    for dim, (token, successor) in enumerate(zip(chain, chain[1:])):
-        weights["model.embed_tokens.weight"][token] = torch.nn.functional.one_hot(
-            torch.tensor(dim), weights["model.embed_tokens.weight"].shape[1]).float()
-        weights["lm_head.weight"][successor, dim] = 10.0
-    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
-    return path
+    return build_scripted_thinker(str(tmp_path_factory.mktemp("scripted-thinker")), MESSAGES,
+                                  REASONING, CONTENT, LONG)
 
 
 @pytest.fixture(scope="module")
