@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from deployments.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
 from deployments.tools import ToolParser, parse_tool_calls
@@ -71,6 +71,26 @@ class _Pending:
         taken = (self.ids, self.logprobs)
         self.ids, self.logprobs = [], []
         return taken
+
+
+class StreamFormat(Protocol):
+    """What the server's SSE loop needs of an answer's format: the events before any token,
+    each output's events (None when it adds nothing a client sees), the usage at the end, the
+    encoding of one event, a failure's event and the closing line (empty for none)."""
+
+    done: str
+
+    def first_chunks(self, num_choices: int, prompt_tokens: list[int] | None = None
+                     ) -> list[Any]: ...
+
+    def chunk(self, index: int, out: RequestOutput,
+              usage: dict[str, int] | None = None) -> Any: ...
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> Any: ...
+
+    def sse(self, chunk: Any) -> str: ...
+
+    def error_event(self, error: Any) -> str: ...
 
 
 class OpenAIEvents:

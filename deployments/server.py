@@ -48,7 +48,8 @@ from starlette.background import BackgroundTask
 from ray import serve
 
 from deployments.args import AppArgs, parse_args
-from deployments.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest
+from deployments.anthropic import CountTokensRequest, MessagesRequest
+from deployments.messages_format import MessagesFormat
 from deployments.auth import bearer_key_matches, header_key_matches
 from deployments.body_limit import BodySizeLimit
 from deployments.client_left import ClientLeft
@@ -60,7 +61,7 @@ from deployments.tools import tool_parser_for
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   SamplingFields, TokenizeRequest)
 from deployments.logprobs_format import TokenTexts
-from deployments.responses import ChatFormat, CompletionFormat, with_usage
+from deployments.responses import ChatFormat, CompletionFormat, StreamFormat, with_usage
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
@@ -312,7 +313,7 @@ class NvrayServer:
 
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,
-                                  fmt: CompletionFormat | ChatFormat | MessagesFormat,
+                                  fmt: StreamFormat,
                                   body: SamplingFields) -> StreamingResponse:
         """Admit every prompt first, so a request the engine rejects gets an HTTP 400 instead
         of a stream that fails at once; then stream. The engine is given back when the body ends
@@ -328,7 +329,7 @@ class NvrayServer:
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
                                  background=end_stream_task(sink, lease))
 
-    async def _sse_body(self, sink: RequestSink, fmt: CompletionFormat | ChatFormat | MessagesFormat,
+    async def _sse_body(self, sink: RequestSink, fmt: StreamFormat,
                         include_usage: bool, continuous_usage: bool,
                         lease: Lease) -> AsyncIterator[str]:
         counts = [0] * len(sink.request_ids)  # completion tokens so far, per choice

@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvray.layers.attention import AttentionMetadata
-from nvray.layers.gated_delta_rule import (ConvIndex, batched_causal_conv, chunked_gated_delta,
-                                           conv_index, decode_reference, padded_conv_index,
-                                           split_heads)
+from nvray.layers.gated_delta_rule import (CHUNK, ConvIndex, batched_causal_conv,
+                                           chunked_gated_delta, conv_index, decode_reference,
+                                           padded_conv_index, split_heads)
 from nvray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from nvray.layers.tp import PartialSum, divide, tp_rank, tp_size
 from nvray.quantization import Fp8Config
@@ -304,4 +304,4 @@ class PrefillLayout(NamedTuple):
         cu_cpu = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
         cu = cu_cpu.to(device)
         return layout._replace(cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-                               chunk_indices=prepare_chunk_indices(cu, 64, cu_seqlens_cpu=cu_cpu))
+                               chunk_indices=prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu))
