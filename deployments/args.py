@@ -120,6 +120,9 @@ class AppArgs(BaseModel):
     ingress_replicas: int | None = Field(None, ge=1, description="prefix routing: replicas of "
                                          "the HTTP/handle ingress in front of the engine "
                                          "replicas; default: max_replicas")
+    responses_stored: int = Field(10_000, ge=0, description="/v1/responses: the most responses "
+                                  "kept for previous_response_id and GET (the app's replicas "
+                                  "share them; the least recently used go first); 0: none kept")
 
     def routes_by_prefix(self) -> bool:
         return self.max_replicas > 1 if self.prefix_routing is None else self.prefix_routing

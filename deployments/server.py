@@ -40,7 +40,7 @@ must see real (not string) annotations to find the request body models.
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -50,6 +50,10 @@ from ray import serve
 from deployments.args import AppArgs, parse_args
 from deployments.anthropic import CountTokensRequest, MessagesRequest
 from deployments.messages_format import MessagesFormat
+from deployments.protocol import UnsupportedParameter
+from deployments.response_store import StoredResponses
+from deployments.responses_api import ResponsesRequest
+from deployments.responses_api_format import ResponsesFormat
 from deployments.auth import bearer_key_matches, header_key_matches
 from deployments.body_limit import BodySizeLimit
 from deployments.client_left import ClientLeft
@@ -65,7 +69,7 @@ from deployments.responses import ChatFormat, CompletionFormat, StreamFormat, wi
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
-from nvray.reasoning import reasoning_parser_for
+from nvray.reasoning import THINK_END, reasoning_parser_for
 from nvray.request import EngineRequest
 from nvray.runtime.output_router import RequestSink
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
@@ -129,6 +133,9 @@ class NvrayServer:
                         if engines is None else LeasedEngines(engines))
         self.created = int(time.time())
         self._texts: TokenTexts | None = None
+        self.stored = StoredResponses(serve.get_replica_context().app_name,
+                                      self.args.responses_stored)
+        self._think_end: list[int | None] = []  # the think block's end token, once looked up
 
     # --------------------------------------------------------------- plumbing
     def token_texts(self) -> TokenTexts:
@@ -311,13 +318,95 @@ class NvrayServer:
         chat.check_supported()
         return chat
 
+    @api.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API over the chat machinery (``deployments/responses_api.py``),
+        kept in the app's response store (``deployments/response_store.py``)."""
+        self._authorize(request)
+        self._check_model(body.model)
+        history = await self._conversation(body.previous_response_id)
+        chat = body.to_chat(history)
+        try:
+            chat.check_supported()
+            params = chat.sampling_params(chat.output_limit(),
+                                          reasoning=self.reasoning is not None,
+                                          tool_format=self.tool_parser.xgrammar_format)
+        except UnsupportedParameter as e:
+            raise body.chat_error(e) from None
+        fmt = ResponsesFormat(ChatFormat(self.model_name, self.reasoning, None,
+                                         self.tool_parser if chat.calls_tools else None,
+                                         chat.tool_schemas()), body, await self._think_end_id())
+        conversation = history + body.input_messages()
+        if body.stream:
+            return await self._streaming_response(
+                [chat.prompt()], params, fmt, chat,
+                lambda events: self._kept_at_end(events, body, fmt, conversation))
+        response = fmt.full(await self._finals([chat.prompt()], params, body.priority))
+        await self._keep(body, fmt, conversation)
+        return JSONResponse(response)
+
+    @api.get("/v1/responses/{response_id}")
+    async def stored_response(self, response_id: str, request: Request) -> JSONResponse:
+        self._authorize(request)
+        record = await self.stored.get(response_id)
+        if record is None:
+            raise OpenAIError(404, f"no stored response with id '{response_id}'", "response_id")
+        return JSONResponse(record["response"])
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
+        self._authorize(request)
+        if not await self.stored.delete(response_id):
+            raise OpenAIError(404, f"no stored response with id '{response_id}'", "response_id")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def _conversation(self, response_id: str | None) -> list[dict[str, Any]]:
+        """The chat messages that ``previous_response_id`` continues (none without one)."""
+        if response_id is None:
+            return []
+        record = await self.stored.get(response_id)
+        if record is None:
+            raise OpenAIError(400, f"previous_response_id: no stored response with id "
+                                   f"'{response_id}'", "previous_response_id")
+        return record["messages"]
+
+    async def _keep(self, body: ResponsesRequest, fmt: ResponsesFormat,
+                    conversation: list[dict[str, Any]]) -> None:
+        if body.store and fmt.final is not None:
+            await self.stored.put(fmt.id, {"response": fmt.final,
+                                           "messages": conversation + [fmt.assistant_turn()]})
+
+    async def _kept_at_end(self, events: AsyncIterator[str], body: ResponsesRequest,
+                           fmt: ResponsesFormat, conversation: list[dict[str, Any]]
+                           ) -> AsyncIterator[str]:
+        """A response's events; once it is whole, it is stored before its last event goes
+        out (a client that continues it at once finds it, through any replica)."""
+        kept = False
+        async for text in events:
+            if fmt.final is not None and not kept:
+                kept = True
+                await self._keep(body, fmt, conversation)
+            yield text
+
+    async def _think_end_id(self) -> int | None:
+        """The token ending a think block (None without a reasoning parser, or when the tag is
+        not one token): asked of the driver once."""
+        if self.reasoning is None:
+            return None
+        if not self._think_end:
+            ids = await self._ask_driver(self.engines.tokenize(THINK_END), "model")
+            self._think_end.append(ids[0] if len(ids) == 1 else None)
+        return self._think_end[0]
+
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,
-                                  fmt: StreamFormat,
-                                  body: SamplingFields) -> StreamingResponse:
+                                  fmt: StreamFormat, body: SamplingFields,
+                                  wrap: Callable[[AsyncIterator[str]], AsyncIterator[str]]
+                                  | None = None) -> StreamingResponse:
         """Admit every prompt first, so a request the engine rejects gets an HTTP 400 instead
         of a stream that fails at once; then stream. The engine is given back when the body ends
-        (or, if the client left before it began, when the response is done)."""
+        (or, if the client left before it began, when the response is done). ``wrap``: what
+        the route does around the events (``responses`` stores its response)."""
         lease = await self._lease(prompts)
         try:
             sink = await lease.router.add([EngineRequest(p, params, priority=body.priority)
@@ -326,6 +415,8 @@ class NvrayServer:
             lease.release()
             raise
         events = self._sse_body(sink, fmt, body.include_usage, body.continuous_usage, lease)
+        if wrap is not None:
+            events = wrap(events)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS,
                                  background=end_stream_task(sink, lease))
 

@@ -1,5 +1,7 @@
-"""The Serve tests' shared app: one "default" nvray app (tiny model) for the whole package,
-the openai client pointed at it, and the offline in-process LLM as the oracle."""
+"""The Serve tests' shared apps: one "default" nvray app (tiny model) for the whole package,
+the openai client pointed at it, and the offline in-process LLM as the oracle; a "thinker"
+app whose model is scripted to think then answer, with the qwen3 reasoning parser and an API
+key (Anthropic's Messages and OpenAI's Responses tests)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from ray import serve
 from deployments import build_app
 from nvray import LLM
 from nvray.bench.http_load import wait_healthy
-from serve_helpers import MAX_MODEL_LEN
+from serve_helpers import (MAX_MODEL_LEN, THINKER_KEY, THINKER_LEN, THINKER_MODEL,
+                           build_scripted_thinker, thinker_script)
 
 
 @pytest.fixture(scope="package")
@@ -41,3 +44,15 @@ def client(base_url) -> openai.OpenAI:
 @pytest.fixture(scope="package")
 def offline() -> LLM:
     return LLM("tiny", runtime="inprocess", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="package")
+def thinker_url(serve_http, tmp_path_factory) -> str:
+    path = build_scripted_thinker(str(tmp_path_factory.mktemp("thinker")), *thinker_script(),
+                                  THINKER_LEN)
+    serve.run(build_app({"model": path, "served_model_name": THINKER_MODEL,
+                         "reasoning_parser": "qwen3", "api_key": THINKER_KEY,
+                         "max_model_len": THINKER_LEN}),
+              name="thinker", route_prefix="/thinker")
+    yield f"{serve_http}/thinker"
+    serve.delete("thinker")

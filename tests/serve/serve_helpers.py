@@ -34,6 +34,19 @@ def assert_counters_balance(base_url: str) -> None:
     assert metric(base_url, "nvray_requests_accepted_total") == finished
 
 
+# the "thinker" app (conftest.thinker_url): its model answers MESSAGES with REASONING, CONTENT
+SYSTEM, USER = "Be terse.", "Hello there!"
+REASONING, CONTENT = "The quick fox", "Hello world!"
+THINKER_MODEL, THINKER_KEY, THINKER_LEN = "acme/scripted-thinker", "thinker-key", 8192
+PICK_SCHEMA = {"type": "object", "required": ["n"], "additionalProperties": False,
+               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+def thinker_script() -> tuple[list[dict], str, str]:
+    return ([{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+            REASONING, CONTENT)
+
+
 def build_scripted_thinker(path: str, messages: list[dict], reasoning: str, content: str,
                            max_len: int) -> str:
     """A Qwen3 checkpoint at ``path`` whose greedy answer to ``messages`` (rendered by its chat

@@ -15,30 +15,17 @@ import anthropic
 import jsonschema
 import pytest
 import requests
-from ray import serve
+from serve_helpers import (CONTENT, PICK_SCHEMA, REASONING, SYSTEM, THINKER_KEY, THINKER_MODEL,
+                           USER)
 
-from deployments import build_app
-from serve_helpers import build_scripted_thinker
-
-SYSTEM, USER = "Be terse.", "Hello there!"
-MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
-REASONING, CONTENT = "The quick fox", "Hello world!"
-MODEL, KEY, LONG = "acme/scripted-thinker", "messages-key", 8192
+MODEL, KEY = THINKER_MODEL, THINKER_KEY
 THINK = {"type": "enabled", "budget_tokens": 1024}
-PICK_SCHEMA = {"type": "object", "required": ["n"], "additionalProperties": False,
-               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
 PICK = {"name": "pick", "description": "Pick a digit", "input_schema": PICK_SCHEMA}
 
 
 @pytest.fixture(scope="module")
-def messages_url(serve_http, tmp_path_factory) -> str:
-    path = build_scripted_thinker(str(tmp_path_factory.mktemp("messages-thinker")), MESSAGES,
-                                  REASONING, CONTENT, LONG)
-    serve.run(build_app({"model": path, "served_model_name": MODEL, "reasoning_parser": "qwen3",
-                         "api_key": KEY, "max_model_len": LONG}),
-              name="messages", route_prefix="/messages")
-    yield f"{serve_http}/messages"
-    serve.delete("messages")
+def messages_url(thinker_url) -> str:
+    return thinker_url
 
 
 @pytest.fixture(scope="module")

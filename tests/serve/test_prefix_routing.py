@@ -226,3 +226,25 @@ def test_affinity_outlives_another_callers_ended_requests(apps):
         assert lease_once(mine, key) == home
     finally:
         ray.kill(other)
+
+
+def test_responses_continue_through_either_ingress(apps):
+    """``/v1/responses`` keeps an app's responses in one store that its replicas share: a chain
+    of responses, each continuing the last, whose requests Serve's proxy spreads over both
+    ingress replicas at random, replays the whole conversation every turn (its input tokens
+    are ``/tokenize``'s count of the conversation so far)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{apps['on']}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    previous, history = None, []
+    for turn in range(6):
+        history.append({"role": "user", "content": f"turn {turn}"})
+        response = client.responses.create(model="tiny", input=f"turn {turn}",
+                                           previous_response_id=previous, temperature=0,
+                                           max_output_tokens=4)
+        counted = requests.post(f"{apps['on']}/tokenize", json={"messages": history},
+                                timeout=60).json()["count"]
+        assert response.usage.input_tokens == counted, turn
+        history.append({"role": "assistant", "content": response.output_text})
+        previous = response.id
