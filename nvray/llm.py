@@ -1,4 +1,5 @@
-"""LLM: the offline API (nano-vllm's and vLLM's): ``generate`` and ``chat`` over a list of prompts.
+"""LLM: the offline API (nano-vllm's and vLLM's): ``generate`` and ``chat`` over a list of prompts,
+``embed`` and ``score`` (pooling: ``nvray/pooling.py``).
 
 With ``runtime="ray"`` (the default) the engine runs on Ray — an EngineDriver actor and one
 RankWorker actor per tensor-parallel rank, in one placement group — on the running cluster if
@@ -15,6 +16,7 @@ import functools
 import importlib
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -25,6 +27,20 @@ from nvray.outputs import RequestOutput
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    score: float
+    prompt_token_ids: list[int]
+
+
 Message = dict[str, str]
 _POLL_S = 0.5
 
@@ -106,6 +122,33 @@ class LLM:
         flat = self._generate(prompts, [params] * len(prompts), use_tqdm, None)
         width = params.beam_width
         return [flat[i * width:(i + 1) * width] for i in range(len(prompts))]
+
+    def embed(self, prompts: Prompt | Seq[Prompt], dimensions: int | None = None,
+              normalize: bool = True, use_tqdm: bool = False) -> list[EmbeddingOutput]:
+        """An embedding per prompt (``nvray/pooling.py``): its last token's final hidden state,
+        its first ``dimensions`` values (Matryoshka), L2-normalised unless ``normalize`` is
+        False. Any checkpoint embeds; an embedding checkpoint (Qwen3-Embedding) is made for it."""
+        from nvray.pooling import embed_params, to_embedding  # noqa: PLC0415
+
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        outs = self._generate(list(prompts), embed_params(), use_tqdm, None)  # type: ignore[arg-type]
+        return [EmbeddingOutput(to_embedding(o.pooled or [], dimensions, normalize),
+                                o.prompt_token_ids) for o in outs]
+
+    def score(self, query: str, documents: Seq[str], instruction: str | None = None,
+              use_tqdm: bool = False) -> list[ScoreOutput]:
+        """How well each document answers ``query``, in [0, 1]: a Qwen3-Reranker-style
+        checkpoint's probability of "yes" over its judging prompt (``nvray/pooling.py``)."""
+        from nvray.pooling import (rerank_token_ids, reranker_prompt,  # noqa: PLC0415
+                                   score_params, to_score)
+
+        tok = self._engine_tokenizer
+        params = score_params(*rerank_token_ids(
+            lambda word: tok.encode(word, add_special_tokens=False)))
+        prompts = [reranker_prompt(query, d, instruction) for d in documents]
+        outs = self._generate(prompts, params, use_tqdm, None)
+        return [ScoreOutput(to_score(o.pooled or [0.0, 0.0]), o.prompt_token_ids) for o in outs]
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats() if self.engine is not None else self.client.stats()

@@ -10,6 +10,8 @@ FP8 layers (``nvray/quantization``) take their scale tensors the same way. With 
 a 16/32-bit linear weight is quantized whole, on the parameter's device, before it is sharded:
 the weight and its per-channel scale then load as a pre-quantized checkpoint's would.
 ``fill_random`` makes random weights instead (``load_format="dummy"``: benchmarks of a shape).
+A bare backbone's checkpoint (saved through transformers' ``AutoModel``: no tensor named
+``model.*``) loads into the model's ``model.`` submodule.
 """
 
 from __future__ import annotations
@@ -59,12 +61,14 @@ def load_model(model: nn.Module, path: str) -> None:
     on_stage = getattr(model, "stage_tensor_name", lambda name: name)  # pipeline stages
     expected_shards = _expected_shards(params, packed)
     loaded: dict[str, set[object]] = {}
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    prefix = "" if _has_model_prefix(files) else "model."
+    for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                stage_name = on_stage(name)
+                stage_name = on_stage(prefix + name)
                 if stage_name is None:
                     continue  # another pipeline stage's
                 param_name, shard_id = _route(stage_name, packed)
@@ -72,6 +76,15 @@ def load_model(model: nn.Module, path: str) -> None:
                     _load_one(params, pname, shard_id, name, tensor)
                     loaded.setdefault(pname, set()).add(shard_id)
     _check_complete(expected_shards, loaded, tied, packed)
+
+
+def _has_model_prefix(files: list[str]) -> bool:
+    """Whether the checkpoint names its tensors ``model.*`` (a causal LM's), not bare."""
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            if any(name.startswith("model.") for name in f.keys()):
+                return True
+    return False
 
 
 def _as_stored(params: dict[str, nn.Parameter], param_name: str, tensor: torch.Tensor

@@ -29,10 +29,12 @@ _QWEN_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 32768,
 }
 _DEFAULT_ROPE_THETA = 10000.0
+_BACKBONES = {"Qwen3Model"}  # nvray.models.BACKBONES (that package imports torch)
 # Keys transformers writes under another name than the checkpoints on the Hub (its attribute_map)
 _ALIASES = {"num_local_experts": "num_experts"}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": 128},
+    "Qwen3Model": {**_QWEN_DEFAULTS, "head_dim": 128},
     "Qwen2ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": None},  # hidden_size // heads
     "Qwen3MoeForCausalLM": {
         **_QWEN_DEFAULTS, "hidden_size": 2048, "intermediate_size": 6144,
@@ -122,6 +124,8 @@ def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), _QWEN_DEFAULTS)
     raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
     values = {**defaults, **raw}
+    if set(archs) & _BACKBONES:  # no LM head of its own: pooling requests never read one
+        values["tie_word_embeddings"] = True
     if values.get("num_key_value_heads") is None:  # as the config classes do
         values["num_key_value_heads"] = values["num_attention_heads"]
     if values.get("head_dim") is None:

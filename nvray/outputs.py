@@ -59,6 +59,9 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     cumulative_logprob: float | None = None  # a beam search's result: its beam's score basis
+    # a pooling request's (SamplingParams.pool): the last prompt token's final hidden state,
+    # or the pooled token ids' logits there (nvray/pooling.py turns it into an embedding/score)
+    pooled: list[float] | None = None
 
     @property
     def usage(self) -> dict[str, int]:

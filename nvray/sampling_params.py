@@ -20,6 +20,9 @@ so the HTTP layer can turn it into a 400 without guessing. Meanings follow vLLM:
   follows a JSON schema, a regex, a choice or a grammar (``nvray/structured_outputs.py``).
 - ``max_tokens=0`` generates nothing: the prompt is only prefilled (and scored, with
   ``prompt_logprobs``).
+- ``pool`` (with ``max_tokens=0``; what ``LLM.embed`` / ``LLM.score`` and the pooling routes
+  send): the output's ``pooled`` is the final hidden state of the prompt's last token (``()``)
+  or the logits of the listed token ids at that position (``nvray/pooling.py``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
+    pool: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -93,6 +97,10 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_reporting()
         self._validate_lengths()
+        if self.pool is not None:
+            object.__setattr__(self, "pool", self._normalize_ids(self.pool, "pool"))
+            _check(self.max_tokens == 0, "max_tokens", self.max_tokens,
+                   "must be 0 with pool (a pooling request generates nothing)")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= _MAX_SEED),
                "seed", self.seed, f"must be an integer in [0, {_MAX_SEED}] or None")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos,

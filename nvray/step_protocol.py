@@ -39,6 +39,10 @@ the prompt token that follows it. The ranks answer with a ``StepOutput``: the sa
 ``logprobs`` rows — first one per sampling row that asked, in row order, then the score rows
 of each sequence in step order.
 
+Pooling: a ``SeqStep`` whose ``pool`` is not None is the chunk that ends its prompt; the ranks
+answer with the final hidden state of its last row (``pool == ()``) or the logits of the
+``pool`` token ids there, one ``StepOutput.pooled`` row per such sequence, in step order.
+
 Recurrent state (models with linear-attention layers, ``nvray/layers/gated_deltanet.py``): a
 running sequence holds one state slot (``SeqStep.state_slot``, from the engine's
 ``BlockManager``); a chunk that starts at position 0 starts from zero state, a later chunk
@@ -103,6 +107,7 @@ class SeqStep(NamedTuple):
     score: PromptScore | None = None
     table_start: int = 0  # 0: block_table is the whole table, else the ranks hold those before
     state_slot: int = -1  # models with recurrent layers: the sequence's state slot (-1: none)
+    pool: tuple[int, ...] | None = None  # pool the chunk's last row (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,8 @@ class StepInput:
         (~0.1 ms), and the rank rebuilds the NamedTuples without running their Python code."""
         seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table,
                  None if s.sample is None else tuple(s.sample),
-                 None if s.score is None else tuple(s.score), s.table_start, s.state_slot)
+                 None if s.score is None else tuple(s.score), s.table_start, s.state_slot,
+                 s.pool)
                 for s in self.seqs]
         return _step_input_from_plain, (seqs, self.block_copies, self.released,
                                         self.adjusts_logits, self.samples_logprobs,
@@ -150,13 +156,13 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
                            state_copies: list[tuple[int, int]] | None = None) -> StepInput:
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
-    for seq_id, token_ids, start, table, sample, score, table_start, state_slot in seqs:
+    for seq_id, token_ids, start, table, sample, score, table_start, state_slot, pool in seqs:
         if sample is not None:
             sample = _namedtuple_of(SampleSpec, sample)
         if score is not None:
             score = _namedtuple_of(PromptScore, score)
         steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
-                                              table_start, state_slot)))
+                                              table_start, state_slot, pool)))
     return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs,
                      constrained, grammars or [], grammars_done or [], state_copies or [])
 
@@ -166,6 +172,7 @@ class StepOutput(NamedTuple):
 
     ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # see the module docstring for the order
+    pooled: list[list[float]] | None = None  # one row per pooled sequence, in step order
 
 
 def placeholder_id(row: int) -> int:

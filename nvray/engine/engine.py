@@ -66,9 +66,9 @@ __all__ = ["LLMEngine", "ModelLimits"]
 # What a launched step's results mean for one of its sequences, as a plain tuple: (seq, KV
 # written up to here when the step is done, its row among the sampled ids or -1, its preemption
 # count at launch, its sampled token's row among the step's logprobs or -1, its prompt scores'
-# first row among the score rows, their number). A NamedTuple costs ~0.1 us more per record even
+# first row among the score rows, their number, its row among the pooled rows or -1). A NamedTuple costs ~0.1 us more per record even
 # built in C: +26 us on the control-plane bench's 256-sequence step (+7% of building its input).
-SeqRecord = tuple[Sequence, int, int, int, int, int, int]
+SeqRecord = tuple[Sequence, int, int, int, int, int, int, int]
 
 
 class LaunchedStep(NamedTuple):
@@ -135,7 +135,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.beams.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self.intake.tokenize(prompt)
+        # a pooling prompt is tokenized as its checkpoint's own pipeline does (an embedding
+        # model's tokenizer may end it with EOS, which last-token pooling reads)
+        token_ids = self.intake.tokenize(prompt, getattr(params, "pool", None) is not None)
         if isinstance(params, BeamSearchParams):
             return self._add_beam_search(request_id, token_ids, params, priority)
         params = self.intake.validate(token_ids, params)
@@ -273,7 +275,7 @@ class LLMEngine:
         if self.new_grammars or self.grammars_done:
             self.new_grammars, self.grammars_done = [], []
         records: list[SeqRecord] = []
-        row, logprob_row, score_row = 0, 0, 0
+        row, logprob_row, score_row, pool_row = 0, 0, 0, 0
         for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
             seq.num_computed_tokens += num_new
             kv_end = seq.num_computed_tokens
@@ -281,8 +283,12 @@ class LLMEngine:
                 bm.save_state(seq)
             sample, score = seq_step.sample, seq_step.score
             num_scores = len(score.targets) if score is not None else 0
+            pooled_at = -1
+            if seq_step.pool is not None:
+                pooled_at, pool_row = pool_row, pool_row + 1
             if sample is None:
-                records.append((seq, kv_end, -1, seq.num_preemptions, -1, score_row, num_scores))
+                records.append((seq, kv_end, -1, seq.num_preemptions, -1, score_row, num_scores,
+                                pooled_at))
             else:
                 seq.num_pending += 1
                 seq.pending_row = row
@@ -290,7 +296,7 @@ class LLMEngine:
                 if sample.logprobs >= 0:
                     lp_row, logprob_row = logprob_row, logprob_row + 1
                 records.append((seq, kv_end, row, seq.num_preemptions, lp_row, score_row,
-                                num_scores))
+                                num_scores, pooled_at))
                 row += 1
             score_row += num_scores
         computes_prompt = num_decode < out.num_batched_tokens
@@ -304,7 +310,8 @@ class LLMEngine:
         outputs, finished = [], []
         now = self.clock()
         first_score = launched.num_sample_logprobs
-        for seq, kv_end, row, num_preemptions, lp_row, score_row, num_scores in launched.records:
+        for (seq, kv_end, row, num_preemptions, lp_row, score_row, num_scores,
+             pooled_at) in launched.records:
             if seq.is_finished:  # finished or aborted since: this step's work for it is void
                 continue
             if seq.num_preemptions == num_preemptions:  # its blocks still hold this KV
@@ -319,6 +326,8 @@ class LLMEngine:
                 start = first_score + score_row
                 state.prompt_logprobs.extend(  # type: ignore[union-attr]
                     result.logprobs[start:start + num_scores])  # type: ignore[index]
+            if pooled_at >= 0:
+                state.pooled = result.pooled[pooled_at]  # type: ignore[index]
             if row < 0:
                 if seq.params.max_tokens == 0 and kv_end >= seq.num_prompt_tokens:
                     state.finish_reason = "length"  # prefilled (and scored): nothing to generate

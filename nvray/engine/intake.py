@@ -50,11 +50,13 @@ class RequestIntake:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+        """A string's ids (``add_special_tokens``: with what the tokenizer adds around a text,
+        for pooling prompts), or token ids checked to be ints."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if not isinstance(prompt, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids")
@@ -117,7 +119,8 @@ class RequestIntake:
         vocab = self.limits.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("stop_token_ids", params.stop_token_ids)):
+                          ("stop_token_ids", params.stop_token_ids),
+                          ("pool", params.pool or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")

@@ -161,3 +161,4 @@ class RequestState:
     timestamps: list[float] = field(default_factory=list)  # one per generated token
     logprobs: list[TokenLogprobs] | None = None  # one per output token, if asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token (first: None)
+    pooled: list[float] | None = None  # a pooling request's row (SamplingParams.pool)

@@ -95,9 +95,10 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         score = None
         if params.prompt_logprobs is not None:
             score = prompt_score_for(seq, plan, start, end)
+        pool = params.pool if end == seq.num_prompt_tokens else None
         table, held = seq.block_table, seq.ranks_table_len
         seq.ranks_table_len = len(table)
         steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
-                             score, held, seq.state_slot))
+                             score, held, seq.state_slot, pool))
     return StepInput(steps, block_copies or [], released or [], adjusts, logprobs, constrained,
                      grammars or [], grammars_done or [], state_copies or [])

@@ -5,7 +5,9 @@ and full attention (``qwen3_5.py``; the language model of their vision-language 
 and the embedded tiny checkpoint
 (``tiny.py``: a small random-weight Qwen3 written in HF format on first use, loaded through the
 same code as a real model). ``model_class_for`` maps a checkpoint's HF
-``architectures`` name to its nvray class; an unknown one is a ValueError naming it.
+``architectures`` name to its nvray class; an unknown one is a ValueError naming it. A bare
+backbone (``Qwen3Model``: an embedding checkpoint) runs as its causal LM with the LM head tied
+to the embeddings (``BACKBONES``; the pooling requests never need the head's own weights).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from typing import Any
 
 MODEL_REGISTRY = {
     "Qwen3ForCausalLM": ("nvray.models.qwen3", "Qwen3ForCausalLM"),
+    # a bare backbone (an embedding checkpoint saved through AutoModel: no LM head, no "model."
+    # prefix on its tensors; nvray.loader adds it)
+    "Qwen3Model": ("nvray.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen2ForCausalLM": ("nvray.models.qwen3", "Qwen2ForCausalLM"),
     "Qwen3MoeForCausalLM": ("nvray.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "LlamaForCausalLM": ("nvray.models.llama", "LlamaForCausalLM"),
@@ -24,6 +29,8 @@ MODEL_REGISTRY = {
     "Qwen3_5MoeForCausalLM": ("nvray.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": ("nvray.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
 }
+
+BACKBONES = ("Qwen3Model",)
 
 
 def model_class_for(hf_config: Any) -> type:

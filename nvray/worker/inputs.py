@@ -53,13 +53,14 @@ class StepBatch(NamedTuple):
     input_ids: torch.Tensor  # [T] int32 (graph: [graph_bs], padded)
     positions: torch.Tensor  # [T] int32
     meta: AttentionMetadata | None  # None on the graph path: the graph holds its own
-    sample_idx: torch.Tensor | None  # [S + R] int32 rows of the hidden states to sample, then
-    # to score (prompt log-probabilities); None: rows 0..S-1
+    sample_idx: torch.Tensor | None  # [S + R + P] int32 rows of the hidden states to sample,
+    # then to score (prompt log-probabilities), then to pool; None: rows 0..S-1
     num_samples: int
     num_seqs: int
     graph_bs: int  # batch size of the decode CUDA graph to replay; 0: none
     prefill_q: int = 0  # query length of the prefill CUDA graph to replay; 0: none
     num_scores: int = 0  # R
+    num_pools: int = 0  # P
 
 
 _Fill = tuple[torch.Tensor, torch.Tensor]  # device (placeholder positions, sampled rows)
@@ -90,10 +91,16 @@ class _HostLists(NamedTuple):
     fill_src: list[int]  # ... and the rows of the previous step's sampled ids that fill them
     score: list[int]  # rows of prompt tokens to score (after the rows to sample)
     state: list[int]  # each sequence's recurrent-state slot (models with recurrent layers)
+    pool: list[int]  # rows of prompts' last tokens to pool (after the rows to score)
+
+    @property
+    def reads_more(self) -> bool:
+        """Whether rows besides the sampled ones are read (to score or to pool)."""
+        return bool(self.score or self.pool)
 
     @property
     def gathered(self) -> list[int]:
-        return self.sample + self.score if self.score else self.sample
+        return self.sample + self.score + self.pool if self.reads_more else self.sample
 
 
 class InputBuilder:
@@ -162,7 +169,8 @@ class InputBuilder:
         tables.begin_step()
         if step.released:
             tables.release(step.released)
-        h = _HostLists([], [], [[] for _ in range(groups)], [], [], [], [], [], [], [], [], [], [])
+        h = _HostLists([], [], [[] for _ in range(groups)], [], [], [], [], [], [], [], [], [], [],
+                       [])
         slots = h.slots[0]
         for s in step.seqs:
             n, start = len(s.token_ids), s.start_pos
@@ -188,6 +196,8 @@ class InputBuilder:
             h.seq_lens.append(end)
             if s.sample is not None:
                 h.sample.append(len(h.ids) - 1)
+            if s.pool is not None:
+                h.pool.append(len(h.ids) - 1)
         return h
 
     def _group_slots(self, slots: list[list[int]], table: list[int], start: int, end: int) -> None:
@@ -209,7 +219,7 @@ class InputBuilder:
             a[f * cap:f * cap + n] = values
             a[f * cap + n:f * cap + graph_bs] = pad
         head = self.static_fields * cap
-        sample_all = len(h.sample) == n and not h.score
+        sample_all = len(h.sample) == n and not h.reads_more
         gathered = [] if sample_all else h.gathered
         tail = self._fill(head, gathered, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
         self.static.copy_(self.host[:head], non_blocking=True)
@@ -220,7 +230,8 @@ class InputBuilder:
         self._record()
         ids, pos = self.static_views()[:2]  # type: ignore[index]
         return StepBatch(ids[:graph_bs], pos[:graph_bs], None, None if sample_all else sample,
-                         len(h.sample), n, graph_bs, num_scores=len(h.score)), (dst, src)
+                         len(h.sample), n, graph_bs, num_scores=len(h.score),
+                         num_pools=len(h.pool)), (dst, src)
 
     def _prepare_prefill_graph(self, h: _HostLists, q: int) -> tuple[StepBatch, _Fill]:
         cap, n = self.graph_capacity, len(h.ids)
@@ -241,7 +252,7 @@ class InputBuilder:
         self._record()
         ids, pos = self.static_views()[:2]  # type: ignore[index]
         return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q,
-                         num_scores=len(h.score)), (dst, src)
+                         num_scores=len(h.score), num_pools=len(h.pool)), (dst, src)
 
     def _prepare_eager(self, h: _HostLists) -> tuple[StepBatch, _Fill]:
         cu = [0]
@@ -266,9 +277,9 @@ class InputBuilder:
                                  state_slots=state if self.has_state else None)
         if groups > 1:
             meta.with_groups(slots, tables)
-        sample_all = not h.score and h.sample == list(range(len(h.sample)))  # e.g. decodes
+        sample_all = not h.reads_more and h.sample == list(range(len(h.sample)))  # e.g. decodes
         return StepBatch(ids, pos, meta, None if sample_all else sample, len(h.sample),
-                         len(h.rows), 0, num_scores=len(h.score)), (dst, src)
+                         len(h.rows), 0, num_scores=len(h.score), num_pools=len(h.pool)), (dst, src)
 
     # -------------------------------------------------------------- buffers
     def _fill(self, offset: int, *parts: list[int]) -> int:

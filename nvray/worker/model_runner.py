@@ -64,10 +64,10 @@ logger = logging.getLogger(__name__)
 
 class Forwarded(NamedTuple):
     """A step whose forward pass is queued: its logits of the rows to sample (rank 0) and
-    hidden states of the prompt rows to score."""
+    hidden states of the prompt rows to score, then of those to pool."""
     step: StepInput
     logits: torch.Tensor | None
-    score_hidden: torch.Tensor | None
+    read_hidden: torch.Tensor | None
 
 
 class ModelRunner:
@@ -276,8 +276,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits [S, V] of the rows to sample: rank 0 of the last stage, None elsewhere or
-        when S is 0; hidden states [R, H] of the prompt rows to score, None when R is 0 or
-        before the last stage)."""
+        when S is 0; hidden states [R + P, H] of the prompt rows to score, then of the rows to
+        pool, None when R + P is 0 or before the last stage)."""
         if step.block_copies:
             self.copy_blocks(step.block_copies)
         if step.state_copies:
@@ -301,7 +301,8 @@ class ModelRunner:
             return None, None
         rows = hidden[:batch.num_samples] if batch.sample_idx is None else hidden[batch.sample_idx]
         logits = self.model.compute_logits(rows[:batch.num_samples]) if batch.num_samples else None
-        return logits, (rows[batch.num_samples:] if batch.num_scores else None)
+        reads_more = batch.num_scores or batch.num_pools
+        return logits, (rows[batch.num_samples:] if reads_more else None)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
@@ -359,18 +360,21 @@ class ModelRunner:
 
     def _forward_step(self, step: StepInput) -> Forwarded:
         """Queue ``step``'s forward pass (and the LM head of its rows to sample)."""
-        logits, score_hidden = self.forward(step)
+        logits, read_hidden = self.forward(step)
         if (step.grammars or step.grammars_done) and self.samples:
             self.grammar_masks.update(step)
-        return Forwarded(step, logits, score_hidden)
+        return Forwarded(step, logits, read_hidden)
 
     def _sample(self, forwarded: Forwarded, share_ids: bool) -> SampledIds:
         """Queue the sampling of a forwarded step on the device; keep its ids there and start
         their copy to the host. ``share_ids`` (overlapped steps, whose next step reads them on
         the device): every rank gets rank 0's ids."""
-        step, logits, score_hidden = forwarded
+        step, logits, read_hidden = forwarded
         if not is_last_stage():
             return SampledIds.none()  # (no overlapped steps with pipeline stages)
+        num_score_rows = sum(len(s.score.targets) for s in step.seqs if s.score is not None)
+        score_hidden = read_hidden[:num_score_rows] if num_score_rows else None
+        pooled, widths = self._pool(step, read_hidden, num_score_rows)
         specs = [s.sample for s in step.seqs if s.sample is not None]
         masks, constrained = self.grammar_masks, []
         if logits is not None:
@@ -392,9 +396,25 @@ class ModelRunner:
         self.last_sampled = ids
         if not self.samples:
             return SampledIds.none()
-        sampled = self.host_ids.copy_from(ids, logprobs, ks)
+        sampled = self.host_ids.copy_from(ids, logprobs, ks, pooled, widths)
         masks.advance(sampled, constrained)  # the next masks, filled while the caller goes on
         return sampled
+
+    def _pool(self, step: StepInput, read_hidden: torch.Tensor | None, first: int
+              ) -> tuple[torch.Tensor | None, list[int]]:
+        """The pooled rows (``SeqStep.pool``), flattened to one float32 tensor, and each row's
+        width: a last token's final hidden state, or the logits of the listed ids there (every
+        rank takes part in the LM head)."""
+        pools = [s.pool for s in step.seqs if s.pool is not None]
+        if not pools:
+            return None, []
+        hidden = read_hidden[first:first + len(pools)]  # type: ignore[index]
+        logits = self.model.compute_logits(hidden) if any(pools) else None
+        if not self.samples:
+            return None, []
+        rows = [logits[i, list(ids)] if ids else hidden[i]  # type: ignore[index]
+                for i, ids in enumerate(pools)]
+        return torch.cat([r.float() for r in rows]), [r.numel() for r in rows]
 
     def _logprobs(self, step: StepInput, specs: list[SampleSpec], raw: torch.Tensor | None,
                   ids: torch.Tensor, score_hidden: torch.Tensor | None

@@ -18,9 +18,11 @@ from nvray.worker.logprobs import HostLogprobs
 
 class SampledIds:
     def __init__(self, host: torch.Tensor | None, event: torch.cuda.Event | None,
-                 logprobs: HostLogprobs | None = None, ks: list[int] | None = None) -> None:
+                 logprobs: HostLogprobs | None = None, ks: list[int] | None = None,
+                 pooled: torch.Tensor | None = None, widths: list[int] | None = None) -> None:
         self.host, self.event = host, event
         self.logprobs, self.ks = logprobs, ks
+        self.pooled, self.widths = pooled, widths  # pooled rows, flattened; each row's width
 
     @classmethod
     def none(cls) -> "SampledIds":
@@ -33,9 +35,14 @@ class SampledIds:
         if self.event is not None:
             self.event.synchronize()
         ids = self.host.tolist()
-        if self.logprobs is None:
-            return StepOutput(ids)
-        return StepOutput(ids, self.logprobs.result(self.ks))  # type: ignore[arg-type]
+        logprobs = None if self.logprobs is None else self.logprobs.result(self.ks)  # type: ignore[arg-type]
+        if self.pooled is None:
+            return StepOutput(ids, logprobs)
+        flat, rows, start = self.pooled.tolist(), [], 0
+        for width in self.widths or ():
+            rows.append(flat[start:start + width])
+            start += width
+        return StepOutput(ids, logprobs, rows)
 
 
 class HostIds:
@@ -50,9 +57,16 @@ class HostIds:
             return torch.empty(max(capacity, 1), dtype=torch.int32, pin_memory=True)
 
     def copy_from(self, ids: torch.Tensor, logprobs: HostLogprobs | None = None,
-                  ks: list[int] | None = None) -> SampledIds:
+                  ks: list[int] | None = None, pooled: torch.Tensor | None = None,
+                  widths: list[int] | None = None) -> SampledIds:
+        """``pooled``: the step's pooled rows (flattened float32), copied with the ids."""
         if not self.cuda:
-            return SampledIds(ids, None, logprobs, ks)
+            return SampledIds(ids, None, logprobs, ks, pooled, widths)
+        if pooled is not None:  # rare (pooling steps): a pinned buffer of their own
+            with torch.inference_mode(False):
+                host_pooled = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
+            host_pooled.copy_(pooled, non_blocking=True)
+            pooled = host_pooled
         self.turn ^= 1
         n = ids.numel()
         if n > self.buffers[self.turn].numel():  # rare: more rows than max_num_seqs (warm-up)
@@ -61,4 +75,4 @@ class HostIds:
         host.copy_(ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return SampledIds(host, event, logprobs, ks)
+        return SampledIds(host, event, logprobs, ks, pooled, widths)
