@@ -120,6 +120,11 @@ class AppArgs(BaseModel):
     ingress_replicas: int | None = Field(None, ge=1, description="prefix routing: replicas of "
                                          "the HTTP/handle ingress in front of the engine "
                                          "replicas; default: max_replicas")
+    task: Literal["auto", "generate", "embed", "score"] = Field("auto", description=(
+        "what the app serves: 'generate' (completions, chat, messages, responses), 'embed' "
+        "(/v1/embeddings) or 'score' (a reranker: /v1/rerank, /v1/score); 'auto': 'embed' for "
+        "an embedding checkpoint (sentence-transformers Pooling, a bare Qwen3Model), else "
+        "'generate'"))
     responses_stored: int = Field(10_000, ge=0, description="/v1/responses: the most responses "
                                   "kept for previous_response_id and GET (the app's replicas "
                                   "share them; the least recently used go first); 0: none kept")

@@ -50,6 +50,8 @@ from ray import serve
 from deployments.args import AppArgs, parse_args
 from deployments.anthropic import CountTokensRequest, MessagesRequest
 from deployments.messages_format import MessagesFormat
+from deployments.pooling_api import (EmbeddingRequest, RerankRequest, ScoreRequest,
+                                     embeddings_body, rerank_body, score_body)
 from deployments.protocol import UnsupportedParameter
 from deployments.response_store import StoredResponses
 from deployments.responses_api import ResponsesRequest
@@ -69,6 +71,8 @@ from deployments.responses import ChatFormat, CompletionFormat, StreamFormat, wi
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
+from nvray.pooling import (RERANK_TOKENS, PoolingTask, embed_params, rerank_token_ids,
+                           reranker_prompt, score_params)
 from nvray.reasoning import THINK_END, reasoning_parser_for
 from nvray.request import EngineRequest
 from nvray.runtime.output_router import RequestSink
@@ -136,6 +140,10 @@ class NvrayServer:
         self.stored = StoredResponses(serve.get_replica_context().app_name,
                                       self.args.responses_stored)
         self._think_end: list[int | None] = []  # the think block's end token, once looked up
+        pooling = PoolingTask.of(resolve_model(self.args.model))
+        self.task = pooling.task if self.args.task == "auto" else self.args.task
+        self.normalize = pooling.normalize  # embeddings: the checkpoint's Normalize module
+        self._score_params: SamplingParams | None = None  # a reranker's, once looked up
 
     # --------------------------------------------------------------- plumbing
     def token_texts(self) -> TokenTexts:
@@ -167,7 +175,18 @@ class NvrayServer:
     def _check_request(self, request: Request, body: SamplingFields) -> None:
         self._authorize(request)
         self._check_model(body.model)
+        self._require("generate", request)
         body.check_supported()
+
+    def _require(self, task: str, request: Request) -> None:
+        """A route of another task than the model's is a 400 naming both."""
+        if self.task != task:
+            routes = {"generate": "/v1/completions, /v1/chat/completions, /v1/responses, "
+                                  "/v1/messages", "embed": "/v1/embeddings",
+                      "score": "/v1/rerank, /v1/score"}[self.task]
+            raise OpenAIError(400, f"the model '{self.model_name}' serves the task "
+                                   f"'{self.task}' ({routes}); {request.url.path} needs a model "
+                                   f"of the task '{task}'", "model", "wrong_task")
 
     async def _model_card(self) -> dict[str, Any]:
         info = await self.engines.info()
@@ -314,6 +333,7 @@ class NvrayServer:
     def _chat_of_messages(self, body: MessagesRequest, request: Request) -> ChatCompletionRequest:
         self._authorize(request)
         self._check_model(body.model)
+        self._require("generate", request)
         chat = body.to_chat()
         chat.check_supported()
         return chat
@@ -324,6 +344,7 @@ class NvrayServer:
         kept in the app's response store (``deployments/response_store.py``)."""
         self._authorize(request)
         self._check_model(body.model)
+        self._require("generate", request)
         history = await self._conversation(body.previous_response_id)
         chat = body.to_chat(history)
         try:
@@ -397,6 +418,45 @@ class NvrayServer:
             ids = await self._ask_driver(self.engines.tokenize(THINK_END), "model")
             self._think_end.append(ids[0] if len(ids) == 1 else None)
         return self._think_end[0]
+
+    # --------------------------------------------------------------- pooling
+    @api.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
+        """OpenAI's embeddings (``deployments/pooling_api.py``): prefill only, batched with
+        whatever else the engine runs."""
+        self._authorize(request)
+        self._check_model(body.model)
+        self._require("embed", request)
+        outputs = await self._finals(body.prompts(), embed_params(), body.priority)
+        return JSONResponse(embeddings_body(self.model_name, body, outputs, self.normalize))
+
+    @api.post("/v1/rerank")
+    @api.post("/v2/rerank")
+    @api.post("/rerank")
+    async def rerank(self, body: RerankRequest, request: Request) -> JSONResponse:
+        """Cohere's and Jina's rerank: each document judged against the query."""
+        prompts = [reranker_prompt(body.query, text, body.instruction) for text in body.texts()]
+        outputs = await self._scores(body.model, request, prompts, body.priority)
+        return JSONResponse(rerank_body(self.model_name, body, outputs))
+
+    @api.post("/v1/score")
+    @api.post("/score")
+    async def score(self, body: ScoreRequest, request: Request) -> JSONResponse:
+        """vLLM's score: each (text_1, text_2) pair judged as (query, document)."""
+        prompts = [reranker_prompt(q, d, body.instruction) for q, d in body.pairs()]
+        outputs = await self._scores(body.model, request, prompts, body.priority)
+        return JSONResponse(score_body(self.model_name, outputs))
+
+    async def _scores(self, model: str | None, request: Request, prompts: list[str],
+                      priority: int) -> list[RequestOutput]:
+        self._authorize(request)
+        self._check_model(model)
+        self._require("score", request)
+        if self._score_params is None:  # the ids of "yes" and "no", asked of the driver once
+            ids = {w: await self._ask_driver(self.engines.tokenize(w), "model")
+                   for w in RERANK_TOKENS}
+            self._score_params = score_params(*rerank_token_ids(ids.__getitem__))
+        return await self._finals(prompts, self._score_params, priority)
 
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,

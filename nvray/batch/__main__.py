@@ -10,7 +10,10 @@ Contract:
   ``--concurrency`` actors, each owning one whole nvray engine (driver + tensor-parallel ranks
   in their own placement group; see ``nvray.batch.udf``).
 - Every input row yields exactly one output row (``id``, ``text``, ``finish_reason``,
-  ``prompt_tokens``, ``completion_tokens``, ``error``), in input order. A request that fails
+  ``prompt_tokens``, ``completion_tokens``, ``error``), in input order. With ``--task embed``
+  a row's prompt is embedded instead (``nvray/pooling.py``: prefill only): its output row is
+  ``id``, ``embedding`` (float32 values, ``--dimensions`` of them if given), ``prompt_tokens``,
+  ``error``. A request that fails
   (say, a prompt longer than ``--max-model-len``) gets an ``error`` and the job goes on. The
   output file (JSON Lines or Parquet, by extension) appears only when the job succeeded.
 - Ray Data shows progress while it runs; a summary (rows, errors, tokens, wall time, output
@@ -52,6 +55,8 @@ class BatchPlan:
     batch_size: int = 64
     batches_per_engine: int = 2
     max_engine_restarts: int = 1
+    task: str = "generate"  # or "embed"
+    dimensions: int | None = None  # embed: Matryoshka truncation
 
 
 @dataclass
@@ -74,19 +79,23 @@ class Summary:
         self.rows += table.num_rows
         self.errors += sum(e is not None for e in cols["error"])
         self.prompt_tokens += sum(t or 0 for t in cols["prompt_tokens"])
-        self.completion_tokens += sum(t or 0 for t in cols["completion_tokens"])
+        self.completion_tokens += sum(t or 0 for t in cols.get("completion_tokens", ()))
 
     def check_complete(self) -> None:
         if self.pending:
             raise RuntimeError(f"{len(self.pending)} input rows got no output row (e.g. id "
                                f"{next(iter(self.pending))!r}); no output written")
 
-    def format(self, wall_s: float, output: str) -> str:
-        rate = self.completion_tokens / wall_s if wall_s > 0 else 0.0
-        return (f"nvray.batch: {self.rows} rows, {self.errors} errors -> {output}\n"
-                f"  prompt tokens {self.prompt_tokens}, completion tokens "
+    def format(self, wall_s: float, output: str, task: str = "generate") -> str:
+        per_s = (lambda n: n / wall_s if wall_s > 0 else 0.0)  # noqa: E731
+        head = f"nvray.batch: {self.rows} rows, {self.errors} errors -> {output}\n"
+        if task == "embed":
+            return (head + f"  prompt tokens {self.prompt_tokens}, wall time {wall_s:.1f} s, "
+                    f"{per_s(self.rows):.1f} rows/s, {per_s(self.prompt_tokens):.1f} prompt "
+                    "tokens/s")
+        return (head + f"  prompt tokens {self.prompt_tokens}, completion tokens "
                 f"{self.completion_tokens}, wall time {wall_s:.1f} s, "
-                f"{rate:.1f} output tokens/s")
+                f"{per_s(self.completion_tokens):.1f} output tokens/s")
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -116,6 +125,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="batches an engine works on at the same time")
     p.add_argument("--max-engine-restarts", type=int, default=1,
                    help="new engines an actor may start after its engine died")
+    p.add_argument("--task", default="generate", choices=["generate", "embed"],
+                   help="'embed': each row's prompt becomes an embedding column (prefill only)")
+    p.add_argument("--dimensions", type=_positive_int, default=None,
+                   help="--task embed: keep this many values of each embedding (Matryoshka)")
     p.add_argument("--max-tokens", type=_positive_int, default=256)
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -160,6 +173,12 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def sampling_params_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling parameters as a dict, validated (ValueError names a bad one)."""
+    if args.task == "embed":
+        if args.json_schema is not None:
+            raise ValueError("--json-schema does not apply to --task embed")
+        return {"max_tokens": 0, "pool": []}
+    if args.dimensions is not None:
+        raise ValueError("--dimensions applies to --task embed only")
     params = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
               "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "seed": args.seed,
               "stop": list(args.stop or ()), "ignore_eos": args.ignore_eos}
@@ -210,7 +229,8 @@ def build_plan(args: argparse.Namespace) -> BatchPlan:
                      engine_kwargs=engine_kwargs, sampling_params=sampling,
                      concurrency=args.concurrency, batch_size=args.batch_size,
                      batches_per_engine=args.batches_per_engine,
-                     max_engine_restarts=args.max_engine_restarts)
+                     max_engine_restarts=args.max_engine_restarts, task=args.task,
+                     dimensions=args.dimensions)
 
 
 # ------------------------------------------------------------------------------ running
@@ -244,7 +264,8 @@ def build_dataset(plan: BatchPlan) -> Any:
         GenerateBatch, batch_size=plan.batch_size, batch_format="pyarrow", compute=pool,
         num_cpus=0, fn_constructor_kwargs={"engine_kwargs": plan.engine_kwargs,
                                            "sampling_params": plan.sampling_params,
-                                           "max_engine_restarts": plan.max_engine_restarts})
+                                           "max_engine_restarts": plan.max_engine_restarts,
+                                           "dimensions": plan.dimensions})
 
 
 def connect(plan: BatchPlan) -> None:
@@ -258,7 +279,8 @@ def connect(plan: BatchPlan) -> None:
 def run(plan: BatchPlan) -> Summary:
     """Run the job and write the output; every input id must come back exactly once."""
     summary = Summary(pending=plan.input.ids)  # consumed: ids are checked off as rows arrive
-    with OutputWriter(plan.output, plan.output_format, output_schema(plan.input.id_type)) as out:
+    schema = output_schema(plan.input.id_type, plan.task)
+    with OutputWriter(plan.output, plan.output_format, schema) as out:
         for table in build_dataset(plan).iter_batches(batch_format="pyarrow", batch_size=None):
             summary.add(table)
             out.write(table)
@@ -279,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nvray.batch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     summary = run(plan)
-    print(summary.format(time.perf_counter() - start, plan.output), flush=True)
+    print(summary.format(time.perf_counter() - start, plan.output, plan.task), flush=True)
     return 0
 
 

@@ -222,7 +222,10 @@ def input_schema(id_type: pa.DataType) -> pa.Schema:
 
 
 # ------------------------------------------------------------------------------ writing
-def output_schema(id_type: pa.DataType) -> pa.Schema:
+def output_schema(id_type: pa.DataType, task: str = "generate") -> pa.Schema:
+    if task == "embed":
+        return pa.schema([("id", id_type), ("embedding", pa.list_(pa.float32())),
+                          ("prompt_tokens", pa.int64()), ("error", pa.string())])
     return pa.schema([("id", id_type), ("text", pa.string()), ("finish_reason", pa.string()),
                       ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
                       ("error", pa.string())])

@@ -10,7 +10,8 @@ Contract:
   its requests to the driver at once (so the engine batches them; their final outputs come back
   over the client's output channel, one message per engine step), and returns one output row
   per input row, in order: ``id``, ``text``, ``finish_reason``, ``prompt_tokens``,
-  ``completion_tokens``, ``error``.
+  ``completion_tokens``, ``error``; for an embedding job (its sampling parameters pool):
+  ``id``, ``embedding``, ``prompt_tokens``, ``error``.
 - A request the engine rejects (``ValueError``: prompt too long, empty, ...) or that fails in
   any other way gives a row with a short ``error`` and null text/token counts; the job goes
   on. If the engine itself dies (a rank or the driver lost), the actor starts a new engine — at
@@ -27,6 +28,7 @@ import ray
 
 from nvray.batch.io import output_schema, row_constraint
 from nvray.config import EngineConfig
+from nvray.pooling import to_embedding
 from nvray.runtime import EngineDeadError, start_engine
 from nvray.sampling_params import SamplingParams
 
@@ -65,15 +67,31 @@ def result_row(row_id: Any, result: Any) -> dict[str, Any]:
             "completion_tokens": usage["completion_tokens"], "error": None}
 
 
+def embedding_row(row_id: Any, result: Any, dimensions: int | None) -> dict[str, Any]:
+    """An embedding job's output row from a RequestOutput or its request's exception."""
+    if not isinstance(result, BaseException):
+        try:
+            return {"id": row_id, "embedding": to_embedding(result.pooled or [], dimensions),
+                    "prompt_tokens": len(result.prompt_token_ids), "error": None}
+        except ValueError as e:  # --dimensions wider than the model's hidden size
+            result = e
+    return {"id": row_id, "embedding": None, "prompt_tokens": None,
+            "error": short_error(result)}
+
+
 class GenerateBatch:
     """Ray Data callable class: one nvray engine per actor of the pool."""
 
     def __init__(self, engine_kwargs: dict[str, Any], sampling_params: dict[str, Any],
                  max_engine_restarts: int = 1,
-                 engine_factory: Callable[[EngineConfig], Any] = start_engine) -> None:
+                 engine_factory: Callable[[EngineConfig], Any] = start_engine,
+                 dimensions: int | None = None) -> None:
         self.config = EngineConfig.from_kwargs(**engine_kwargs)
-        if SamplingParams.coerce(sampling_params).n != 1:
+        checked = SamplingParams.coerce(sampling_params)
+        if checked.n != 1:
             raise ValueError("batch inference writes one output row per input row: n must be 1")
+        self.embeds = checked.pool is not None
+        self.dimensions = dimensions
         self.sampling_params = sampling_params
         self.restarts_left = max_engine_restarts
         self.engine_factory = engine_factory
@@ -84,8 +102,13 @@ class GenerateBatch:
         rows = batch.to_pylist()
         prompts = [row_prompt(r) for r in rows]
         results = self.generate(prompts, [self.row_params(r) for r in rows])
-        out = [result_row(r["id"], res) for r, res in zip(rows, results, strict=True)]
-        return pa.Table.from_pylist(out, schema=output_schema(batch.schema.field("id").type))
+        if self.embeds:
+            out = [embedding_row(r["id"], res, self.dimensions)
+                   for r, res in zip(rows, results, strict=True)]
+        else:
+            out = [result_row(r["id"], res) for r, res in zip(rows, results, strict=True)]
+        schema = output_schema(batch.schema.field("id").type, "embed" if self.embeds else "generate")
+        return pa.Table.from_pylist(out, schema=schema)
 
     def row_params(self, row: dict[str, Any]) -> Any:
         """The job's sampling parameters, with the row's ``response_format`` (if it has one) in

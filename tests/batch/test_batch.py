@@ -561,3 +561,34 @@ def test_a_gemma_job_with_hf_overrides_matches_hf(ray_head, tmp_path, family_pat
         ids = tok(prompt)["input_ids"]
         assert row["error"] is None, row
         assert row["text"] == tok.decode(hf_greedy(path, ids, 6), skip_special_tokens=True)
+
+
+def test_an_embedding_job_writes_transformers_vectors(ray_head, tmp_path):
+    """``--task embed`` through ``ray job submit``: each row's prompt becomes an ``embedding``
+    column (``--dimensions`` values, normalised), equal to transformers' last-token state of
+    the embedding checkpoint (``pooling_checkpoints.py``); a row too long is an error row."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pooling_checkpoints import hf_last_state, write_embedder
+
+    path = str(tmp_path / "embedder")
+    model = write_embedder(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = [{"id": "e0", "prompt": GOOD_ROWS[0]["prompt"]},
+            {"id": "e1", "prompt": GOOD_ROWS[3]["prompt"]}, BAD_ROWS[0]]
+    src, out = write_jsonl(tmp_path / "embed.jsonl", rows), tmp_path / "embed-out.parquet"
+    proc = submit_batch_job(ray_head, "--input", str(src), "--output", str(out), "--model", path,
+                            "--task", "embed", "--dimensions", "16", "--dtype", "float32",
+                            "--max-model-len", str(MAX_MODEL_LEN))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert "3 rows, 1 errors" in proc.stdout and "rows/s" in proc.stdout
+    written = read_output(out)
+    assert [r["id"] for r in written] == [r["id"] for r in rows]
+    for row, source in zip(written[:2], rows):
+        ids = tok(source["prompt"])["input_ids"]
+        assert row["error"] is None and row["prompt_tokens"] == len(ids)
+        hf = hf_last_state(model, ids)[:16]
+        torch.testing.assert_close(torch.tensor(row["embedding"]), hf / hf.norm(),
+                                   atol=1e-4, rtol=1e-3)
+    assert written[2]["embedding"] is None and "max_model_len" in written[2]["error"]

@@ -114,7 +114,7 @@ def served_routes(base_url: str) -> list[str]:
 
 
 @pytest.mark.parametrize("method,path,status", [
-    ("POST", "/v1/embeddings", 404), ("GET", "/v2/models", 404), ("GET", "/v1/completions", 405)])
+    ("POST", "/v1/moderations", 404), ("GET", "/v2/models", 404), ("GET", "/v1/completions", 405)])
 def test_an_unknown_route_is_answered_with_the_routes_the_app_serves(
         base_url, long_base_url, method, path, status):
     """A 404 (405 for a route's wrong method) in OpenAI's shape that lists every route the app
@@ -139,4 +139,4 @@ def test_openai_clients_see_an_unknown_route_as_not_found(client):
     import openai
 
     with pytest.raises(openai.NotFoundError, match="POST /v1/chat/completions"):
-        client.embeddings.create(model="tiny", input="hello")
+        client.moderations.create(model="tiny", input="hello")
