@@ -1,6 +1,7 @@
-"""``python -m nvray.bench throughput`` and ``startup``: arguments they cannot run are refused
-before anything starts, with a message naming the problem; ``startup`` starts a real engine in a
-new process and reports it (the benchmarks' figures themselves are not tested: tests never time
+"""``python -m nvray.bench throughput``, ``startup`` and ``serve``: arguments they cannot run are
+refused before anything starts, with a message naming the problem; ``startup`` starts a real
+engine in a new process and reports it; ``serve --api chat,messages,responses`` loads a real app
+through the three APIs (the benchmarks' figures themselves are not tested: tests never time
 things)."""
 
 import json
@@ -81,3 +82,41 @@ def test_startup_will_not_stop_or_join_a_running_ray(ray_cluster, args, message)
     assert "Ray is running on this machine" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
     assert ray.get(ray.put("still here"), timeout=30) == "still here"
+
+
+def test_serve_refuses_an_unknown_api() -> None:
+    result = _bench("--api", "chat,claude", "--url", "http://127.0.0.1:9", cmd="serve")
+    assert result.returncode != 0
+    assert "--api 'chat,claude': give one or more of completions, chat, messages, responses" \
+        in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_runs_chat_messages_and_responses_side_by_side(serve_http) -> None:
+    """The same load through the three APIs against one app: every request answered, each
+    API's tokens counted from its own stream, ratios to chat's figures."""
+    from ray import serve
+
+    from deployments import build_app
+    from nvray.bench.http_load import wait_healthy
+
+    serve.run(build_app({"max_model_len": 128, "num_cpus_per_rank": 1}), name="bench-apis",
+              route_prefix="/bench-apis")
+    try:
+        wait_healthy(f"{serve_http}/bench-apis")
+        result = _bench("--url", f"{serve_http}/bench-apis", "--api", "chat,messages,responses",
+                        "--concurrency", "2", "--num-requests", "2", "--stream", "on",
+                        "--prompt-len", "8", "--output-len", "4", cmd="serve")
+    finally:
+        serve.delete("bench-apis")
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout[result.stdout.index("\n{\n") + 1:])
+    assert summary["api"] == "chat,messages,responses"
+    assert [(r["api"], r["completed"], r["errors"]) for r in summary["levels"]] == [
+        ("chat", 2, 0), ("messages", 2, 0), ("responses", 2, 0)]
+    rows = summary["side_by_side"]
+    assert [r["api"] for r in rows] == ["chat", "messages", "responses"]
+    for row in rows:
+        assert row["ttft_ms_p50"] > 0 and 0 < row["output_tokens"] <= 2 * 4
+        assert row["ttft_vs_chat"] > 0 and row["tok_per_s_vs_chat"] > 0
+    assert rows[0]["ttft_vs_chat"] == rows[0]["tok_per_s_vs_chat"] == 1.0

@@ -48,7 +48,9 @@ Subcommands:
   from the burst to the new replica running and to its first token, against its engine's own
   start-up, and the requests' latency before and after (``nvray/bench/scaleup.py``).
 - ``serve``: a load generator for the HTTP app (``nvray/bench/serve.py``): concurrency sweep,
-  streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s.
+  streaming and not, TTFT / inter-token / end-to-end latency percentiles, output tok/s;
+  ``--api chat,messages,responses`` runs chat completions, Anthropic's Messages and OpenAI's
+  Responses side by side against one app, with each one's TTFT and tok/s as a ratio to chat's.
 - ``startup``: seconds from a new process to a ready engine: ``LLM()`` in-process and on Ray
   with the engine's start-up phases, and ``serve run`` to ``/health`` 200 (``--serve``); on a
   cluster each run starts or joins as it would, or behind ``ray start --head``

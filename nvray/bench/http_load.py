@@ -1,11 +1,17 @@
 """HTTP load against an nvray app: what the ``serve``, ``soak`` and multi-turn benchmarks share.
 
 ``LoadSpec`` says where requests go and what they look like; ``request_body`` draws one random
-request (completions: random token ids; chat: random ``WORDS``); ``send`` posts one and returns
-its ``RequestRecord`` (TTFT, inter-token gaps, tokens, cached prompt tokens, the streamed text;
-a failed request is recorded with its error, never raised); ``percentiles`` gives p50/p90/p99 in
-milliseconds; ``metric_value`` reads one sample of the app's ``/metrics`` text; ``start_app``
-starts the nvray app on this machine's Ray cluster and returns once its ``/health`` answers 200.
+request of one of ``APIS`` (completions: random token ids; chat completions, Anthropic's Messages
+and OpenAI's Responses: one user message of random ``WORDS``, the same message for the same
+draws); ``send`` posts one and returns its ``RequestRecord`` (TTFT, inter-token gaps, tokens,
+cached prompt tokens, the streamed text; a failed request is recorded with its error, never
+raised). Streamed, completions and chat are read chunk by chunk (``read_stream``: tokens per
+chunk from ``continuous_usage_stats``), Messages and Responses event by event (``read_events``:
+TTFT at the first ``content_block_delta`` / ``response.output_text.delta``, output tokens from
+the final usage; no inter-token gaps, an event's tokens being unknown). ``percentiles`` gives
+p50/p90/p99 in milliseconds; ``metric_value`` reads one sample of the app's ``/metrics`` text;
+``start_app`` starts the nvray app on this machine's Ray cluster and returns once its ``/health``
+answers 200.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+# each API's route
+APIS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+        "messages": "/v1/messages", "responses": "/v1/responses"}
 WORDS = ("engine", "paged", "cache", "token", "stream", "batch", "kernel", "rank", "block",
          "prefix", "schedule", "decode", "prefill", "graph", "tensor", "replica")
 
@@ -27,7 +36,7 @@ WORDS = ("engine", "paged", "cache", "token", "stream", "batch", "kernel", "rank
 class LoadSpec:
     url: str
     model: str | None = None
-    api: str = "completions"  # or "chat"
+    api: str = "completions"  # or "chat", "messages", "responses" (APIS)
     prompt_len: int = 256
     output_len: int = 256
     api_key: str | None = None
@@ -68,16 +77,25 @@ def auth_headers(spec: LoadSpec) -> dict[str, str]:
 
 
 def request_body(spec: LoadSpec, rng: random.Random, stream: bool) -> tuple[str, dict[str, Any]]:
-    common: dict[str, Any] = {"max_tokens": spec.output_len, "temperature": 0, "ignore_eos": True,
-                              "stream": stream}
+    if spec.api == "completions":
+        prompt: Any = [rng.randrange(spec.max_token_id) for _ in range(spec.prompt_len)]
+    else:
+        text = " ".join(rng.choice(WORDS) for _ in range(spec.prompt_len))
+        prompt = [{"role": "user", "content": text}]
+    common: dict[str, Any] = {"temperature": 0, "stream": stream}
     if spec.model:
         common["model"] = spec.model
+    if spec.api == "messages":  # Anthropic's: no ignore_eos, no stream options
+        return APIS["messages"], {**common, "max_tokens": spec.output_len, "messages": prompt}
+    if spec.api == "responses":
+        return APIS["responses"], {**common, "max_output_tokens": spec.output_len,
+                                   "input": prompt, "store": False}
+    common.update(max_tokens=spec.output_len, ignore_eos=True)
     if stream:
         common["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if spec.api == "chat":
-        text = " ".join(rng.choice(WORDS) for _ in range(spec.prompt_len))
-        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
-    return "/v1/completions", {**common, "prompt": [rng.randrange(spec.max_token_id) for _ in range(spec.prompt_len)]}
+        return APIS["chat"], {**common, "messages": prompt}
+    return APIS["completions"], {**common, "prompt": prompt}
 
 
 def chunk_has_output(chunk: dict[str, Any]) -> bool:
@@ -97,10 +115,11 @@ async def send(session: Any, spec: LoadSpec, path: str, body: dict[str, Any]) ->
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return rec
             if body["stream"]:
-                await read_stream(resp, rec, start)
+                reader = read_events if spec.api in ("messages", "responses") else read_stream
+                await reader(resp, rec, start)
             else:
-                payload = await resp.json()
-                rec.output_tokens = payload["usage"]["completion_tokens"]
+                usage = (await resp.json())["usage"]
+                rec.output_tokens = usage.get("completion_tokens", usage.get("output_tokens"))
             rec.e2e_s = time.perf_counter() - start
             rec.ok = rec.error is None
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
@@ -137,6 +156,47 @@ async def read_stream(resp: Any, rec: RequestRecord, start: float) -> None:
             rec.itl_s.extend([(now - last_t) / new] * new)
         last_t = now
     rec.output_tokens = tokens
+
+
+def event_text(event: dict[str, Any]) -> str | None:
+    """The output a Messages or Responses event carries (None: not an output event)."""
+    kind = event.get("type", "")
+    if kind == "content_block_delta":
+        delta = event["delta"]
+        return delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
+    if kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+        return event["delta"]
+    return None
+
+
+def event_usage(event: dict[str, Any]) -> dict[str, Any] | None:
+    """The final usage of a Messages (``message_delta``) or Responses stream (None: another event)."""
+    if event.get("type") == "message_delta":
+        return event["usage"]
+    if event.get("type") in ("response.completed", "response.incomplete"):
+        return event["response"]["usage"]
+    return None
+
+
+async def read_events(resp: Any, rec: RequestRecord, start: float) -> None:
+    """A Messages or Responses stream: TTFT at the first output event, tokens from the usage."""
+    async for line in resp.content:
+        if not line.startswith(b"data: "):
+            continue  # the "event:" line repeats the data's type
+        now, event = time.perf_counter(), json.loads(line[6:])
+        if event.get("type") == "error":
+            error = event.get("error") or event  # Anthropic's nests it, OpenAI's does not
+            rec.error = f"stream error: {error.get('message')}"[:200]
+            return
+        text = event_text(event)
+        if text is not None:
+            rec.text += text
+            rec.num_chunks += 1
+            rec.ttft_s = now - start if rec.ttft_s is None else rec.ttft_s
+        elif (usage := event_usage(event)) is not None:
+            rec.output_tokens = usage["output_tokens"]
+            rec.prompt_tokens = usage.get("input_tokens", 0)
+            rec.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
 
 
 async def read_model_card(session: Any, spec: LoadSpec) -> None:

@@ -1,10 +1,15 @@
 """``python -m nvray.bench serve``: a load generator for a running nvray app (or one it starts).
 
 For each concurrency level (default 1, 8, 64, 256) it sends a bounded number of requests to
-``/v1/completions`` (or ``/v1/chat/completions``), streaming and not, keeping at most
+``/v1/completions`` (``--api chat``: ``/v1/chat/completions``; ``messages``: Anthropic's
+``/v1/messages``; ``responses``: OpenAI's ``/v1/responses``), streaming and not, keeping at most
 ``concurrency`` in flight; with ``--rate`` arrivals are Poisson at that many requests/s.
-Prompts are random token ids (chat: random words), different for every request, so the prefix
-cache plays no part; ``ignore_eos`` makes every request run to ``--output-len`` tokens.
+Prompts are random token ids (the other APIs: one user message of random words), different for
+every request, level and API, so the prefix cache plays no part; ``ignore_eos`` makes every
+request run to ``--output-len`` tokens (Messages and Responses have no ``ignore_eos``: greedy, they
+stop where chat would without it). Several APIs (``--api chat,messages,responses``) run side by
+side against the same app, each level of each in turn, and ``side_by_side`` gives each API's
+median TTFT and output tok/s at each level as a ratio to the first API's.
 
 Per level: time to first token (TTFT), inter-token latency (ITL: the gap between two chunks
 spread over the tokens of the later one, one sample per token, so a chunk carrying k tokens
@@ -29,14 +34,16 @@ against concurrency) when matplotlib is installed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 from nvray.bench import multiturn
-from nvray.bench.http_load import (LoadSpec, RequestRecord, auth_headers, percentiles,
+from nvray.bench.http_load import (APIS, LoadSpec, RequestRecord, auth_headers, percentiles,
                                    read_model_card, request_body, send, start_app)
 from nvray.bench.proc_cpu import SERVING_PROCESSES, cores_by_role, process_cpu_seconds
 
@@ -117,7 +124,7 @@ async def run_level(session: Any, spec: LoadSpec, concurrency: int, num_requests
                     stream: bool, rate: float | None, seed: int,
                     pool: Any = None, clients: int = 1) -> dict[str, Any]:
     """One level; with a process ``pool``, its requests are sent from ``clients`` processes."""
-    rng = random.Random(seed)
+    rng = random.Random(f"{seed}/{spec.api}/{concurrency}/{stream}")  # no prompt seen before
     bodies = [request_body(spec, rng, stream) for _ in range(num_requests)]
     step_samples: list[float] = []
     sampler = asyncio.ensure_future(engine_step_sampler(session, spec, concurrency, step_samples))
@@ -145,7 +152,7 @@ async def run_level(session: Any, spec: LoadSpec, concurrency: int, num_requests
     sampler.cancel()
     ttft_sum, ttft_count = (a - b for a, b in zip(await engine_ttft_totals(session, spec), ttft_before))
     engine_ttft = round(1e3 * ttft_sum / ttft_count, 3) if ttft_count else None
-    return {**summarize(records, wall, concurrency, stream, rate, step_samples),
+    return {"api": spec.api, **summarize(records, wall, concurrency, stream, rate, step_samples),
             "engine_ttft_ms_mean": engine_ttft, "cores": cores}
 
 
@@ -194,30 +201,55 @@ def client_pool(clients: int) -> Any:
     return pool
 
 
+def side_by_side(results: list[dict[str, Any]], apis: list[str]) -> list[dict[str, Any]]:
+    """Each level's median TTFT and output tok/s per API, and their ratios to the first API's."""
+    first = {(r["concurrency"], r["stream"]): r for r in results if r["api"] == apis[0]}
+    ratio = lambda a, b: round(a / b, 3) if a and b else None  # noqa: E731
+    rows = []
+    for r in results:
+        base = first[r["concurrency"], r["stream"]]
+        rows.append({"api": r["api"], "concurrency": r["concurrency"], "stream": r["stream"],
+                     "ttft_ms_p50": r["ttft_ms"]["p50"], "output_tok_per_s": r["output_tok_per_s"],
+                     "output_tokens": r["output_tokens"], "errors": r["errors"],
+                     f"ttft_vs_{apis[0]}": ratio(r["ttft_ms"]["p50"], base["ttft_ms"]["p50"]),
+                     f"tok_per_s_vs_{apis[0]}": ratio(r["output_tok_per_s"],
+                                                      base["output_tok_per_s"])})
+    return rows
+
+
 async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requests: int | None,
                 rate: float | None, seed: int = 0, rounds: float = 2.0,
-                clients: int = 1) -> dict[str, Any]:
+                clients: int = 1, apis: list[str] | None = None) -> dict[str, Any]:
+    """Each level of each API in turn (``apis``, default ``[spec.api]``), against one app."""
     import aiohttp  # noqa: PLC0415 - Ray Serve's own dependency
 
+    apis = apis or [spec.api]
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         await read_model_card(session, spec)
-        await send(session, spec, *request_body(spec, random.Random(-1), True))  # warm-up
+        specs = {api: replace(spec, api=api) for api in apis}
+        for one in specs.values():  # warm-up
+            await send(session, one, *request_body(one, random.Random(-1), True))
         floor = await bare_route_floor(session, spec)
         results, pool = [], client_pool(clients)
         try:
             for concurrency in levels:
+                n = num_requests or max(int(rounds * concurrency), 16)
                 for stream in streams:
-                    n = num_requests or max(int(rounds * concurrency), 16)
-                    results.append(await run_level(session, spec, concurrency, n, stream, rate,
-                                                   seed, pool, clients))
-                    print(json.dumps(results[-1]), flush=True)
+                    for api in apis:
+                        results.append(await run_level(session, specs[api], concurrency, n, stream,
+                                                       rate, seed, pool, clients))
+                        print(json.dumps(results[-1]), flush=True)
         finally:
             if pool is not None:
                 pool.shutdown()
-    return {"benchmark": "serve", "url": spec.url, "model": spec.model, "api": spec.api,
-            "prompt_len": spec.prompt_len, "output_len": spec.output_len, "clients": clients,
-            "floor": floor, "levels": results}
+    result = {"benchmark": "serve", "url": spec.url, "model": spec.model, "api": ",".join(apis),
+              "prompt_len": spec.prompt_len, "output_len": spec.output_len, "clients": clients,
+              "floor": floor, "levels": results}
+    if len(apis) > 1:
+        result["side_by_side"] = side_by_side(results, apis)
+    return result
+
 
 def save_chart(result: dict[str, Any], path: str) -> str | None:
     """Throughput and latency against concurrency, as a PNG (None without matplotlib)."""
@@ -229,15 +261,21 @@ def save_chart(result: dict[str, Any], path: str) -> str | None:
     except ImportError:
         return None
     fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(11, 4))
-    for stream, label in ((False, "non-streaming"), (True, "streaming")):
-        rows = [r for r in result["levels"] if r["stream"] == stream]
+    apis = list(dict.fromkeys(r["api"] for r in result["levels"]))
+    for api, stream in itertools.product(apis, (False, True)):
+        rows = [r for r in result["levels"] if r["stream"] == stream and r["api"] == api]
         if not rows:
             continue
+        label = "streaming" if stream else "non-streaming"
+        label += f", {api}" if len(apis) > 1 else ""
         conc = [r["concurrency"] for r in rows]
         ax_tput.plot(conc, [r["output_tok_per_s"] for r in rows], marker="o", label=label)
         if stream:
-            ax_lat.plot(conc, [r["ttft_ms"]["p50"] for r in rows], marker="o", label="TTFT p50")
-            ax_lat.plot(conc, [r["itl_ms"]["p50"] for r in rows], marker="o", label="ITL p50")
+            ax_lat.plot(conc, [r["ttft_ms"]["p50"] for r in rows], marker="o",
+                        label=f"TTFT p50 ({label})")
+            if rows[0]["itl_ms"]["p50"] is not None:  # Messages and Responses have none
+                ax_lat.plot(conc, [r["itl_ms"]["p50"] for r in rows], marker="o",
+                            label=f"ITL p50 ({label})")
         ax_lat.plot(conc, [(r["e2e_ms"]["p50"] or 0) / 10 for r in rows], marker="x",
                     linestyle=":", label=f"e2e p50 / 10 ({label})")
     for ax, title in ((ax_tput, "output tokens/s"), (ax_lat, "latency (ms)")):
@@ -267,15 +305,19 @@ def parse_app_args(items: list[str]) -> dict[str, Any]:
 def run(args: Any) -> dict[str, Any]:
     if args.workload == "multiturn":
         return multiturn.run(args, parse_app_args(args.app_args or []))
+    apis = args.api.split(",")
+    if any(api not in APIS for api in apis) or len(set(apis)) < len(apis):
+        raise SystemExit(f"--api {args.api!r}: give one or more of {', '.join(APIS)}, "
+                         "comma-separated, each once")
     url = args.url
     if url is None:
         url = start_app(parse_app_args(args.app_args or []), args.port)
-    spec = LoadSpec(url.rstrip("/"), args.model, args.api, args.prompt_len, args.output_len,
+    spec = LoadSpec(url.rstrip("/"), args.model, apis[0], args.prompt_len, args.output_len,
                     args.api_key)
     streams = {"both": [False, True], "on": [True], "off": [False]}[args.stream]
     levels = [int(c) for c in args.concurrency.split(",")]
     result = asyncio.run(sweep(spec, levels, streams, args.num_requests, args.rate, args.seed,
-                               args.rounds, args.clients))
+                               args.rounds, args.clients, apis))
     if args.out:
         result["chart"] = save_chart(result, args.out.rsplit(".", 1)[0] + ".png")
     return result
@@ -291,7 +333,10 @@ def add_arguments(p: Any) -> None:
                    help="arguments of the app to start (as serve run deployments:build_app takes)")
     p.add_argument("--port", type=int, default=8000, help="port of the app this starts")
     p.add_argument("--model", help="model name to send (default: the app's)")
-    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--api", default="completions",
+                   help="comma-separated, run side by side against one app (ratios to the "
+                        "first): completions, chat (completions), messages (Anthropic's), "
+                        "responses (OpenAI's)")
     p.add_argument("--concurrency", default="1,8,64,256", help="comma-separated levels")
     p.add_argument("--rounds", type=float, default=2.0,
                    help="requests per level = rounds x concurrency (at least 16)")
