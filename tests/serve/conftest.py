@@ -1,7 +1,7 @@
 """The Serve tests' shared apps: one "default" nvray app (tiny model) for the whole package,
 the openai client pointed at it, and the offline in-process LLM as the oracle; a "thinker"
 app whose model is scripted to think then answer, with the qwen3 reasoning parser and an API
-key (Anthropic's Messages and OpenAI's Responses tests)."""
+key (Anthropic's Messages and OpenAI's Responses tests, each module its own)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,10 @@ def offline() -> LLM:
     return LLM("tiny", runtime="inprocess", max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def thinker_url(serve_http, tmp_path_factory) -> str:
+    """Module-scoped: the test cluster's CPUs hold the package's apps and a module's, not
+    every module's at once."""
     path = build_scripted_thinker(str(tmp_path_factory.mktemp("thinker")), *thinker_script(),
                                   THINKER_LEN)
     serve.run(build_app({"model": path, "served_model_name": THINKER_MODEL,
