@@ -1,8 +1,8 @@
-"""``python -m nvray.bench throughput``, ``startup`` and ``serve``: arguments they cannot run are
-refused before anything starts, with a message naming the problem; ``startup`` starts a real
-engine in a new process and reports it; ``serve --api chat,messages,responses`` loads a real app
-through the three APIs (the benchmarks' figures themselves are not tested: tests never time
-things)."""
+"""``python -m nvray.bench throughput``, ``startup``, ``embed`` and ``serve``: arguments they cannot
+run are refused before anything starts, with a message naming the problem; ``startup`` starts a
+real engine in a new process and reports it; ``embed`` embeds real batches and reports them;
+``serve --api chat,messages,responses`` loads a real app through the three APIs (the benchmarks'
+figures themselves are not tested: tests never time things)."""
 
 import json
 import subprocess
@@ -82,6 +82,47 @@ def test_startup_will_not_stop_or_join_a_running_ray(ray_cluster, args, message)
     assert "Ray is running on this machine" in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
     assert ray.get(ray.put("still here"), timeout=30) == "still here"
+
+
+def test_embed_reports_rows_and_tokens_per_second() -> None:
+    """Two token budgets, each a warm-up and two timed passes of fresh prompts: every run
+    reports its rates, and no pass hits the prefix cache."""
+    result = _bench("--model", "tiny", "--input-len", "32", "--batch", "8", "--repeats", "2",
+                    "--max-num-batched-tokens", "64,128", cmd="embed")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("embed inprocess")]
+    assert [line.split(":")[0] for line in lines] == [
+        "embed inprocess, max_num_batched_tokens 64", "embed inprocess, max_num_batched_tokens 128"]
+    assert all("prompt tokens/s" in line and "rows/s (median of 2)" in line for line in lines)
+    summary = json.loads(result.stdout[result.stdout.index("\n{\n") + 1:])
+    assert (summary["benchmark"], summary["input_len"], summary["batch"]) == ("embed", 32, 8)
+    assert "L(L+1)/2" in summary["floor_formula"]
+    assert summary["flops_per_prompt"] == _prefill_flops_by_hand(32)
+    for run in summary["runs"]:
+        assert run["prompt_tok_per_s"] > 0 and run["rows_per_s"] > 0
+        assert len(run["pass_s_all"]) == 2 and run["prefix_cache_hit_tokens"] == 0
+        assert run["prefill_steps_per_pass"] >= 8 * 32 / run["max_num_batched_tokens"]
+
+
+def _prefill_flops_by_hand(length: int) -> int:
+    """The tiny model's forward FLOPs for one prompt: 2 x the decoder layers' linear parameters
+    per token, and QK^T + PV over the causal (query, key) pairs of every layer."""
+    from nvray.models.tiny import tiny_model_path
+
+    with open(f"{tiny_model_path()}/config.json") as f:
+        cfg = json.load(f)
+    h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // heads
+    q, kv = heads * d, cfg["num_key_value_heads"] * d
+    params = layers * (h * q + 2 * h * kv + q * h + 3 * h * cfg["intermediate_size"])
+    return 2 * params * length + 2 * 2 * layers * heads * d * length * (length + 1) // 2
+
+
+def test_embed_refuses_an_unknown_runtime() -> None:
+    result = _bench("--model", "tiny", "--runtimes", "inprocess,cuda", cmd="embed")
+    assert result.returncode != 0
+    assert "--runtimes: unknown ['cuda']; choose from ['inprocess', 'ray']" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_serve_refuses_an_unknown_api() -> None:

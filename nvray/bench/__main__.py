@@ -23,6 +23,11 @@ Subcommands:
   ``--max-num-batched-tokens 8192,16384`` compares token budgets per step. Each run also gives
   its steps and their wall time by kind (``prefill_steps_s``: steps that launch prompt tokens;
   ``decode_steps_s``: the others), from the engine's stats (``nvray/bench/throughput.py``).
+- ``embed``: ``LLM.embed`` over batches of random token-id prompts (by default 256 of 512
+  tokens, the 0.6B shape: Qwen3-Embedding-0.6B's), fresh prompts each pass: prompt tok/s and
+  rows/s (medians over ``--repeats``) as a share of the prefill floor, the forward pass's FLOPs
+  without the LM head at the GPU's matmul peak (``nvray/bench/embed.py``);
+  ``--max-num-batched-tokens 16384,32768`` compares prefill chunk budgets.
 - ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
   over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
   ``throughput --all-reduce auto,nccl`` compares them in the engine; ``throughput --profile DIR``
@@ -161,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--profile", default=None, metavar="DIR",
                     help="write each rank's kernel times over 20 decode steps under DIR "
                          "(nvray/worker/step_profiler.py)")
+    em = sub.add_parser("embed", parents=[common],
+                        help="LLM.embed prompt tok/s and rows/s against the prefill floor")
+    em.add_argument("--model", default=None,
+                    help="checkpoint directory or 'tiny' (default: a random checkpoint of --shape)")
+    em.add_argument("--shape", default="0.6b", choices=SHAPES)
+    em.add_argument("--input-len", type=int, default=512, help="tokens per prompt")
+    em.add_argument("--batch", type=int, default=256, help="prompts per llm.embed call")
+    em.add_argument("--repeats", type=int, default=5, help="timed passes (after one warm-up)")
+    em.add_argument("--runtimes", default="inprocess", help="inprocess, ray or inprocess,ray")
+    em.add_argument("--max-num-batched-tokens", default=None,
+                    help="token budgets per step to compare, comma-separated (default: the engine's)")
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
@@ -255,6 +271,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 _budgets(args.max_num_batched_tokens),
                                 sizes, args.shape, quantizations, kv_dtypes, all_reduces,
                                 expert_parallels, stages)
+    if args.cmd == "embed":
+        from nvray.bench.embed import bench_embed  # noqa: PLC0415
+
+        runtimes = _names("--runtimes", args.runtimes, ["inprocess", "ray"])
+        if min(args.input_len, args.batch, args.repeats) < 1:
+            raise SystemExit("embed: --input-len, --batch and --repeats must be >= 1")
+        return bench_embed(args.model, args.shape, args.input_len, args.batch, args.repeats,
+                           runtimes, _budgets(args.max_num_batched_tokens))
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

@@ -25,6 +25,11 @@ DeltaNet) holds no KV: a decode step reads and writes each running sequence's st
 (the float32 ``[value heads, key dim, value dim]`` matrix and the conv's last inputs), whatever
 the context; Qwen3.5's full-attention layers' q projection is twice as wide (the output gate) and
 its MoE layers add a shared expert.
+
+The prefill floor of a pooling request (``prefill_flops``; ``python -m nvray.bench embed``) is
+its forward pass's arithmetic alone: no LM head (a pooled row skips it), ``2 x`` the decoder
+layers' linear parameters a token computes with per prompt token, and causal attention's
+``2 * 2 * q_heads * head_dim`` per (query, key) pair of each attention layer.
 """
 
 from __future__ import annotations
@@ -233,6 +238,18 @@ def roofline_output_tok_per_s(cfg: dict[str, Any], prompt_lens: list[int],
         seconds += (_kv_bytes_of_step(cfg, contexts, kv_cache_dtype) / bandwidth
                     + max(weights / bandwidth, 2 * batch * (layers / layer_peak + head / peak)))
     return sum(output_lens) * tensor_parallel_size / seconds
+
+
+def prefill_flops(cfg: dict[str, Any], prompt_len: int) -> int:
+    """FLOPs of one prompt's forward pass without the LM head: ``2 * P * L`` for the linear
+    layers (``P`` their parameters a token computes with, ``L`` the prompt length) plus
+    ``2 * 2 * q_heads * head_dim`` per (query, key) pair of each attention layer (QK^T and PV):
+    causal, the token at position ``i`` attends to ``i`` keys (at most a sliding window's),
+    ``L(L+1)/2`` pairs a full-attention layer. Norms, RoPE, activations and a linear-attention
+    layer's recurrence are left out: a bound, not an estimate."""
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    pairs = sum(sum(min(i, w or i) for i in range(1, prompt_len + 1)) for w in layer_windows(cfg))
+    return 2 * _active_layer_params(cfg) * prompt_len + 4 * cfg["num_attention_heads"] * d * pairs
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
