@@ -27,6 +27,7 @@ and ``include: message.output_text.logprobs`` are refused by name. The answer is
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
@@ -185,6 +186,23 @@ class ResponsesRequest(StrictModel):
             raise UnsupportedParameter("input", "input is empty")
         return _ItemReader().read(self.input)
 
+    def input_items(self) -> list[dict[str, Any]]:
+        """``input`` as the items ``GET /v1/responses/{id}/input_items`` lists: a string as a
+        user message item; every item with its ``type`` and an ``id``."""
+        if isinstance(self.input, str):
+            return [{"id": _item_id("message"), "type": "message", "role": "user",
+                     "status": "completed",
+                     "content": [{"type": "input_text", "text": self.input}]}]
+        items = []
+        for raw in self.input:
+            item = {"type": "message", **raw}
+            if isinstance(item.get("content"), str) and item["type"] == "message":
+                kind = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": kind, "text": item["content"]}]
+            item["id"] = item.get("id") or _item_id(item["type"])
+            items.append(item)
+        return items
+
     def to_chat(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
         """The same request as a chat completion, after the kept conversation ``history``."""
         self.check_supported()
@@ -262,6 +280,14 @@ class ResponsesRequest(StrictModel):
         param = _PARAM_NAMES[head] + (f".{rest}" if rest and head != "messages" else "")
         message = str(error).replace(error.param, param, 1)
         return UnsupportedParameter(param, message)
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
+def _item_id(kind: str) -> str:
+    return f"{_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}"
 
 
 def _validated(model: type[BaseModel], value: dict[str, Any], where: str) -> Any:

@@ -19,7 +19,8 @@ function call ``response.function_call_arguments.delta`` and ``.done``; then
 ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``) with
 the whole response. A failure mid-stream is an ``error`` event. When the response ends,
 ``final`` holds it and ``assistant_turn()`` its output as a chat message (what a later
-``previous_response_id`` continues from).
+``previous_response_id`` continues from). ``input_items_page`` pages a stored response's input
+items (``GET /v1/responses/{id}/input_items``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ def _output_text(text: str) -> dict[str, Any]:
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": [_output_text(text)] if text is not None else []}
+
+
+def input_items_page(items: list[dict[str, Any]], limit: int, order: str,
+                     after: str | None) -> dict[str, Any]:
+    """A page of a stored response's input items, as OpenAI lists them (``desc``: newest
+    first; ``after``: the items past that id in this order)."""
+    ordered = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        ordered = ordered[ids.index(after) + 1:] if after in ids else []
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
 
 
 def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:

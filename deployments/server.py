@@ -55,7 +55,7 @@ from deployments.pooling_api import (EmbeddingRequest, RerankRequest, ScoreReque
 from deployments.protocol import UnsupportedParameter
 from deployments.response_store import StoredResponses
 from deployments.responses_api import ResponsesRequest
-from deployments.responses_api_format import ResponsesFormat
+from deployments.responses_api_format import ResponsesFormat, input_items_page
 from deployments.auth import bearer_key_matches, header_key_matches
 from deployments.body_limit import BodySizeLimit
 from deployments.client_left import ClientLeft
@@ -374,6 +374,20 @@ class NvrayServer:
             raise OpenAIError(404, f"no stored response with id '{response_id}'", "response_id")
         return JSONResponse(record["response"])
 
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request, limit: int = 20,
+                                   order: str = "desc", after: str | None = None
+                                   ) -> JSONResponse:
+        """A stored response's input items (its own ``input``, not the conversation before)."""
+        self._authorize(request)
+        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+            raise OpenAIError(400, "limit must be in [1, 100] and order 'asc' or 'desc'",
+                              "limit" if not 1 <= limit <= 100 else "order")
+        record = await self.stored.get(response_id)
+        if record is None:
+            raise OpenAIError(404, f"no stored response with id '{response_id}'", "response_id")
+        return JSONResponse(input_items_page(record["input_items"], limit, order, after))
+
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
         self._authorize(request)
@@ -395,7 +409,8 @@ class NvrayServer:
                     conversation: list[dict[str, Any]]) -> None:
         if body.store and fmt.final is not None:
             await self.stored.put(fmt.id, {"response": fmt.final,
-                                           "messages": conversation + [fmt.assistant_turn()]})
+                                           "messages": conversation + [fmt.assistant_turn()],
+                                           "input_items": body.input_items()})
 
     async def _kept_at_end(self, events: AsyncIterator[str], body: ResponsesRequest,
                            fmt: ResponsesFormat, conversation: list[dict[str, Any]]

@@ -144,6 +144,25 @@ def test_stored_responses_are_read_and_deleted(client):
     assert unknown.value.body["param"] == "previous_response_id"
 
 
+def test_a_stored_responses_input_items_are_listed(client):
+    """``input_items``: the response's own input (not the conversation before it), as items,
+    newest first by default, paged."""
+    first = client.responses.create(**_ask())
+    items = [{"role": "user", "content": "Again"},
+             {"role": "user", "content": [{"type": "input_text", "text": "and again"}]}]
+    second = client.responses.create(**_ask(input=items, previous_response_id=first.id,
+                                            max_output_tokens=2))
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, i.role, [c.text for c in i.content]) for i in listed.data] == \
+        [("message", "user", ["Again"]), ("message", "user", ["and again"])]
+    newest = client.responses.input_items.list(second.id, limit=1)
+    assert [c.text for c in newest.data[0].content] == ["and again"] and newest.has_more
+    rest = client.responses.input_items.list(second.id, limit=5, after=newest.data[0].id)
+    assert [c.text for c in rest.data[0].content] == ["Again"] and not rest.has_more
+    only = client.responses.input_items.list(first.id)
+    assert [[c.text for c in i.content] for i in only.data] == [[USER]]
+
+
 def test_what_nvray_does_not_serve_is_refused_by_name(client, thinker_url):
     with pytest.raises(openai.BadRequestError) as hosted:
         client.responses.create(**_ask(tools=[{"type": "web_search"}]))
