@@ -203,11 +203,12 @@ class ResponsesRequest(StrictModel):
             items.append(item)
         return items
 
-    def to_chat(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
-        """The same request as a chat completion, after the kept conversation ``history``."""
+    def to_chat(self, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The same request as a chat completion over ``conversation``: the kept conversation
+        that ``previous_response_id`` continues, then ``input_messages()``."""
         self.check_supported()
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions
-                    else []) + list(history or []) + self.input_messages()
+                    else []) + conversation
         body: dict[str, Any] = {
             "model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,

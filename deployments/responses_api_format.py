@@ -123,11 +123,10 @@ class ResponsesFormat:
         """Output tokens up to the end of the think block (all of them when it never ended)."""
         if not self.message.get("reasoning_content"):
             return 0
-        ids = out.token_ids
-        if self.think_end_id in ids:
-            return ids.index(self.think_end_id) + 1
-        ended_in_thought = not self.message.get("content") and not self.message.get("tool_calls")
-        return len(ids) if ended_in_thought else 0
+        if self.think_end_id in out.token_ids:
+            return out.token_ids.index(self.think_end_id) + 1
+        answered = self.message.get("content") or self.message.get("tool_calls")
+        return 0 if answered else len(out.token_ids)  # all thought, or the end tag not one token
 
     def _finish(self, out: RequestOutput) -> dict[str, Any]:
         status = "incomplete" if out.finish_reason == "length" else "completed"

@@ -1,6 +1,8 @@
-"""NvrayServer: the app's ingress — the OpenAI-compatible HTTP API (FastAPI), Anthropic's Messages
-API on the same chat path (``deployments/anthropic.py``), and a Python handle API
-(``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks.
+"""NvrayServer: the app's ingress — the OpenAI-compatible HTTP API (FastAPI,
+``deployments/http_app.py``), Anthropic's Messages API on the same chat path
+(``deployments/anthropic.py``), and a Python handle API (``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks. Two route
+groups live in their own files and are mixed in: the Responses API
+(``deployments/responses_routes.py``) and pooling (``deployments/pooling_routes.py``).
 
 It finds its engine one of two ways (``deployments/engines.py``):
 - without prefix routing, each replica is one whole nvray engine: the replica lives in bundle 0
@@ -42,7 +44,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from ray import serve
@@ -50,17 +52,13 @@ from ray import serve
 from deployments.args import AppArgs, parse_args
 from deployments.anthropic import CountTokensRequest, MessagesRequest
 from deployments.messages_format import MessagesFormat
-from deployments.pooling_api import (EmbeddingRequest, RerankRequest, ScoreRequest,
-                                     embeddings_body, rerank_body, score_body)
-from deployments.protocol import UnsupportedParameter
+from deployments.pooling_routes import PoolingRoutes
 from deployments.response_store import StoredResponses
-from deployments.responses_api import ResponsesRequest
-from deployments.responses_api_format import ResponsesFormat, input_items_page
+from deployments.responses_routes import ResponsesRoutes
 from deployments.auth import bearer_key_matches, header_key_matches
-from deployments.body_limit import BodySizeLimit
-from deployments.client_left import ClientLeft
 from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngine
-from deployments.errors import OpenAIError, install_error_handlers, to_openai_error
+from deployments.errors import OpenAIError, to_openai_error
+from deployments.http_app import api
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
 from deployments.tools import tool_parser_for
@@ -71,19 +69,13 @@ from deployments.responses import ChatFormat, CompletionFormat, StreamFormat, wi
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
-from nvray.pooling import (RERANK_TOKENS, PoolingTask, embed_params, rerank_token_ids,
-                           reranker_prompt, score_params)
-from nvray.reasoning import THINK_END, reasoning_parser_for
+from nvray.pooling import PoolingTask
+from nvray.reasoning import reasoning_parser_for
 from nvray.request import EngineRequest
 from nvray.runtime.output_router import RequestSink
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
 
 logger = logging.getLogger(__name__)
-api = FastAPI(title="nvray", description="OpenAI-compatible API of an nvray engine")
-install_error_handlers(api)
-api.add_middleware(BodySizeLimit)
-api.add_middleware(ClientLeft)  # outermost: Serve's cancellation of a request is its disconnect
-
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _MIN_HOLD_S = 0.002  # a stream's pause between writes below this is not worth a timer
 
@@ -120,7 +112,7 @@ def end_stream_task(sink: RequestSink, lease: Lease) -> BackgroundTask:
 
 @serve.deployment
 @serve.ingress(api)
-class NvrayServer:
+class NvrayServer(ResponsesRoutes, PoolingRoutes):
     def __init__(self, args: dict[str, Any] | AppArgs, engines: Any = None) -> None:
         """``engines``: the NvrayEngine deployment's handle (prefix routing), or None to host
         this replica's own engine."""
@@ -139,11 +131,10 @@ class NvrayServer:
         self._texts: TokenTexts | None = None
         self.stored = StoredResponses(serve.get_replica_context().app_name,
                                       self.args.responses_stored)
-        self._think_end: list[int | None] = []  # the think block's end token, once looked up
+        self._spellings: dict[str, list[int]] = {}  # the engine's ids of a few fixed words
         pooling = PoolingTask.of(resolve_model(self.args.model))
         self.task = pooling.task if self.args.task == "auto" else self.args.task
         self.normalize = pooling.normalize  # embeddings: the checkpoint's Normalize module
-        self._score_params: SamplingParams | None = None  # a reranker's, once looked up
 
     # --------------------------------------------------------------- plumbing
     def token_texts(self) -> TokenTexts:
@@ -229,6 +220,12 @@ class NvrayServer:
             if isinstance(result, BaseException):
                 raise result
         return results  # type: ignore[return-value]
+
+    async def _spelling(self, text: str) -> list[int]:
+        """The engine's token ids of ``text`` (a tag, a word): asked of the driver once."""
+        if text not in self._spellings:
+            self._spellings[text] = await self._ask_driver(self.engines.tokenize(text), "model")
+        return self._spellings[text]
 
     def _next_write_at(self) -> float | None:
         """When a stream that has just written may write again (the event loop's clock): the
@@ -337,141 +334,6 @@ class NvrayServer:
         chat = body.to_chat()
         chat.check_supported()
         return chat
-
-    @api.post("/v1/responses")
-    async def responses(self, body: ResponsesRequest, request: Request) -> Any:
-        """OpenAI's Responses API over the chat machinery (``deployments/responses_api.py``),
-        kept in the app's response store (``deployments/response_store.py``)."""
-        self._authorize(request)
-        self._check_model(body.model)
-        self._require("generate", request)
-        history = await self._conversation(body.previous_response_id)
-        chat = body.to_chat(history)
-        try:
-            chat.check_supported()
-            params = chat.sampling_params(chat.output_limit(),
-                                          reasoning=self.reasoning is not None,
-                                          tool_format=self.tool_parser.xgrammar_format)
-        except UnsupportedParameter as e:
-            raise body.chat_error(e) from None
-        fmt = ResponsesFormat(ChatFormat(self.model_name, self.reasoning, None,
-                                         self.tool_parser if chat.calls_tools else None,
-                                         chat.tool_schemas()), body, await self._think_end_id())
-        conversation = history + body.input_messages()
-        if body.stream:
-            return await self._streaming_response(
-                [chat.prompt()], params, fmt, chat,
-                lambda events: self._kept_at_end(events, body, fmt, conversation))
-        response = fmt.full(await self._finals([chat.prompt()], params, body.priority))
-        await self._keep(body, fmt, conversation)
-        return JSONResponse(response)
-
-    @api.get("/v1/responses/{response_id}")
-    async def stored_response(self, response_id: str, request: Request) -> JSONResponse:
-        self._authorize(request)
-        record = await self.stored.get(response_id)
-        if record is None:
-            raise OpenAIError(404, f"no stored response with id '{response_id}'", "response_id")
-        return JSONResponse(record["response"])
-
-    @api.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(self, response_id: str, request: Request, limit: int = 20,
-                                   order: str = "desc", after: str | None = None
-                                   ) -> JSONResponse:
-        """A stored response's input items (its own ``input``, not the conversation before)."""
-        self._authorize(request)
-        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
-            raise OpenAIError(400, "limit must be in [1, 100] and order 'asc' or 'desc'",
-                              "limit" if not 1 <= limit <= 100 else "order")
-        record = await self.stored.get(response_id)
-        if record is None:
-            raise OpenAIError(404, f"no stored response with id '{response_id}'", "response_id")
-        return JSONResponse(input_items_page(record["input_items"], limit, order, after))
-
-    @api.delete("/v1/responses/{response_id}")
-    async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
-        self._authorize(request)
-        if not await self.stored.delete(response_id):
-            raise OpenAIError(404, f"no stored response with id '{response_id}'", "response_id")
-        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-
-    async def _conversation(self, response_id: str | None) -> list[dict[str, Any]]:
-        """The chat messages that ``previous_response_id`` continues (none without one)."""
-        if response_id is None:
-            return []
-        record = await self.stored.get(response_id)
-        if record is None:
-            raise OpenAIError(400, f"previous_response_id: no stored response with id "
-                                   f"'{response_id}'", "previous_response_id")
-        return record["messages"]
-
-    async def _keep(self, body: ResponsesRequest, fmt: ResponsesFormat,
-                    conversation: list[dict[str, Any]]) -> None:
-        if body.store and fmt.final is not None:
-            await self.stored.put(fmt.id, {"response": fmt.final,
-                                           "messages": conversation + [fmt.assistant_turn()],
-                                           "input_items": body.input_items()})
-
-    async def _kept_at_end(self, events: AsyncIterator[str], body: ResponsesRequest,
-                           fmt: ResponsesFormat, conversation: list[dict[str, Any]]
-                           ) -> AsyncIterator[str]:
-        """A response's events; once it is whole, it is stored before its last event goes
-        out (a client that continues it at once finds it, through any replica)."""
-        kept = False
-        async for text in events:
-            if fmt.final is not None and not kept:
-                kept = True
-                await self._keep(body, fmt, conversation)
-            yield text
-
-    async def _think_end_id(self) -> int | None:
-        """The token ending a think block (None without a reasoning parser, or when the tag is
-        not one token): asked of the driver once."""
-        if self.reasoning is None:
-            return None
-        if not self._think_end:
-            ids = await self._ask_driver(self.engines.tokenize(THINK_END), "model")
-            self._think_end.append(ids[0] if len(ids) == 1 else None)
-        return self._think_end[0]
-
-    # --------------------------------------------------------------- pooling
-    @api.post("/v1/embeddings")
-    async def embeddings(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
-        """OpenAI's embeddings (``deployments/pooling_api.py``): prefill only, batched with
-        whatever else the engine runs."""
-        self._authorize(request)
-        self._check_model(body.model)
-        self._require("embed", request)
-        outputs = await self._finals(body.prompts(), embed_params(), body.priority)
-        return JSONResponse(embeddings_body(self.model_name, body, outputs, self.normalize))
-
-    @api.post("/v1/rerank")
-    @api.post("/v2/rerank")
-    @api.post("/rerank")
-    async def rerank(self, body: RerankRequest, request: Request) -> JSONResponse:
-        """Cohere's and Jina's rerank: each document judged against the query."""
-        prompts = [reranker_prompt(body.query, text, body.instruction) for text in body.texts()]
-        outputs = await self._scores(body.model, request, prompts, body.priority)
-        return JSONResponse(rerank_body(self.model_name, body, outputs))
-
-    @api.post("/v1/score")
-    @api.post("/score")
-    async def score(self, body: ScoreRequest, request: Request) -> JSONResponse:
-        """vLLM's score: each (text_1, text_2) pair judged as (query, document)."""
-        prompts = [reranker_prompt(q, d, body.instruction) for q, d in body.pairs()]
-        outputs = await self._scores(body.model, request, prompts, body.priority)
-        return JSONResponse(score_body(self.model_name, outputs))
-
-    async def _scores(self, model: str | None, request: Request, prompts: list[str],
-                      priority: int) -> list[RequestOutput]:
-        self._authorize(request)
-        self._check_model(model)
-        self._require("score", request)
-        if self._score_params is None:  # the ids of "yes" and "no", asked of the driver once
-            ids = {w: await self._ask_driver(self.engines.tokenize(w), "model")
-                   for w in RERANK_TOKENS}
-            self._score_params = score_params(*rerank_token_ids(ids.__getitem__))
-        return await self._finals(prompts, self._score_params, priority)
 
     # ------------------------------------------------------------- streaming
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,

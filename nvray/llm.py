@@ -140,12 +140,12 @@ class LLM:
               use_tqdm: bool = False) -> list[ScoreOutput]:
         """How well each document answers ``query``, in [0, 1]: a Qwen3-Reranker-style
         checkpoint's probability of "yes" over its judging prompt (``nvray/pooling.py``)."""
-        from nvray.pooling import (rerank_token_ids, reranker_prompt,  # noqa: PLC0415
-                                   score_params, to_score)
+        from nvray.pooling import (RERANK_TOKENS, rerank_token_ids,  # noqa: PLC0415
+                                   reranker_prompt, score_params, to_score)
 
         tok = self._engine_tokenizer
         params = score_params(*rerank_token_ids(
-            lambda word: tok.encode(word, add_special_tokens=False)))
+            [tok.encode(word, add_special_tokens=False) for word in RERANK_TOKENS]))
         prompts = [reranker_prompt(query, d, instruction) for d in documents]
         outs = self._generate(prompts, params, use_tqdm, None)
         return [ScoreOutput(to_score(o.pooled or [0.0, 0.0]), o.prompt_token_ids) for o in outs]

@@ -27,7 +27,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
@@ -81,13 +81,12 @@ def reranker_prompt(query: str, document: str, instruction: str | None = None) -
             f"<Document>: {document}{_RERANK_TAIL}")
 
 
-def rerank_token_ids(encode: Any) -> tuple[int, int]:
-    """The ids of "yes" and "no" (``encode``: text -> ids, as the engine tokenizes)."""
-    ids = [encode(word) for word in RERANK_TOKENS]
-    if any(len(i) != 1 for i in ids):
+def rerank_token_ids(spellings: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """The ids of "yes" and "no" from how the engine's tokenizer spells ``RERANK_TOKENS``."""
+    if len(spellings) != len(RERANK_TOKENS) or any(len(ids) != 1 for ids in spellings):
         raise ValueError(f"the tokenizer does not spell {RERANK_TOKENS} as one token each: "
                          "not a Qwen3-Reranker-style checkpoint")
-    return ids[0][0], ids[1][0]
+    return spellings[0][0], spellings[1][0]
 
 
 @dataclass(frozen=True)
