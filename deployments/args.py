@@ -72,6 +72,10 @@ class AppArgs(BaseModel):
                                                 "'{\"rope_scaling\": {\"rope_type\": \"yarn\", "
                                                 "\"factor\": 4.0, \"original_max_position_embeddings\""
                                                 ": 32768}}' (a JSON object string on the command line)")
+    speculative_config: dict[str, Any] | None = Field(None, description="speculative decoding, "
+                                                      "vLLM's keys, e.g. '{\"method\": \"ngram\", "
+                                                      "\"num_speculative_tokens\": 4}' (a JSON "
+                                                      "object string on the command line)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
                                            "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1} "
                                            "(a JSON object string on the command line)")
@@ -132,7 +136,7 @@ class AppArgs(BaseModel):
     def routes_by_prefix(self) -> bool:
         return self.max_replicas > 1 if self.prefix_routing is None else self.prefix_routing
 
-    @field_validator("engine_options", "hf_overrides", mode="before")
+    @field_validator("engine_options", "hf_overrides", "speculative_config", mode="before")
     @classmethod
     def _engine_options_from_json(cls, value: Any) -> Any:
         """``serve run ... engine_options='{"num_kvcache_blocks": 4096}'`` passes a string."""
@@ -169,7 +173,7 @@ class AppArgs(BaseModel):
             "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
             "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
-            "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides")}
+            "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides", "speculative_config")}
         return EngineConfig.from_kwargs(self.model, **fields, **self.engine_options)
 
 

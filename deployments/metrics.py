@@ -35,6 +35,12 @@ _LABELLED_COUNTERS = (  # name, stats key (a dict: label value -> count), label,
     ("expert_pairs_total", "expert_pairs_by_rank", "rank",
      "Expert parallel: (token, expert) pairs the experts of each rank computed"),
 )
+_SPEC_COUNTERS = (  # from stats()["speculative"]: engines with speculative_config only
+    ("spec_decode_num_drafts_total", "num_drafts", "Speculation: runs of drafts verified"),
+    ("spec_decode_num_draft_tokens_total", "num_draft_tokens", "Speculation: draft tokens proposed"),
+    ("spec_decode_num_accepted_tokens_total", "num_accepted_tokens",
+     "Speculation: draft tokens accepted"),
+)
 _HISTOGRAMS = (
     ("time_to_first_token_seconds", "Time from arrival to first generated token"),
     ("inter_token_latency_seconds", "Time between consecutive generated tokens"),
@@ -53,6 +59,25 @@ def _histogram(name: str, snap: dict[str, Any], labels: dict[str, str]) -> list[
         lines.append(f"{name}_bucket{_fmt_labels({**labels, 'le': bound})} {count}")
     lines.append(f"{name}_sum{_fmt_labels(labels)} {snap['sum']}")
     lines.append(f"{name}_count{_fmt_labels(labels)} {snap['count']}")
+    return lines
+
+
+def _speculative_lines(prefix: str, healthy: list[tuple[dict[str, str], dict[str, Any]]]
+                       ) -> list[str]:
+    """vLLM's speculative-decoding counters, from the engines that speculate."""
+    speculating = [(labels, stats["speculative"]) for labels, stats in healthy
+                   if "speculative" in stats]
+    lines = []
+    for name, key, help_text in _SPEC_COUNTERS:
+        full = f"{prefix}_{name}"
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
+        lines += [f"{full}{_fmt_labels(labels)} {spec[key]}" for labels, spec in speculating]
+    full = f"{prefix}_spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {full} Speculation: how often the draft at each position was accepted",
+              f"# TYPE {full} counter"]
+    lines += [f"{full}{_fmt_labels({**labels, 'position': str(i)})} {count}"
+              for labels, spec in speculating
+              for i, count in enumerate(spec["accepted_per_position"])]
     return lines
 
 
@@ -83,6 +108,7 @@ def render_metrics(stats_by_engine: dict[str | None, dict[str, Any]], model: str
         lines += [f"# HELP {full} {help_text}", f"# TYPE {full} gauge"]
         lines += [f"{full}{_fmt_labels(labels)} {stats[key]}" for labels, stats in healthy
                   if key in stats]
+    lines += _speculative_lines(prefix, healthy)
     full = f"{prefix}_startup_total_seconds"
     lines += [f"# HELP {full} The engine's whole start-up, seconds", f"# TYPE {full} gauge"]
     lines += [f"{full}{_fmt_labels(labels)} {stats['startup']['total_s']}"

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from nvray.speculative import SpeculativeConfig
+
 SCHEDULING_POLICIES = ("fcfs", "sjf", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
@@ -80,11 +82,15 @@ class EngineConfig:
     num_cpus_per_rank: float = 0.9  # CPU per rank actor (CPU engines): TP=2 + driver fit 2 cores
     num_gpus_per_rank: float = 1.0  # GPU share per rank actor: 0.5 lets two TP=1 engines share one
     step_timeout_s: float = 600.0  # a step taking longer means a hung rank: the engine fails
+    # speculative decoding (nvray/speculative.py), vLLM's keys, e.g. {"method": "ngram",
+    # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; None: off
+    speculative_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._validate_sizes()
         self._validate_choices()
+        SpeculativeConfig.of(self.speculative_config)
         if self.extra:
             raise ValueError(f"unknown engine option(s): {sorted(self.extra)}")
 
@@ -146,10 +152,16 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.of(self.speculative_config)
+
+    @property
     def overlaps_steps(self) -> bool:
         """Overlapped steps (placeholders for ids sampled on the device): not with pipeline
-        stages, which keep a step per stage in flight instead."""
-        return self.overlap_scheduling and self.pipeline_parallel_size == 1
+        stages, which keep a step per stage in flight instead, nor with speculation, whose
+        drafts come from the tokens a step accepted (on the host)."""
+        return (self.overlap_scheduling and self.pipeline_parallel_size == 1
+                and self.speculative_config is None)
 
     @classmethod
     def from_kwargs(cls, model: str = "tiny", **kwargs: Any) -> "EngineConfig":

@@ -21,6 +21,11 @@ first.
 
 The ranks answer with one sampled token id per sequence that has a ``SampleSpec``, in order.
 
+Speculative decoding (``nvray/speculative.py``): a ``SeqStep`` whose last ``num_drafts`` tokens
+are drafts is sampled at each of its last ``num_drafts + 1`` positions, the j-th with the
+sequence's ``SampleSpec`` at ``step_index + j``: it answers ``num_drafts + 1`` ids, in
+position order (the engine keeps those its drafts confirm).
+
 With overlapped steps a sequence's newest token may still be sampled by the step before this
 one when this one is built: its id is then a placeholder ``-1 - row``, where ``row`` is the
 sequence's row among that step's sampled ids; the ranks fill it in on the device (and count it
@@ -108,6 +113,7 @@ class SeqStep(NamedTuple):
     table_start: int = 0  # 0: block_table is the whole table, else the ranks hold those before
     state_slot: int = -1  # models with recurrent layers: the sequence's state slot (-1: none)
     pool: tuple[int, ...] | None = None  # pool the chunk's last row (see the module docstring)
+    num_drafts: int = 0  # speculation: the last this many token_ids are drafts (see above)
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,8 @@ class StepInput:
 
     @property
     def num_samples(self) -> int:
-        return sum(1 for s in self.seqs if s.sample is not None)
+        """Sampled rows: one per sequence with a ``SampleSpec``, one more per draft."""
+        return sum(1 + s.num_drafts for s in self.seqs if s.sample is not None)
 
     def __reduce__(self) -> tuple:
         """Pickled as plain tuples and lists. Ray pickles with cloudpickle, whose per-object
@@ -137,7 +144,7 @@ class StepInput:
         seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table,
                  None if s.sample is None else tuple(s.sample),
                  None if s.score is None else tuple(s.score), s.table_start, s.state_slot,
-                 s.pool)
+                 s.pool, s.num_drafts)
                 for s in self.seqs]
         return _step_input_from_plain, (seqs, self.block_copies, self.released,
                                         self.adjusts_logits, self.samples_logprobs,
@@ -156,13 +163,13 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
                            state_copies: list[tuple[int, int]] | None = None) -> StepInput:
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
-    for seq_id, token_ids, start, table, sample, score, table_start, state_slot, pool in seqs:
+    for seq_id, token_ids, start, table, sample, score, table_start, state_slot, pool, drafts in seqs:
         if sample is not None:
             sample = _namedtuple_of(SampleSpec, sample)
         if score is not None:
             score = _namedtuple_of(PromptScore, score)
         steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
-                                              table_start, state_slot, pool)))
+                                              table_start, state_slot, pool, drafts)))
     return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs,
                      constrained, grammars or [], grammars_done or [], state_copies or [])
 
@@ -173,6 +180,19 @@ class StepOutput(NamedTuple):
     ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # see the module docstring for the order
     pooled: list[list[float]] | None = None  # one row per pooled sequence, in step order
+
+
+def sample_specs(step: StepInput) -> list[SampleSpec]:
+    """The ``SampleSpec`` of each sampled row, in row order (a speculating sequence's j-th draft
+    position at ``step_index + j``)."""
+    specs = []
+    for s in step.seqs:
+        if s.sample is None:
+            continue
+        specs.append(s.sample)
+        for j in range(1, s.num_drafts + 1):
+            specs.append(s.sample._replace(step_index=s.sample.step_index + j))
+    return specs
 
 
 def placeholder_id(row: int) -> int:

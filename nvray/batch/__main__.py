@@ -158,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="merged over the checkpoint's config.json keys, e.g. "
                         "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                         "\"original_max_position_embeddings\": 32768}}'")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's keys, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     return p.parse_args(argv)
 
 
@@ -209,7 +212,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
               "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
               "num_cpus_per_rank": args.num_cpus_per_rank, "device": args.device,
               "dtype": args.dtype, "quantization": args.quantization,
-              "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides}
+              "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides,
+              "speculative_config": args.speculative_config}
     EngineConfig.from_kwargs(**kwargs)
     return kwargs
 

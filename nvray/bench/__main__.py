@@ -28,6 +28,9 @@ Subcommands:
   rows/s (medians over ``--repeats``) as a share of the prefill floor, the forward pass's FLOPs
   without the LM head at the GPU's matmul peak (``nvray/bench/embed.py``);
   ``--max-num-batched-tokens 16384,32768`` compares prefill chunk budgets.
+- ``speculative``: speculative decoding's machinery: output tok/s at each concurrency without
+  speculation and with an oracle drafter of set mean acceptance length, one never right and
+  the n-gram proposer, greedy (``nvray/bench/speculative.py``).
 - ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
   over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
   ``throughput --all-reduce auto,nccl`` compares them in the engine; ``throughput --profile DIR``
@@ -177,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--runtimes", default="inprocess", help="inprocess, ray or inprocess,ray")
     em.add_argument("--max-num-batched-tokens", default=None,
                     help="token budgets per step to compare, comma-separated (default: the engine's)")
+    sp = sub.add_parser("speculative", parents=[common],
+                        help="speculative decoding with a drafter of set acceptance, against none")
+    sp.add_argument("--model", default=None,
+                    help="checkpoint directory or 'tiny' (default: a random checkpoint of --shape)")
+    sp.add_argument("--shape", default="0.6b", choices=SHAPES)
+    sp.add_argument("--concurrency", default="1,8,32,128", help="comma-separated")
+    sp.add_argument("--num-speculative-tokens", type=int, default=4, help="k")
+    sp.add_argument("--mean-acceptance-length", type=float, default=3.0,
+                    help="the oracle drafter's accepted drafts + 1, on average")
+    sp.add_argument("--input-len", type=int, default=256)
+    sp.add_argument("--output-len", type=int, default=256)
+    sp.add_argument("--repeats", type=int, default=3, help="timed passes (after one warm-up)")
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
@@ -279,6 +294,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("embed: --input-len, --batch and --repeats must be >= 1")
         return bench_embed(args.model, args.shape, args.input_len, args.batch, args.repeats,
                            runtimes, _budgets(args.max_num_batched_tokens))
+    if args.cmd == "speculative":
+        from nvray.bench.speculative import bench_speculative  # noqa: PLC0415
+
+        concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+        if min(*concurrencies, args.input_len, args.output_len, args.repeats) < 1:
+            raise SystemExit("speculative: concurrencies, lengths and --repeats must be >= 1")
+        return bench_speculative(args.model, args.shape, concurrencies,
+                                 args.num_speculative_tokens, args.mean_acceptance_length,
+                                 args.input_len, args.output_len, args.repeats)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

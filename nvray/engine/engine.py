@@ -51,6 +51,7 @@ from nvray.engine.metrics import RequestMetrics
 from nvray.engine.output_processor import append_token, complete_text, make_output
 from nvray.engine.scheduler import Scheduler, SchedulerOutput
 from nvray.engine.sequence import RequestState, SeqPlan, Sequence
+from nvray.engine.speculation import Speculator
 from nvray.engine.step_builder import build_step_input
 from nvray.outputs import RequestOutput
 from nvray.sampling_params import BeamSearchParams, SamplingParams
@@ -66,9 +67,11 @@ __all__ = ["LLMEngine", "ModelLimits"]
 # What a launched step's results mean for one of its sequences, as a plain tuple: (seq, KV
 # written up to here when the step is done, its row among the sampled ids or -1, its preemption
 # count at launch, its sampled token's row among the step's logprobs or -1, its prompt scores'
-# first row among the score rows, their number, its row among the pooled rows or -1). A NamedTuple costs ~0.1 us more per record even
-# built in C: +26 us on the control-plane bench's 256-sequence step (+7% of building its input).
-SeqRecord = tuple[Sequence, int, int, int, int, int, int, int]
+# first row among the score rows, their number, its row among the pooled rows or -1, the drafts
+# it verifies: its sampled ids are rows row .. row + len(drafts)). A NamedTuple costs ~0.1 us
+# more per record even built in C: +26 us on the control-plane bench's 256-sequence step (+7%
+# of building its input).
+SeqRecord = tuple[Sequence, int, int, int, int, int, int, int, tuple[int, ...]]
 
 
 class LaunchedStep(NamedTuple):
@@ -106,6 +109,11 @@ class LLMEngine:
         self.intake = RequestIntake(tokenizer, limits, self.block_manager,
                                     config.max_num_batched_tokens, config.enable_chunked_prefill,
                                     grammar_compiler)
+        spec = config.speculative
+        if spec is not None and limits.num_state_slots:
+            raise ValueError("speculative_config: this model has recurrent (linear-attention) "
+                             "layers, whose state cannot be rolled back to a rejected draft")
+        self.speculator = Speculator(spec, limits.max_model_len) if spec is not None else None
         self.new_grammars: list[GrammarSpec] = []  # for the ranks to compile ahead
         self.grammars_done: list[int] = []  # constrained sequences that finished
         self.requests: dict[str, list[RequestState]] = {}  # request_id -> its choices
@@ -258,6 +266,8 @@ class LLMEngine:
 
     def _launch(self) -> LaunchedStep | None:
         """Schedule the next step and account for it as launched (KV and sampled tokens)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.plans)
         out = self.scheduler.schedule()
         return None if out.is_empty else self.launch_scheduled(out)
 
@@ -265,8 +275,8 @@ class LLMEngine:
         """Build the step input of a scheduled step and account for it as launched (KV and
         sampled tokens); the caller hands its ``step_input`` to the executor, then passes the
         result to ``update_from_output``. ``step`` does this; the control-plane bench times it."""
-        num_decode = sum(1 for seq, n in out.scheduled
-                         if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        num_decode = sum(n for seq, n in out.scheduled  # a token, or a verified run's
+                         if (n == 1 or seq.drafts) and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
         bm = self.block_manager
         step_input = build_step_input(out, self.plans, bm.take_copies(), bm.take_released(),
@@ -288,16 +298,18 @@ class LLMEngine:
                 pooled_at, pool_row = pool_row, pool_row + 1
             if sample is None:
                 records.append((seq, kv_end, -1, seq.num_preemptions, -1, score_row, num_scores,
-                                pooled_at))
+                                pooled_at, ()))
             else:
                 seq.num_pending += 1
                 seq.pending_row = row
                 lp_row = -1
                 if sample.logprobs >= 0:
                     lp_row, logprob_row = logprob_row, logprob_row + 1
+                drafts = tuple(seq_step.token_ids[-seq_step.num_drafts:]) if seq_step.num_drafts else ()
                 records.append((seq, kv_end, row, seq.num_preemptions, lp_row, score_row,
-                                num_scores, pooled_at))
-                row += 1
+                                num_scores, pooled_at, drafts))
+                row += 1 + len(drafts)
+            seq.drafts = []
             score_row += num_scores
         computes_prompt = num_decode < out.num_batched_tokens
         return LaunchedStep(step_input, records, logprob_row, computes_prompt)
@@ -311,8 +323,14 @@ class LLMEngine:
         now = self.clock()
         first_score = launched.num_sample_logprobs
         for (seq, kv_end, row, num_preemptions, lp_row, score_row, num_scores,
-             pooled_at) in launched.records:
+             pooled_at, drafts) in launched.records:
             if seq.is_finished:  # finished or aborted since: this step's work for it is void
+                continue
+            if drafts:  # its tokens first: how much of this KV holds is the verification's
+                self._apply_verified(self.requests[seq.request_id][seq.index],
+                                     sampled[row:row + len(drafts) + 1], drafts, kv_end,
+                                     seq.num_preemptions == num_preemptions, now, finished,
+                                     outputs)
                 continue
             if seq.num_preemptions == num_preemptions:  # its blocks still hold this KV
                 self.block_manager.cache_full_blocks(seq, kv_end)
@@ -353,6 +371,30 @@ class LLMEngine:
             outputs += self._count(self.beams.advance())
         return outputs
 
+    def _apply_verified(self, state: RequestState, sampled: list[int],
+                        drafts: tuple[int, ...], kv_end: int, kept: bool, now: float,
+                        finished: list[RequestState], outputs: list[RequestOutput]) -> None:
+        """A speculating sequence's step: the tokens its drafts confirm (``nvray/speculative.py``)
+        join it one by one under the stop rules; the KV of rejected drafts is dropped (the
+        sequence computes from the first rejected position again; its blocks stay its own)."""
+        seq = state.seq
+        seq.num_pending -= 1
+        tokens = self.speculator.emitted(drafts, sampled)  # type: ignore[union-attr]
+        rejected = len(drafts) + 1 - len(tokens)
+        for token in tokens:
+            append_token(state, token, now, self.limits.max_model_len)
+            self.num_generation_tokens += 1
+            if state.finish_reason is not None:
+                break
+        if kept:  # its blocks still hold this KV: the computed part no longer counts rejects
+            seq.num_computed_tokens -= rejected
+            self.block_manager.cache_full_blocks(seq, min(kv_end - rejected, len(seq.token_ids)))
+        if state.finish_reason is not None:
+            finished.append(state)
+            outputs.append(make_output(state))
+        elif state.stream:
+            outputs.append(make_output(state))
+
     def _finish(self, state: RequestState, reason: str) -> RequestOutput:
         state.finish_reason = reason
         complete_text(state, state.seq.num_output_tokens, flush=False)
@@ -387,7 +429,8 @@ class LLMEngine:
                     f" (beside them: {describe(beside)})" if beside else "")
 
     def stats(self) -> dict[str, Any]:
-        return {**self._base_stats(), **self._expert_load()}
+        spec = {"speculative": self.speculator.stats()} if self.speculator is not None else {}
+        return {**self._base_stats(), **self._expert_load(), **spec}
 
     def _expert_load(self) -> dict[str, Any]:
         """Expert parallel: the (token, expert) pairs each rank's experts computed since

@@ -128,7 +128,7 @@ class Scheduler:
                                     or num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens):
                 i += 1  # its last token is being sampled, or its next needs it on the host
                 continue
-            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(num_tokens + len(seq.drafts) - seq.num_computed_tokens, budget)
             if seq.state_save_at > seq.num_computed_tokens:  # the chunk ends where it is kept
                 num_new = min(num_new, seq.state_save_at - seq.num_computed_tokens)
             if num_new == 0:  # prefilled, nothing to generate (max_tokens=0): it finishes
@@ -165,6 +165,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.drafts = []  # it computes its tokens again first
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

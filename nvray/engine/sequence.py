@@ -43,7 +43,7 @@ class Sequence:
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
                  "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
-                 "ranks_table_len", "state_slot", "state_save_at")
+                 "ranks_table_len", "state_slot", "state_save_at", "drafts")
 
     _counter = itertools.count()
 
@@ -73,6 +73,7 @@ class Sequence:
         self.waits_for_tokens = False
         self.state_slot = -1  # recurrent-state slot while it holds blocks (BlockManager)
         self.state_save_at = -1  # where its state is kept for prefix caching (BlockManager)
+        self.drafts: list[int] = []  # speculation: tokens proposed to follow (nvray/speculative.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)

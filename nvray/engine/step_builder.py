@@ -82,12 +82,15 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         end = start + num_new
         token_ids = seq.token_ids[start:end]
         num_tokens = len(seq.token_ids) + seq.num_pending
-        if len(token_ids) < num_new:  # the newest token is being sampled on the device
+        num_drafts = max(end - num_tokens, 0)  # speculation: drafts follow the known tokens
+        if num_drafts:
+            token_ids += seq.drafts[:num_drafts]
+        elif len(token_ids) < num_new:  # the newest token is being sampled on the device
             assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
             token_ids.append(placeholder_id(seq.pending_row))
         plan, params = plans[seq.seq_id], seq.params
         sample = None
-        if end == num_tokens and params.max_tokens:
+        if end == num_tokens + num_drafts and params.max_tokens:
             sample = sample_spec_for(seq, plan)
             adjusts = adjusts or plan.adjusts_logits
             logprobs = logprobs or plan.logprobs >= 0
@@ -99,6 +102,6 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         table, held = seq.block_table, seq.ranks_table_len
         seq.ranks_table_len = len(table)
         steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
-                             score, held, seq.state_slot, pool))
+                             score, held, seq.state_slot, pool, num_drafts))
     return StepInput(steps, block_copies or [], released or [], adjusts, logprobs, constrained,
                      grammars or [], grammars_done or [], state_copies or [])

@@ -152,7 +152,7 @@ class GrammarMasks:
                 sources.append(filled.rows[seq.seq_id])
             elif matcher is not None and not matcher.is_terminated():
                 unfilled.append((seq.seq_id, row))
-            row += 1
+            row += 1 + seq.num_drafts  # a speculating sequence samples a row per draft more
         if unfilled:
             sources += self._fill_at_launch([s for s, _ in unfilled], filled.count,
                                             logits.shape[1])

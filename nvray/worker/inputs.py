@@ -194,8 +194,8 @@ class InputBuilder:
                 self._group_slots(h.slots, table, start, end)
             h.q_lens.append(n)
             h.seq_lens.append(end)
-            if s.sample is not None:
-                h.sample.append(len(h.ids) - 1)
+            if s.sample is not None:  # its last row, and one before it per draft
+                h.sample.extend(range(len(h.ids) - 1 - s.num_drafts, len(h.ids)))
             if s.pool is not None:
                 h.pool.append(len(h.ids) - 1)
         return h

@@ -43,7 +43,7 @@ from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
 from nvray.startup_phases import StartupPhases
-from nvray.step_protocol import SampleSpec, StepInput, StepOutput
+from nvray.step_protocol import SampleSpec, StepInput, StepOutput, sample_specs
 from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
 from nvray.grammar import grammar_compiler
 from nvray.worker.device_lists import to_device
@@ -375,7 +375,7 @@ class ModelRunner:
         num_score_rows = sum(len(s.score.targets) for s in step.seqs if s.score is not None)
         score_hidden = read_hidden[:num_score_rows] if num_score_rows else None
         pooled, widths = self._pool(step, read_hidden, num_score_rows)
-        specs = [s.sample for s in step.seqs if s.sample is not None]
+        specs = sample_specs(step)
         masks, constrained = self.grammar_masks, []
         if logits is not None:
             raw = logits if step.samples_logprobs else None

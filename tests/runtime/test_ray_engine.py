@@ -83,6 +83,28 @@ def test_tp2_matches_hf_for_each_model_family(ray_cluster, family_path, family, 
 
 
 
+def test_tp2_speculation_gives_tp1s_tokens(ray_cluster, tiny_path):
+    """n-gram speculation on Ray ranks at TP=2: greedy equal to HF, seeded sampling equal to
+    an in-process engine without speculation, drafts accepted and counted in stats()."""
+    prompts = random_prompts(3, 6, 12, seed=35)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)  # it repeats itself
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    llm = LLM("tiny", tensor_parallel_size=2, max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1})
+    try:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        sampled = llm.generate(prompts, seeded, use_tqdm=False)
+        spec = llm.stats()["speculative"]
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_path, prompt, 32)
+    plain = in_process(tiny_path, lambda one: one.generate(prompts, seeded, use_tqdm=False))
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in plain]
+    assert spec["num_accepted_tokens"] > 0 and spec["method"] == "ngram"
+
+
 def test_tp2_shards_the_heads_of_a_hybrid_model(ray_cluster, family_path):
     """Qwen3.5-MoE at TP=2: each rank holds half the linear-attention key and value heads (and
     their state), half the gated attention heads, half of each expert and of the shared

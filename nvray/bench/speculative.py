@@ -1,0 +1,137 @@
+"""``python -m nvray.bench speculative``: the machinery of speculative decoding, measured with a
+drafter whose acceptance is a parameter (random weights cannot show real acceptance).
+
+Workload, per concurrency c: c prompts of ``input_len`` random token ids (seed 0), greedy,
+``output_len`` tokens each, ``ignore_eos``, all submitted at once (``LLM.generate``). First the
+plain engine (no speculation, overlapped steps: the engine's default) runs each concurrency
+after a warm-up, and its outputs are recorded. Then one engine with ``speculative_config``
+(k = ``num_speculative_tokens``) runs the same workloads with its proposer replaced by an
+oracle: each sequence's recorded continuation, each draft position kept with probability r and
+otherwise replaced by a wrong token (the run stops accepting there), r chosen so that the mean
+acceptance length (accepted drafts + 1) is ``--mean-acceptance-length``; then with a drafter
+that is never right (r = 0: the full cost of verifying k drafts for nothing), then with the
+real n-gram proposer. Figures: output tok/s (median of ``repeats`` passes), each as a ratio to
+the plain engine's at that concurrency, the measured mean acceptance length, and the share of
+sequences whose tokens equal the plain engine's (greedy: 1.0, but for bf16 near-ties that a
+verification step's other batch shape may break the other way on a GPU).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from nvray.bench.checkpoints import default_checkpoint, is_config_only
+
+
+def keep_probability(mean_length: float, k: int) -> float:
+    """r with 1 + r + r^2 + ... + r^k = ``mean_length`` (positions kept independently, the run
+    ending at the first corrupted one)."""
+    target = mean_length - 1
+    if not 0 <= target <= k:
+        raise ValueError(f"--mean-acceptance-length must be in [1, {k + 1}] for k={k}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** i for i in range(1, k + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class OracleProposer:
+    """Drafts a recorded greedy continuation, each position kept with probability ``keep``."""
+
+    def __init__(self, answers: list[list[int]], prompt_len: int, keep: float,
+                 vocab_size: int, seed: int = 0) -> None:
+        self.by_prompt = {tuple(a[:prompt_len]): a for a in answers}
+        self.prompt_len, self.keep, self.vocab_size = prompt_len, keep, vocab_size
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        answer = self.by_prompt.get(tuple(token_ids[:self.prompt_len]))
+        if answer is None:
+            return []
+        drafts = answer[len(token_ids):len(token_ids) + k]
+        for i, token in enumerate(drafts):
+            if self.rng.random() >= self.keep:
+                drafts[i] = (token + 1) % self.vocab_size
+                return drafts[:i + 1]  # what follows a wrong draft is never looked at
+        return drafts
+
+
+def _prompts(c: int, input_len: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(c)
+    return [[rng.randrange(min(vocab, 10000)) for _ in range(input_len)] for _ in range(c)]
+
+
+def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int
+           ) -> tuple[float, list[list[int]], dict[str, Any]]:
+    """Median output tok/s over ``repeats`` passes, the outputs, speculation's counts over them."""
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    before = llm.stats().get("speculative", {})
+    rates, outs = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    after = llm.stats().get("speculative", {})
+    counted = {key: after[key] - before.get(key, 0) for key in
+               ("num_drafts", "num_draft_tokens", "num_accepted_tokens") if key in after}
+    return statistics.median(rates), [list(o.token_ids) for o in outs], counted
+
+
+def bench_speculative(model: str | None = None, shape: str = "0.6b",
+                      concurrencies: tuple[int, ...] = (1, 8, 32, 128), k: int = 4,
+                      mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
+                      repeats: int = 3) -> dict[str, Any]:
+    from nvray import LLM, SamplingParams  # noqa: PLC0415
+
+    keep = keep_probability(mean_length, k)
+    options: dict[str, Any] = {"runtime": "inprocess", "max_model_len": input_len + output_len + 8}
+    if model is None and is_config_only(shape):
+        options["load_format"] = "dummy"
+    model = model or default_checkpoint(shape)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    plain_llm = LLM(model, **options)
+    vocab = plain_llm.engine.limits.vocab_size
+    workloads = {c: _prompts(c, input_len, vocab) for c in concurrencies}
+    plain, answers = {}, {}
+    try:
+        for c, prompts in workloads.items():
+            plain[c], answers[c], _ = _timed(plain_llm, prompts, params, repeats)
+            print(f"c={c}: plain {plain[c]:,.0f} tok/s", flush=True)
+    finally:
+        plain_llm.shutdown()
+    spec_llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": k},
+                   **options)
+    runs = []
+    try:
+        speculator = spec_llm.engine.speculator
+        ngram = speculator.proposer
+        for c, prompts in workloads.items():
+            recorded = [p + a for p, a in zip(prompts, answers[c])]
+            for name, proposer in (("oracle", OracleProposer(recorded, input_len, keep, vocab)),
+                                   ("never_right", OracleProposer(recorded, input_len, 0.0, vocab)),
+                                   ("ngram", ngram)):
+                speculator.proposer = proposer
+                rate, outs, counted = _timed(spec_llm, prompts, params, repeats)
+                same = sum(a == b for a, b in zip(outs, answers[c])) / c
+                drafts = counted.get("num_drafts", 0)
+                run = {"concurrency": c, "drafter": name, "tok_per_s": round(rate, 1),
+                       "plain_tok_per_s": round(plain[c], 1),
+                       "ratio": round(rate / plain[c], 3),
+                       "mean_acceptance_length": round(1 + counted["num_accepted_tokens"] / drafts, 3)
+                       if drafts else None,
+                       "same_tokens_share": round(same, 3)}
+                runs.append(run)
+                print(f"c={c} {name}: {rate:,.0f} tok/s = {run['ratio']}x plain, mean "
+                      f"acceptance length {run['mean_acceptance_length']}", flush=True)
+    finally:
+        spec_llm.shutdown()
+    return {"model": model, "k": k, "target_mean_acceptance_length": mean_length,
+            "keep_probability": round(keep, 4), "input_len": input_len,
+            "output_len": output_len, "repeats": repeats, "runs": runs}

@@ -1,0 +1,58 @@
+"""The engine's side of speculative decoding (``nvray/speculative.py`` says how a step verifies).
+
+``Speculator.propose`` runs before each schedule: every running sequence that is decoding (its
+prompt computed, no token being sampled) and may speculate gets up to k drafts in
+``Sequence.drafts``, which the scheduler adds to its tokens for the step and the step builder
+sends after its newest token. ``Speculator.emitted`` turns a verified step's sampled ids into the
+tokens the sequence keeps and counts them.
+
+A sequence may speculate unless its tokens depend on more than the target's distribution at
+each position given the tokens before it, as the ranks sample it: penalties (the drafts would
+count as output), a grammar, log-probabilities, bad words, ``min_tokens`` not yet reached. Drafts
+never run past ``max_tokens`` or ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from nvray.engine.sequence import SeqPlan, Sequence
+from nvray.speculative import NgramProposer, SpecCounters, SpeculativeConfig, accepted_run
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(config)
+        self.max_model_len = max_model_len
+        self.counters = SpecCounters(self.k)
+
+    def propose(self, running: Iterable[Sequence], plans: dict[int, SeqPlan]) -> None:
+        """Set each running sequence's drafts for the next schedule (none where it may not)."""
+        for seq in running:
+            seq.drafts = self._drafts(seq, plans[seq.seq_id])
+
+    def _drafts(self, seq: Sequence, plan: SeqPlan) -> list[int]:
+        num_tokens = len(seq.token_ids)
+        if seq.num_pending or seq.num_computed_tokens != num_tokens - 1:
+            return []  # prefilling, or its newest token is still being sampled
+        params = seq.params
+        num_output = num_tokens - seq.num_prompt_tokens
+        if (plan.grammar is not None or plan.logprobs >= 0 or plan.bad_words
+                or num_output < plan.min_tokens or params.has_penalties):
+            return []
+        # the verified run emits up to k + 1 tokens: within max_tokens and max_model_len
+        room = min(self.k, self.max_model_len - num_tokens - 1)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - num_output - 1)
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
+    def emitted(self, drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
+        """The tokens a verified run keeps (``sampled``: one id per position), counted."""
+        tokens = accepted_run(drafts, sampled)
+        self.counters.count(len(drafts), len(tokens) - 1)
+        return tokens
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.config.describe(), **self.counters.stats()}

@@ -1,0 +1,136 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them in one forward pass.
+
+``SpeculativeConfig`` is the engine's ``speculative_config`` (vLLM's names): ``method``
+(``"ngram"``: prompt lookup), ``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
+``prompt_lookup_max`` (the n-gram lengths tried, longest first).
+
+How a step verifies (``nvray/engine``): a speculating sequence computes its newest token and its
+drafts ``d1..dk`` in one step; the ranks sample a token at each of those k + 1 positions, exactly
+as they would sample that position without speculation (the row of the j-th draft's position
+uses the sequence's token index + j, so a seeded request meets the same noise). The engine keeps
+the sampled tokens up to and including the first that differs from its draft
+(``accepted_run``): every kept token was drawn from the target's distribution given the tokens
+before it, so the output has exactly the distribution of decoding without speculation, and a
+greedy or seeded request the very same tokens. With a deterministic proposer (n-gram) this
+accepts draft ``d`` with probability p(d), what rejection sampling accepts it with.
+
+``NgramProposer.propose``: the longest suffix of the sequence (``prompt_lookup_max`` tokens down
+to ``prompt_lookup_min``) that occurred earlier in it; the drafts are the tokens that followed
+its latest earlier occurrence.
+
+What does not speculate (it decodes a token a step, in the same batch): sequences with
+penalties, a grammar, log-probabilities, bad words, a ``min_tokens`` still to reach, beam
+searches, and models with recurrent layers (whose state cannot be rolled back).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+_MAX_SPECULATIVE_TOKENS = 16
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"speculative_config {name}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def of(cls, value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the engine option (a dict of these fields, or None: no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        _require(isinstance(value, dict), "", value, "must be a dict of "
+                 "method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens",
+                                       "prompt_lookup_min", "prompt_lookup_max"})
+        _require(not unknown, "keys", unknown, "unknown (known: method, "
+                 "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
+        config = cls(**value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        _require(self.method in METHODS, "method", self.method, f"must be one of {list(METHODS)}")
+        k = self.num_speculative_tokens
+        _require(isinstance(k, int) and 1 <= k <= _MAX_SPECULATIVE_TOKENS,
+                 "num_speculative_tokens", k, f"must be in [1, {_MAX_SPECULATIVE_TOKENS}]")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _require(isinstance(lo, int) and lo >= 1, "prompt_lookup_min", lo, "must be >= 1")
+        _require(isinstance(hi, int) and hi >= lo, "prompt_lookup_max", hi,
+                 "must be >= prompt_lookup_min")
+
+    def describe(self) -> dict[str, Any]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_min": self.prompt_lookup_min,
+                "prompt_lookup_max": self.prompt_lookup_max}
+
+
+class NgramProposer:
+    """Prompt lookup over a sequence's own tokens (prompt and output)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token_ids`` (none when no suffix recurs)."""
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        raw = array("i", token_ids).tobytes()  # int32: a match must start on a 4-byte edge
+        length = len(token_ids)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = raw[4 * (length - n):]
+            end = 4 * (length - 1)  # an earlier occurrence ends before the last token
+            while (at := raw.rfind(suffix, 0, end)) >= 0:
+                if at % 4 == 0:
+                    follow = at // 4 + n
+                    return token_ids[follow:follow + k]
+                end = at + len(suffix) - 1  # misaligned: look further left
+        return []
+
+
+def accepted_run(drafts: list[int] | tuple[int, ...], sampled: list[int]) -> list[int]:
+    """The tokens a verified step emits: ``sampled`` (one per position, ``len(drafts) + 1``) up
+    to and including the first that is not its position's draft."""
+    for i, draft in enumerate(drafts):
+        if sampled[i] != draft:
+            return sampled[:i + 1]
+    return sampled[:len(drafts) + 1]
+
+
+class SpecCounters:
+    """What speculation did, for ``stats()`` and ``/metrics`` (vLLM's counter meanings):
+    ``num_drafts`` verified runs, ``num_draft_tokens`` tokens proposed, ``num_accepted_tokens``
+    drafts kept, ``accepted_per_position`` how often the i-th draft was kept."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * k
+
+    def count(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def stats(self) -> dict[str, Any]:
+        drafts, proposed, accepted = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        return {"num_drafts": drafts, "num_draft_tokens": proposed,
+                "num_accepted_tokens": accepted,
+                "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
+                # tokens a verified run emits: the accepted drafts and the one sampled after
+                "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}

@@ -1,0 +1,223 @@
+"""Speculative decoding (n-gram) against decoding a token a step: the same tokens, text and
+finish reasons, greedy and seeded, through chunked prefills, prefix hits, preemption, stop
+rules, ``max_tokens`` cutting inside an accepted run, streams, late arrivals and aborts; the
+same distribution unseeded; nothing left held afterwards.
+
+Random weights rarely repeat themselves, so besides the real n-gram proposer the engines run
+with two stand-ins that make every path happen: one that proposes what the plain engine went
+on to generate (every draft accepted: long runs, stops inside them) and one that is always
+wrong (every draft rejected: the KV of rejected tokens dropped each step)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+
+from nvray import LLM, SamplingParams
+from nvray.speculative import NgramProposer, SpeculativeConfig, accepted_run
+from oracle import random_prompts
+from stepping import assert_clean, mixed_workload, run_steps, with_stop_rules
+
+K = 3
+
+
+def _engine(speculative: bool, **kwargs):  # noqa: ANN202
+    options = {"max_model_len": 256, "max_num_batched_tokens": 64, "num_kvcache_blocks": 24,
+               "kvcache_block_size": 16, "overlap_scheduling": False, **kwargs}
+    if speculative:
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": K,
+                                         "prompt_lookup_min": 1}
+    return LLM("tiny", runtime="inprocess", **options).engine
+
+
+class Recorded:
+    """Proposes what a plain engine generated after these tokens (``wrong``: a token that is
+    not it), when the tokens so far are one of its answers' beginnings."""
+
+    def __init__(self, answers: list[list[int]], vocab_size: int, wrong: bool = False) -> None:
+        self.answers, self.vocab_size, self.wrong = answers, vocab_size, wrong
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for answer in self.answers:
+            if len(answer) > len(token_ids) and answer[:len(token_ids)] == token_ids:
+                drafts = answer[len(token_ids):len(token_ids) + k]
+                return [(t + 1) % self.vocab_size for t in drafts] if self.wrong else drafts
+        return []
+
+
+@pytest.fixture(scope="module")
+def engines():  # noqa: ANN201
+    return _engine(True), _engine(False)
+
+
+def _workload(engine):  # noqa: ANN001, ANN202
+    arrivals, aborts = mixed_workload(engine.tokenizer)
+    return arrivals, aborts
+
+
+def _assert_same_answers(spec: dict, plain: dict) -> None:
+    assert spec.keys() == plain.keys()
+    for request_id in spec:
+        a, b = spec[request_id][-1], plain[request_id][-1]
+        assert a.finished and b.finished
+        if request_id.startswith("abort"):  # aborted at a step: a beginning of the answer
+            full = plain["g2" if request_id == "abort_early" else "g3"][-1].token_ids
+            assert full[:len(a.token_ids)] == a.token_ids  # (fewer steps: it may have ended)
+            assert a.finish_reason in ("abort", "length") and b.finish_reason == "abort"
+            continue
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason), \
+            request_id
+        streamed = [t for o in spec[request_id] for t in o.delta_token_ids]  # streams add up
+        assert streamed == a.token_ids, request_id
+
+
+def _run_both(spec_engine, plain_engine, proposer=None):  # noqa: ANN001, ANN202
+    """The mixed workload with stop rules on both engines; (spec outputs, plain outputs, what
+    speculation counted)."""
+    arrivals, aborts = _workload(plain_engine)
+    probe = run_steps(plain_engine, {0: [arrivals[0][0]]}, {})["g0"][-1]
+    arrivals = with_stop_rules(arrivals, probe.token_ids[7], probe.text[10:13])
+    plain = run_steps(plain_engine, arrivals, aborts)
+    speculator = spec_engine.speculator
+    ngram = speculator.proposer
+    if proposer is not None:
+        speculator.proposer = proposer(plain)
+    before = speculator.counters.stats()
+    preemptions = spec_engine.scheduler.num_preemptions
+    hits = spec_engine.block_manager.num_hit_tokens
+    try:
+        spec = run_steps(spec_engine, arrivals, aborts)
+    finally:
+        speculator.proposer = ngram
+    after = speculator.counters.stats()
+    assert spec_engine.scheduler.num_preemptions > preemptions, "the workload must preempt"
+    assert spec_engine.block_manager.num_hit_tokens > hits, "the workload must hit the prefix cache"
+    assert_clean(spec_engine)
+    assert_clean(plain_engine)
+    counted = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens",
+                                                        "num_accepted_tokens")}
+    return spec, plain, counted
+
+
+def _answers(outputs: dict) -> list[list[int]]:
+    return [list(out[-1].prompt_token_ids) + list(out[-1].token_ids) for out in outputs.values()
+            if out[-1].prompt_token_ids]
+
+
+def test_ngram_speculation_gives_the_tokens_of_plain_decoding(engines):
+    spec, plain, counted = _run_both(*engines)
+    _assert_same_answers(spec, plain)
+    assert counted["num_drafts"] > 0 and counted["num_accepted_tokens"] > 0, counted
+
+
+def test_drafts_always_accepted_emit_runs_cut_by_stop_rules(engines):
+    vocab = engines[0].limits.vocab_size
+    spec, plain, counted = _run_both(*engines, lambda plain: Recorded(_answers(plain), vocab))
+    _assert_same_answers(spec, plain)
+    # nearly every draft accepted (a seeded run's recorded answer is its own): long runs
+    assert counted["num_accepted_tokens"] >= 0.9 * counted["num_draft_tokens"] > 0, counted
+    assert counted["num_accepted_tokens"] > 2 * counted["num_drafts"], counted
+
+
+def test_drafts_never_accepted_give_the_same_tokens(engines):
+    vocab = engines[0].limits.vocab_size
+    spec, plain, counted = _run_both(*engines,
+                                     lambda plain: Recorded(_answers(plain), vocab, wrong=True))
+    _assert_same_answers(spec, plain)
+    assert counted["num_draft_tokens"] > 0 and counted["num_accepted_tokens"] == 0, counted
+
+
+def test_grammar_penalty_and_logprob_requests_beside_speculating_ones():
+    """Constrained, penalized and log-probability requests decode a token a step in the same
+    steps as speculating ones (their sampled rows sit after other sequences' draft rows)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    prompts = random_prompts(6, 10, 30, seed=9)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.0, max_tokens=40,
+                                     structured_outputs={"json": schema}),
+              greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                     presence_penalty=1.5, frequency_penalty=0.5),
+              greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)]
+    results = []
+    for speculative in (False, True):
+        llm = LLM("tiny", runtime="inprocess", max_model_len=128, overlap_scheduling=False,
+                  **({"speculative_config": {"method": "ngram", "num_speculative_tokens": K}}
+                     if speculative else {}))
+        if speculative:
+            llm.engine.speculator.proposer = Recorded(_plain_answers, llm.engine.limits.vocab_size)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(outs)
+        if not speculative:
+            _plain_answers[:] = [list(p) + list(o.token_ids) for p, o in zip(prompts, outs)]
+        else:
+            assert llm.engine.speculator.counters.num_accepted_tokens > 0
+        llm.shutdown()
+    for plain, spec in zip(*results):
+        assert (spec.token_ids, spec.text) == (plain.token_ids, plain.text)
+    # log-probabilities: the same tokens ranked, values within float noise of another batch
+    for plain, spec in zip(results[0][5].logprobs, results[1][5].logprobs):
+        assert spec.top_ids == plain.top_ids
+        assert spec.top_logprobs == pytest.approx(plain.top_logprobs, abs=1e-4)
+    json.loads(results[1][1].text)  # the constrained answer is the schema's JSON
+
+
+_plain_answers: list[list[int]] = []
+
+
+def test_unseeded_sampling_keeps_its_distribution():
+    """Chi-square test of homogeneity over the 2nd and 3rd tokens of 1,200 unseeded samples
+    each way, the drafts the greedy continuation (so often accepted); a false alarm at
+    p < 1e-4 is one run in 10,000."""
+    prompt = random_prompts(1, 12, 12, seed=5)[0]
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    draws = 1200
+    counts = {}
+    for speculative in (True, False):
+        llm = LLM("tiny", runtime="inprocess", max_model_len=64, overlap_scheduling=False,
+                  **({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+                     if speculative else {}))
+        if speculative:
+            greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3),
+                                  use_tqdm=False)[0].token_ids
+            llm.engine.speculator.proposer = Recorded([prompt + greedy],
+                                                      llm.engine.limits.vocab_size)
+        outs = llm.generate([prompt] * draws, params, use_tqdm=False)
+        counts[speculative] = collections.Counter(tuple(o.token_ids[1:]) for o in outs)
+        if speculative:
+            assert llm.engine.speculator.counters.num_accepted_tokens > draws // 10
+        llm.shutdown()
+    cells = sorted(set(counts[True]) | set(counts[False]))
+    table = torch.tensor([[counts[s][c] for c in cells] for s in (True, False)], dtype=torch.float64)
+    table = table[:, table.sum(0) >= 10]  # pool nothing: rare cells are dropped from both rows
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    chi2 = ((table - expected) ** 2 / expected).sum()
+    dof = table.shape[1] - 1
+    p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2)
+    assert dof >= 2 and p_value > 1e-4, (chi2.item(), dof, counts)
+
+
+def test_the_ngram_proposer_follows_the_latest_earlier_occurrence():
+    ngram = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # latest, longest
+    assert ngram.propose([5, 6, 7], 3) == []  # nothing recurs
+    assert ngram.propose([4, 4], 3) == [4]  # only what follows an earlier occurrence
+    # bytes that match across two int32 tokens are no match (1 in 2**24's last byte and 0)
+    assert ngram.propose([1, 9, 2**24, 0, 5, 1], 2) == [9, 2**24]
+    assert accepted_run([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
+    assert accepted_run([5, 6], [5, 6, 2]) == [5, 6, 2]
+
+
+def test_speculation_is_refused_by_name_where_it_cannot_run():
+    with pytest.raises(ValueError, match="speculative_config method='eagle'"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM("tiny", runtime="inprocess", speculative_config={"num_speculative_tokens": 0})
+
+
+def test_a_model_with_recurrent_layers_refuses_speculation(family_path):
+    with pytest.raises(ValueError, match="recurrent .* cannot be rolled back"):
+        LLM(family_path("qwen3_5-moe"), runtime="inprocess", max_model_len=128,
+            speculative_config={"method": "ngram"})
