@@ -2,7 +2,10 @@
 
 ``SpeculativeConfig`` is the engine's ``speculative_config`` (vLLM's names): ``method``
 (``"ngram"``: prompt lookup), ``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
-``prompt_lookup_max`` (the n-gram lengths tried, longest first).
+``prompt_lookup_max`` (the n-gram lengths tried, longest first), ``disable_by_batch_size``: no
+drafts in a step while more sequences than this run (default 1: a verification step of one
+sequence replays a CUDA graph, several sequences' run eagerly, which costs more than k drafts
+save on a GPU today; docs/speculative.md has the figures).
 
 How a step verifies (``nvray/engine``): a speculating sequence computes its newest token and its
 drafts ``d1..dk`` in one step; the ranks sample a token at each of those k + 1 positions, exactly
@@ -25,6 +28,7 @@ searches, and models with recurrent layers (whose state cannot be rolled back).
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -44,18 +48,18 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 1
 
     @classmethod
     def of(cls, value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """From the engine option (a dict of these fields, or None: no speculation)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        _require(isinstance(value, dict), "", value, "must be a dict of "
-                 "method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens",
-                                       "prompt_lookup_min", "prompt_lookup_max"})
-        _require(not unknown, "keys", unknown, "unknown (known: method, "
-                 "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
+        _require(isinstance(value, dict), "", value, "must be a dict of SpeculativeConfig's "
+                 "fields (method, num_speculative_tokens, ...)")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, "keys", unknown, f"unknown (known: {', '.join(sorted(known))})")
         config = cls(**value)
         config.validate()
         return config
@@ -69,11 +73,12 @@ class SpeculativeConfig:
         _require(isinstance(lo, int) and lo >= 1, "prompt_lookup_min", lo, "must be >= 1")
         _require(isinstance(hi, int) and hi >= lo, "prompt_lookup_max", hi,
                  "must be >= prompt_lookup_min")
+        batch = self.disable_by_batch_size
+        _require(isinstance(batch, int) and batch >= 1, "disable_by_batch_size", batch,
+                 "must be an int >= 1")
 
     def describe(self) -> dict[str, Any]:
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_min": self.prompt_lookup_min,
-                "prompt_lookup_max": self.prompt_lookup_max}
+        return dataclasses.asdict(self)
 
 
 class NgramProposer:

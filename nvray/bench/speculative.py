@@ -1,8 +1,9 @@
 """``python -m nvray.bench speculative``: the machinery of speculative decoding, measured with a
 drafter whose acceptance is a parameter (random weights cannot show real acceptance).
 
-Workload, per concurrency c: c prompts of ``input_len`` random token ids (seed 0), greedy,
-``output_len`` tokens each, ``ignore_eos``, all submitted at once (``LLM.generate``). First the
+Workload, per concurrency c: c prompts of ``input_len`` random token ids, sampled at temperature
+1 with a seed per request (see ``_seeded``), ``output_len`` tokens each, ``ignore_eos``, all
+submitted at once (``LLM.generate``). First the
 plain engine (no speculation, overlapped steps: the engine's default) runs each concurrency
 after a warm-up, and its outputs are recorded. Then one engine with ``speculative_config``
 (k = ``num_speculative_tokens``) runs the same workloads with its proposer replaced by an
@@ -10,10 +11,10 @@ oracle: each sequence's recorded continuation, each draft position kept with pro
 otherwise replaced by a wrong token (the run stops accepting there), r chosen so that the mean
 acceptance length (accepted drafts + 1) is ``--mean-acceptance-length``; then with a drafter
 that is never right (r = 0: the full cost of verifying k drafts for nothing), then with the
-real n-gram proposer. Figures: output tok/s (median of ``repeats`` passes), each as a ratio to
+real n-gram proposer (``disable_by_batch_size`` set to the largest concurrency). Figures: output tok/s (median of ``repeats`` passes), each as a ratio to
 the plain engine's at that concurrency, the measured mean acceptance length, and the share of
-sequences whose tokens equal the plain engine's (greedy: 1.0, but for bf16 near-ties that a
-verification step's other batch shape may break the other way on a GPU).
+sequences whose tokens equal the plain engine's (1.0 but where a verification step's other
+batch shape moves a near-tie in bf16 on a GPU; from there the oracle's drafts are wrong).
 """
 
 from __future__ import annotations
@@ -68,10 +69,20 @@ def _prompts(c: int, input_len: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(min(vocab, 10000)) for _ in range(input_len)] for _ in range(c)]
 
 
+def _seeded(c: int, output_len: int) -> list[Any]:
+    """Temperature 1, a seed per request: speculation gives the very tokens decoding does, and
+    unlike greedy on random weights (near-ties everywhere) another batch shape's bf16 noise
+    rarely changes them."""
+    from nvray import SamplingParams  # noqa: PLC0415
+
+    return [SamplingParams(temperature=1.0, seed=i, max_tokens=output_len, ignore_eos=True)
+            for i in range(c)]
+
+
 def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int
            ) -> tuple[float, list[list[int]], dict[str, Any]]:
     """Median output tok/s over ``repeats`` passes, the outputs, speculation's counts over them."""
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
     before = llm.stats().get("speculative", {})
     rates, outs = [], []
     for _ in range(repeats):
@@ -88,25 +99,25 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
                       concurrencies: tuple[int, ...] = (1, 8, 32, 128), k: int = 4,
                       mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
                       repeats: int = 3) -> dict[str, Any]:
-    from nvray import LLM, SamplingParams  # noqa: PLC0415
+    from nvray import LLM  # noqa: PLC0415
 
     keep = keep_probability(mean_length, k)
     options: dict[str, Any] = {"runtime": "inprocess", "max_model_len": input_len + output_len + 8}
     if model is None and is_config_only(shape):
         options["load_format"] = "dummy"
     model = model or default_checkpoint(shape)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     plain_llm = LLM(model, **options)
     vocab = plain_llm.engine.limits.vocab_size
     workloads = {c: _prompts(c, input_len, vocab) for c in concurrencies}
     plain, answers = {}, {}
     try:
         for c, prompts in workloads.items():
-            plain[c], answers[c], _ = _timed(plain_llm, prompts, params, repeats)
+            plain[c], answers[c], _ = _timed(plain_llm, prompts, _seeded(c, output_len), repeats)
             print(f"c={c}: plain {plain[c]:,.0f} tok/s", flush=True)
     finally:
         plain_llm.shutdown()
-    spec_llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": k},
+    spec_llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                              "disable_by_batch_size": max(concurrencies)},
                    **options)
     runs = []
     try:
@@ -118,7 +129,7 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
                                    ("never_right", OracleProposer(recorded, input_len, 0.0, vocab)),
                                    ("ngram", ngram)):
                 speculator.proposer = proposer
-                rate, outs, counted = _timed(spec_llm, prompts, params, repeats)
+                rate, outs, counted = _timed(spec_llm, prompts, _seeded(c, output_len), repeats)
                 same = sum(a == b for a, b in zip(outs, answers[c])) / c
                 drafts = counted.get("num_drafts", 0)
                 run = {"concurrency": c, "drafter": name, "tok_per_s": round(rate, 1),

@@ -14,7 +14,8 @@ never run past ``max_tokens`` or ``max_model_len``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
+from typing import Sequence as Sequence_
 
 from nvray.engine.sequence import SeqPlan, Sequence
 from nvray.speculative import NgramProposer, SpecCounters, SpeculativeConfig, accepted_run
@@ -28,8 +29,13 @@ class Speculator:
         self.max_model_len = max_model_len
         self.counters = SpecCounters(self.k)
 
-    def propose(self, running: Iterable[Sequence], plans: dict[int, SeqPlan]) -> None:
-        """Set each running sequence's drafts for the next schedule (none where it may not)."""
+    def propose(self, running: Sequence_[Sequence], plans: dict[int, SeqPlan]) -> None:
+        """Set each running sequence's drafts for the next schedule (none where it may not,
+        and none at all while more than ``disable_by_batch_size`` sequences run)."""
+        if len(running) > self.config.disable_by_batch_size:
+            for seq in running:
+                seq.drafts = []
+            return
         for seq in running:
             seq.drafts = self._drafts(seq, plans[seq.seq_id])
 

@@ -29,7 +29,7 @@ def _engine(speculative: bool, **kwargs):  # noqa: ANN202
                "kvcache_block_size": 16, "overlap_scheduling": False, **kwargs}
     if speculative:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": K,
-                                         "prompt_lookup_min": 1}
+                                         "prompt_lookup_min": 1, "disable_by_batch_size": 64}
     return LLM("tiny", runtime="inprocess", **options).engine
 
 
@@ -144,7 +144,8 @@ def test_grammar_penalty_and_logprob_requests_beside_speculating_ones():
     results = []
     for speculative in (False, True):
         llm = LLM("tiny", runtime="inprocess", max_model_len=128, overlap_scheduling=False,
-                  **({"speculative_config": {"method": "ngram", "num_speculative_tokens": K}}
+                  **({"speculative_config": {"method": "ngram", "num_speculative_tokens": K,
+                                            "disable_by_batch_size": 64}}
                      if speculative else {}))
         if speculative:
             llm.engine.speculator.proposer = Recorded(_plain_answers, llm.engine.limits.vocab_size)
@@ -177,7 +178,8 @@ def test_unseeded_sampling_keeps_its_distribution():
     counts = {}
     for speculative in (True, False):
         llm = LLM("tiny", runtime="inprocess", max_model_len=64, overlap_scheduling=False,
-                  **({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+                  **({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                            "disable_by_batch_size": 256}}
                      if speculative else {}))
         if speculative:
             greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3),
@@ -221,3 +223,19 @@ def test_a_model_with_recurrent_layers_refuses_speculation(family_path):
     with pytest.raises(ValueError, match="recurrent .* cannot be rolled back"):
         LLM(family_path("qwen3_5-moe"), runtime="inprocess", max_model_len=128,
             speculative_config={"method": "ngram"})
+
+
+def test_speculation_steps_aside_in_batches_larger_than_disable_by_batch_size():
+    prompt = random_prompts(1, 12, 12, seed=6)[0]
+    llm = LLM("tiny", runtime="inprocess", max_model_len=128,
+              speculative_config={"method": "ngram", "prompt_lookup_min": 1})  # default: 1
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        alone = llm.generate(prompt, greedy, use_tqdm=False)[0]
+        drafted_alone = llm.engine.speculator.counters.num_drafts
+        together = llm.generate([prompt] * 3, greedy, use_tqdm=False)
+        drafted_together = llm.engine.speculator.counters.num_drafts - drafted_alone
+    finally:
+        llm.shutdown()
+    assert drafted_alone > 0 and drafted_together == 0
+    assert all(out.token_ids == alone.token_ids for out in together)

@@ -91,7 +91,7 @@ def test_tp2_speculation_gives_tp1s_tokens(ray_cluster, tiny_path):
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
     llm = LLM("tiny", tensor_parallel_size=2, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                  "prompt_lookup_min": 1})
+                                  "prompt_lookup_min": 1, "disable_by_batch_size": 8})
     try:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         sampled = llm.generate(prompts, seeded, use_tqdm=False)
