@@ -1,0 +1,54 @@
+"""Speculative decoding on the GPU: the tiny model in float32 with CUDA graphs (one-sequence
+verification replays a prefill graph; several sequences verify eagerly), a drafter that is
+always right and one that is always wrong, against the same engine settings without
+speculation: greedy and seeded tokens equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvray import LLM, SamplingParams
+from oracle import random_prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+class _Recorded:
+    def __init__(self, answers: list[list[int]], vocab: int, wrong: bool) -> None:
+        self.answers, self.vocab, self.wrong = answers, vocab, wrong
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for answer in self.answers:
+            if len(answer) > len(token_ids) and answer[:len(token_ids)] == token_ids:
+                drafts = answer[len(token_ids):len(token_ids) + k]
+                return [(t + 1) % self.vocab for t in drafts] if self.wrong else drafts
+        return []
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_speculation_on_the_gpu_keeps_the_tokens(batch):
+    prompts = random_prompts(batch, 10, 40, seed=12)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+              for i in range(batch)]
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    plain = LLM("tiny", **options)
+    try:
+        expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    finally:
+        plain.shutdown()
+    answers = [list(p) + list(t) for p, t in zip(prompts, expected)]
+    spec = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                           "disable_by_batch_size": 8}, **options)
+    try:
+        vocab = spec.engine.limits.vocab_size
+        for wrong in (False, True):
+            spec.engine.speculator.proposer = _Recorded(answers, vocab, wrong)
+            got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+            assert got == expected, f"wrong drafter: {wrong}"
+        counters = spec.engine.speculator.counters
+        assert counters.num_accepted_tokens > 0 and counters.num_draft_tokens > counters.num_accepted_tokens
+    finally:
+        spec.shutdown()
