@@ -5,7 +5,8 @@ only at their neutral value (e.g. ``best_of=1``, no ``suffix``, no ``tools``) an
 rejected with a 400 that names them. Besides OpenAI's, vLLM's extensions are accepted:
 ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``use_beam_search`` (``n`` is the beam
-width) with ``length_penalty``, ``priority`` and ``chat_template_kwargs``. Structured outputs
+width) with ``length_penalty``, ``priority`` and ``chat_template_kwargs``; and nvray's
+``speculate``. Structured outputs
 come from OpenAI's ``response_format`` (``json_object``, ``json_schema`` with ``strict``) or
 vLLM's ``structured_outputs`` object and its older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` fields (one of them per request). Unknown fields are rejected too (``extra="forbid"``: a 400 whose ``param``
@@ -75,6 +76,7 @@ class SamplingFields(StrictModel):
     length_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    speculate: bool = True  # nvray: False decodes a token a step in a speculating engine
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -168,7 +170,8 @@ class SamplingFields(StrictModel):
                                   "bad_words": self.bad_words,
                                   "logprobs": self.report_logprobs(),
                                   "prompt_logprobs": prompt_logprobs,
-                                  "structured_outputs": self.constraint(reasoning, tool_format)}
+                                  "structured_outputs": self.constraint(reasoning, tool_format),
+                                  "speculate": self.speculate}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             if getattr(self, name) is not None:

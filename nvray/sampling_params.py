@@ -20,6 +20,8 @@ so the HTTP layer can turn it into a 400 without guessing. Meanings follow vLLM:
   follows a JSON schema, a regex, a choice or a grammar (``nvray/structured_outputs.py``).
 - ``max_tokens=0`` generates nothing: the prompt is only prefilled (and scored, with
   ``prompt_logprobs``).
+- ``speculate=False``: this request decodes a token a step even in an engine with a
+  ``speculative_config`` (``nvray/speculative.py``); its tokens are the same either way.
 - ``pool`` (with ``max_tokens=0``; what ``LLM.embed`` / ``LLM.score`` and the pooling routes
   send): the output's ``pooled`` is the final hidden state of the prompt's last token (``()``)
   or the logits of the listed token ids at that position (``nvray/pooling.py``).
@@ -79,6 +81,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
     pool: tuple[int, ...] | None = None
+    speculate: bool = True  # False: a token a step even where the engine speculates
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -97,6 +100,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_reporting()
         self._validate_lengths()
+        _check(isinstance(self.speculate, bool), "speculate", self.speculate, "must be a bool")
         if self.pool is not None:
             object.__setattr__(self, "pool", self._normalize_ids(self.pool, "pool"))
             _check(self.max_tokens == 0, "max_tokens", self.max_tokens,

@@ -9,7 +9,7 @@ tokens the sequence keeps and counts them.
 A sequence may speculate unless its tokens depend on more than the target's distribution at
 each position given the tokens before it, as the ranks sample it: penalties (the drafts would
 count as output), a grammar, log-probabilities, bad words, ``min_tokens`` not yet reached. Drafts
-never run past ``max_tokens`` or ``max_model_len``.
+never run past ``max_tokens`` or ``max_model_len``. A request with ``speculate=False`` opts out.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class Speculator:
             return []  # prefilling, or its newest token is still being sampled
         params = seq.params
         num_output = num_tokens - seq.num_prompt_tokens
-        if (plan.grammar is not None or plan.logprobs >= 0 or plan.bad_words
-                or num_output < plan.min_tokens or params.has_penalties):
+        if (not params.speculate or plan.grammar is not None or plan.logprobs >= 0
+                or plan.bad_words or num_output < plan.min_tokens or params.has_penalties):
             return []
         # the verified run emits up to k + 1 tokens: within max_tokens and max_model_len
         room = min(self.k, self.max_model_len - num_tokens - 1)

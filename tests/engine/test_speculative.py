@@ -239,3 +239,26 @@ def test_speculation_steps_aside_in_batches_larger_than_disable_by_batch_size():
         llm.shutdown()
     assert drafted_alone > 0 and drafted_together == 0
     assert all(out.token_ids == alone.token_ids for out in together)
+
+
+def test_a_request_may_opt_out_of_speculation():
+    prompt = random_prompts(1, 12, 12, seed=7)[0]
+    llm = LLM("tiny", runtime="inprocess", max_model_len=128,
+              speculative_config={"method": "ngram", "prompt_lookup_min": 1})
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        counters = llm.engine.speculator.counters
+        alone = llm.generate(prompt, greedy, use_tqdm=False)[0]
+        answer = [list(prompt) + list(alone.token_ids)]
+        llm.engine.speculator.proposer = Recorded(answer, llm.engine.limits.vocab_size)
+        drafted = counters.num_drafts
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                  ignore_eos=True, speculate=False),
+                           use_tqdm=False)[0]
+        assert counters.num_drafts == drafted and out.token_ids == alone.token_ids
+        llm.generate(prompt, greedy, use_tqdm=False)
+        assert counters.num_drafts > drafted  # the same request, speculating
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="speculate"):
+        SamplingParams(speculate="no")
