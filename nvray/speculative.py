@@ -5,7 +5,9 @@
 ``prompt_lookup_max`` (the n-gram lengths tried, longest first), ``disable_by_batch_size``: no
 drafts in a step while more sequences than this run (default 1: a verification step of one
 sequence replays a CUDA graph, several sequences' run eagerly, which costs more than k drafts
-save on a GPU today; docs/speculative.md has the figures).
+save on a GPU today; docs/speculative.md has the figures); nvray's ``adaptive`` (default True):
+each sequence drafts as many tokens as its drafts have lately earned
+(``nvray/engine/speculation.py``).
 
 How a step verifies (``nvray/engine``): a speculating sequence computes its newest token and its
 drafts ``d1..dk`` in one step; the ranks sample a token at each of those k + 1 positions, exactly
@@ -49,6 +51,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 1
+    adaptive: bool = True  # each sequence's drafts follow its acceptance (engine/speculation.py)
 
     @classmethod
     def of(cls, value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -73,6 +76,7 @@ class SpeculativeConfig:
         _require(isinstance(lo, int) and lo >= 1, "prompt_lookup_min", lo, "must be >= 1")
         _require(isinstance(hi, int) and hi >= lo, "prompt_lookup_max", hi,
                  "must be >= prompt_lookup_min")
+        _require(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "must be a bool")
         batch = self.disable_by_batch_size
         _require(isinstance(batch, int) and batch >= 1, "disable_by_batch_size", batch,
                  "must be an int >= 1")

@@ -10,8 +10,9 @@ after a warm-up, and its outputs are recorded. Then one engine with ``speculativ
 oracle: each sequence's recorded continuation, each draft position kept with probability r and
 otherwise replaced by a wrong token (the run stops accepting there), r chosen so that the mean
 acceptance length (accepted drafts + 1) is ``--mean-acceptance-length``; then with a drafter
-that is never right (r = 0: the full cost of verifying k drafts for nothing), then with the
-real n-gram proposer (``disable_by_batch_size`` set to the largest concurrency). Figures: output tok/s (median of ``repeats`` passes), each as a ratio to
+that is never right (r = 0: the full cost of verifying k drafts for nothing) — these two with
+``adaptive`` off (k drafts whatever they earn) — then the never-right drafter with ``adaptive``
+on (the policy's saving), then the real n-gram proposer (adaptive) (``disable_by_batch_size`` set to the largest concurrency). Figures: output tok/s (median of ``repeats`` passes), each as a ratio to
 the plain engine's at that concurrency, the measured mean acceptance length, and the share of
 sequences whose tokens equal the plain engine's (1.0 but where a verification step's other
 batch shape moves a near-tie in bf16 on a GPU; from there the oracle's drafts are wrong).
@@ -21,6 +22,7 @@ batch shape moves a near-tie in bf16 on a GPU; from there the oracle's drafts ar
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -142,13 +144,16 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
     runs = []
     try:
         speculator = spec_llm.engine.speculator
-        ngram = speculator.proposer
+        ngram, adaptive = speculator.proposer, speculator.config
+        fixed = dataclasses.replace(adaptive, adaptive=False)  # k drafts whatever they earn
         for c, prompts in workloads.items():
             recorded = [p + a for p, a in zip(prompts, answers[c])]
-            for name, proposer in (("oracle", OracleProposer(recorded, input_len, keep, vocab)),
-                                   ("never_right", OracleProposer(recorded, input_len, 0.0, vocab)),
-                                   ("ngram", ngram)):
-                speculator.proposer = proposer
+            never = OracleProposer(recorded, input_len, 0.0, vocab)
+            for name, proposer, config in (
+                    ("oracle", OracleProposer(recorded, input_len, keep, vocab), fixed),
+                    ("never_right", never, fixed), ("never_right_adaptive", never, adaptive),
+                    ("ngram", ngram, adaptive)):
+                speculator.proposer, speculator.config = proposer, config
                 rate, outs, counted = _timed(spec_llm, prompts, _seeded(c, output_len), repeats)
                 same = sum(a == b for a, b in zip(outs, answers[c])) / c
                 drafts = counted.get("num_drafts", 0)

@@ -379,7 +379,7 @@ class LLMEngine:
         sequence computes from the first rejected position again; its blocks stay its own)."""
         seq = state.seq
         seq.num_pending -= 1
-        tokens = self.speculator.emitted(drafts, sampled)  # type: ignore[union-attr]
+        tokens = self.speculator.emitted(seq, drafts, sampled)  # type: ignore[union-attr]
         rejected = len(drafts) + 1 - len(tokens)
         for token in tokens:
             append_token(state, token, now, self.limits.max_model_len)

@@ -24,7 +24,7 @@ import enum
 import itertools
 from array import array
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from nvray.engine.detokenizer import IncrementalDetokenizer
 from nvray.outputs import TokenLogprobs
@@ -43,7 +43,7 @@ class Sequence:
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
                  "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
-                 "ranks_table_len", "state_slot", "state_save_at", "drafts")
+                 "ranks_table_len", "state_slot", "state_save_at", "drafts", "draft_pace")
 
     _counter = itertools.count()
 
@@ -74,6 +74,7 @@ class Sequence:
         self.state_slot = -1  # recurrent-state slot while it holds blocks (BlockManager)
         self.state_save_at = -1  # where its state is kept for prefix caching (BlockManager)
         self.drafts: list[int] = []  # speculation: tokens proposed to follow (nvray/speculative.py)
+        self.draft_pace: Any = None  # speculation: its DraftPace (nvray/engine/speculation.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -10,6 +10,10 @@ A sequence may speculate unless its tokens depend on more than the target's dist
 each position given the tokens before it, as the ranks sample it: penalties (the drafts would
 count as output), a grammar, log-probabilities, bad words, ``min_tokens`` not yet reached. Drafts
 never run past ``max_tokens`` or ``max_model_len``. A request with ``speculate=False`` opts out.
+
+With ``adaptive`` (the default), a sequence's ``DraftPace`` sets how many drafts it proposes:
+the runs it verifies cost a forward pass over every draft, so a sequence whose drafts fail
+proposes fewer and, failing on, pauses; one whose drafts hold proposes up to k.
 """
 
 from __future__ import annotations
@@ -19,6 +23,34 @@ from typing import Sequence as Sequence_
 
 from nvray.engine.sequence import SeqPlan, Sequence
 from nvray.speculative import NgramProposer, SpecCounters, SpeculativeConfig, accepted_run
+
+
+_MAX_PAUSE = 32  # steps a sequence whose drafts keep failing waits before it drafts again
+
+
+class DraftPace:
+    """How many drafts a sequence proposes next (``adaptive``): one more than its last run
+    accepted (k after a run accepted whole); after a run that accepted none, one draft, and
+    none at all for 2, 4, ... up to ``_MAX_PAUSE`` steps while such runs follow each other."""
+
+    __slots__ = ("budget", "misses", "pause")
+
+    def __init__(self, k: int) -> None:
+        self.budget, self.misses, self.pause = k, 0, 0
+
+    def allowed(self) -> int:
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.budget
+
+    def after(self, drafted: int, accepted: int, k: int) -> None:
+        if accepted == 0:
+            self.budget, self.misses = 1, self.misses + 1
+            self.pause = min(1 << self.misses, _MAX_PAUSE)
+            return
+        self.misses = 0
+        self.budget = min(k, self.budget + 1) if accepted == drafted else accepted + 1
 
 
 class Speculator:
@@ -49,15 +81,24 @@ class Speculator:
                 or plan.bad_words or num_output < plan.min_tokens or params.has_penalties):
             return []
         # the verified run emits up to k + 1 tokens: within max_tokens and max_model_len
-        room = min(self.k, self.max_model_len - num_tokens - 1)
+        room = min(self._pace(seq).allowed() if self.config.adaptive else self.k,
+                   self.max_model_len - num_tokens - 1)
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - num_output - 1)
         return self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
-    def emitted(self, drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
-        """The tokens a verified run keeps (``sampled``: one id per position), counted."""
+    def _pace(self, seq: Sequence) -> DraftPace:
+        if seq.draft_pace is None:
+            seq.draft_pace = DraftPace(self.k)
+        return seq.draft_pace
+
+    def emitted(self, seq: Sequence, drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
+        """The tokens a verified run of ``seq`` keeps (``sampled``: one id per position),
+        counted, and its pace adjusted."""
         tokens = accepted_run(drafts, sampled)
         self.counters.count(len(drafts), len(tokens) - 1)
+        if self.config.adaptive:
+            self._pace(seq).after(len(drafts), len(tokens) - 1, self.k)
         return tokens
 
     def stats(self) -> dict[str, Any]:

@@ -262,3 +262,26 @@ def test_a_request_may_opt_out_of_speculation():
         llm.shutdown()
     with pytest.raises(ValueError, match="speculate"):
         SamplingParams(speculate="no")
+
+
+def test_adaptive_drafting_backs_off_a_drafter_that_keeps_failing():
+    prompt = random_prompts(1, 12, 12, seed=8)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    drafted, tokens = {}, {}
+    for adaptive in (False, True):
+        llm = LLM("tiny", runtime="inprocess", max_model_len=128,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                      "adaptive": adaptive})
+        try:
+            first = llm.generate(prompt, greedy, use_tqdm=False)[0]
+            answer = [list(prompt) + list(first.token_ids)]
+            spec = llm.engine.speculator
+            spec.proposer = Recorded(answer, llm.engine.limits.vocab_size, wrong=True)
+            before = spec.counters.num_draft_tokens
+            tokens[adaptive] = llm.generate(prompt, greedy, use_tqdm=False)[0].token_ids
+            drafted[adaptive] = spec.counters.num_draft_tokens - before
+            assert tokens[adaptive] == first.token_ids
+        finally:
+            llm.shutdown()
+    assert drafted[False] >= K * 50  # k drafts at nearly every step, all rejected
+    assert 0 < drafted[True] < drafted[False] / 5, drafted
