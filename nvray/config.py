@@ -156,6 +156,16 @@ class EngineConfig:
         return SpeculativeConfig.of(self.speculative_config)
 
     @property
+    def max_sampled_rows(self) -> int:
+        """Most rows a step samples: one per sequence, and with speculation one more per draft
+        while at most ``disable_by_batch_size`` sequences run (never above the token budget)."""
+        rows, spec = self.max_num_seqs, self.speculative
+        if spec is not None:
+            drafting = min(spec.disable_by_batch_size, self.max_num_seqs)
+            rows = max(rows, drafting * (spec.num_speculative_tokens + 1))
+        return min(rows, self.max_num_batched_tokens)
+
+    @property
     def overlaps_steps(self) -> bool:
         """Overlapped steps (placeholders for ids sampled on the device): not with pipeline
         stages, which keep a step per stage in flight instead, nor with speculation, whose

@@ -138,6 +138,9 @@ class Scheduler:
                     or (seq.shares_blocks and bm.needs_blocks(seq, num_new))):  # blocks, a copy
                 if bm.windowed:  # what its windows no longer read makes room first
                     bm.release_out_of_window(seq)
+                if seq.drafts and not bm.can_append_slots(seq, num_new):
+                    num_new -= len(seq.drafts[:num_new - 1])  # drafts never preempt anyone
+                    seq.drafts = []
                 if not self._make_room(seq, num_new, i, out):
                     continue  # seq itself was preempted; the next one moved into slot i
                 self.block_manager.append_slots(seq, num_new)

@@ -75,7 +75,10 @@ class RayExecutor:
         """``workers``: the engine's rank actors (``start_rank_actors``), perhaps still starting."""
         self.config = config
         self.timeout = config.step_timeout_s
-        self.overlap = config.overlap_scheduling  # the ranks answer a step at the next call
+        # the ranks answer a step at the next call: overlapped steps, and pipeline stages (whose
+        # engine keeps steps in flight its own way); a speculating engine runs a step at a time
+        self.overlap = config.overlap_scheduling and (config.pipeline_parallel_size > 1
+                                                      or config.speculative_config is None)
         self.pipeline_depth = config.pipeline_parallel_size  # steps in flight at most
         self.output_rank = config.world_size - config.tensor_parallel_size  # last stage's first
         self.pending: collections.deque = collections.deque()  # handed over, answers unread

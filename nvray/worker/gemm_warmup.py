@@ -12,8 +12,8 @@ on 7 of its 9 prefill steps.
 
 ``warm_gemms`` runs each distinct linear layer of the model (one per class and weight shape:
 the layers call cuBLAS the same way) over ``token_counts(max_num_batched_tokens)`` and the LM
-head over every row count up to ``max_num_seqs``, on zeros. Every rank runs the same calls in
-the same order, so the tensor-parallel collectives inside the layers match up.
+head over every row count a step samples (``EngineConfig.max_sampled_rows``), on zeros. Every
+rank runs the same calls in the same order, so the tensor-parallel collectives inside the layers match up.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ counted against it. Before the KV cache exists, the runner measures what else it
 - ``used``: what the engine holds now, beyond what was in use when its rank started (the
   ``baseline``): weights, buffers, NCCL's;
 - ``activations``: the peak of a warm-up step of ``max_num_batched_tokens`` tokens through the
-  model, the LM head and the sampler (one row per sequence, up to ``max_num_seqs``), run on a
-  one-block scratch cache (its allocator blocks are kept, not returned);
+  model, the LM head and the sampler (``EngineConfig.max_sampled_rows``: one row per sequence,
+  up to ``max_num_seqs``, and with speculation draft rows too), run on a one-block scratch
+  cache (its allocator blocks are kept, not returned);
 - ``cuda_graphs``: the CUDA graphs' pool and per-graph memory, estimated by trial captures on
   the scratch cache: the largest decode graph, the decode graph whose attention holds the most
   split scratch (a mid-size batch below the decode kernel's split threshold) where that is

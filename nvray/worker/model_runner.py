@@ -137,7 +137,7 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
-        self.host_ids = HostIds(config.max_num_seqs, self.device)
+        self.host_ids = HostIds(config.max_sampled_rows, self.device)
         self.profiler = StepProfiler(  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         vocab_size = self.hf_config.vocab_size

@@ -136,15 +136,21 @@ def trial_graph_sizes(runner: ModelRunner) -> list[int]:
 
 
 def warmup(runner: ModelRunner) -> None:
-    """One step of max_num_batched_tokens prompt tokens, sampling one row per sequence."""
+    """One step of max_num_batched_tokens prompt tokens, sampling as many rows as a step can
+    (one per sequence; with speculation, draft rows too: ``EngineConfig.max_sampled_rows``)."""
     config, block_size = runner.config, runner.block_size
     tokens = config.max_num_batched_tokens
     num_seqs = max(1, min(config.max_num_seqs, tokens))
     tokens = min(tokens, num_seqs * runner.max_model_len)
     lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
     groups = runner.kv_layout.num_groups  # a table entry per group for each logical block
-    seqs = [SeqStep(-1 - i, [0] * n, 0, [0] * (-(-n // block_size) * groups), _WARMUP_SAMPLE)
-            for i, n in enumerate(lens)]
+    extra_rows = min(config.max_sampled_rows, tokens) - num_seqs
+    seqs = []
+    for i, n in enumerate(lens):
+        drafts = max(0, min(n - 1, extra_rows))  # rows sampled before the last one
+        extra_rows -= drafts
+        seqs.append(SeqStep(-1 - i, [0] * n, 0, [0] * (-(-n // block_size) * groups),
+                            _WARMUP_SAMPLE, num_drafts=drafts))
     runner.execute(StepInput(seqs))
     runner.inputs.tables.reset()
 
@@ -192,7 +198,7 @@ def warm_kernels(runner: ModelRunner) -> None:
     first launch waits for the device to drain)."""
     config = runner.config
     warm_gemms(runner.model, runner.hf_config.hidden_size, config.max_num_batched_tokens,
-               config.max_num_seqs)
+               config.max_sampled_rows)
     warm_kernel_steps(runner)
 
 

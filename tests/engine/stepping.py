@@ -13,9 +13,11 @@ from oracle import random_prompts
 MAX_STEPS = 3000
 
 
-def run_steps(engine, arrivals: dict[int, list[tuple]], aborts: dict[int, list[str]]) -> dict:
-    """Step until idle; ``arrivals``/``aborts``: what happens before step k. Returns, per
-    request, every output it got, in order."""
+def run_steps(engine, arrivals: dict[int, list[tuple]], aborts: dict[int, list[str]],
+              after_step=None) -> dict:  # noqa: ANN001
+    """Step until idle; ``arrivals``/``aborts``: what happens before step k; ``after_step``:
+    called with the engine after each step. Returns, per request, every output it got, in
+    order."""
     outputs: dict[str, list] = {}
     for k in range(MAX_STEPS):
         for request_id, prompt, params, stream in arrivals.get(k, []):
@@ -27,6 +29,8 @@ def run_steps(engine, arrivals: dict[int, list[tuple]], aborts: dict[int, list[s
             break
         for out in engine.step():
             outputs[out.request_id].append(out)
+        if after_step is not None:
+            after_step(engine)
     else:
         pytest.fail(f"the engine did not drain in {MAX_STEPS} steps")
     return outputs

@@ -417,3 +417,22 @@ def test_pipelined_steps_split_the_sequences_and_skip_those_in_flight():
     land(seqs[:2])
     assert launch(sched) == [("a", 1), ("b", 1), ("long", 14)]  # the next chunk, in flight
     assert long.num_computed_tokens == 28 and long.num_pending == 0
+
+
+def test_drafts_that_do_not_fit_are_dropped_instead_of_preempting():
+    """Speculation: a's drafts would need a 3rd block, which only b's preemption frees; the
+    drafts go, a decodes its one token, b keeps running."""
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a = add(sched, 6, "a", arrival=0)  # 2 blocks
+    b = add(sched, 6, "b", arrival=1)  # 2 blocks
+    run_step(sched)  # prefilled: 7 tokens each, 6 computed; token 7 fits in block 2
+    a.drafts = [1, 2, 3]  # positions 7..9: a 3rd block
+    out = sched.schedule()
+    assert out.preempted == [] and [(s.request_id, n) for s, n in out.scheduled] == [("a", 1),
+                                                                                 ("b", 1)]
+    assert a.drafts == [] and len(a.block_table) == 2
+    sched2 = make(num_blocks=8, block_size=4)
+    d = add(sched2, 6, "d")
+    run_step(sched2)
+    d.drafts = [1, 2, 3]  # drafts that fit stay
+    assert [(s.request_id, n) for s, n in sched2.schedule().scheduled] == [("d", 4)]

@@ -27,9 +27,10 @@ K = 3
 def _engine(speculative: bool, **kwargs):  # noqa: ANN202
     options = {"max_model_len": 256, "max_num_batched_tokens": 64, "num_kvcache_blocks": 24,
                "kvcache_block_size": 16, "overlap_scheduling": False, **kwargs}
-    if speculative:
+    if speculative:  # k drafts every step (adaptive drafting would pause a failing drafter)
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": K,
-                                         "prompt_lookup_min": 1, "disable_by_batch_size": 64}
+                                         "prompt_lookup_min": 1, "disable_by_batch_size": 64,
+                                         "adaptive": False}
     return LLM("tiny", runtime="inprocess", **options).engine
 
 
@@ -89,7 +90,7 @@ def _run_both(spec_engine, plain_engine, proposer=None):  # noqa: ANN001, ANN202
     preemptions = spec_engine.scheduler.num_preemptions
     hits = spec_engine.block_manager.num_hit_tokens
     try:
-        spec = run_steps(spec_engine, arrivals, aborts)
+        spec = run_steps(spec_engine, arrivals, aborts, _only_kept_tokens_hashed)
     finally:
         speculator.proposer = ngram
     after = speculator.counters.stats()
@@ -100,6 +101,16 @@ def _run_both(spec_engine, plain_engine, proposer=None):  # noqa: ANN001, ANN202
     counted = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens",
                                                         "num_accepted_tokens")}
     return spec, plain, counted
+
+
+def _only_kept_tokens_hashed(engine) -> None:  # noqa: ANN001
+    """The prefix cache holds no block with a rejected draft's KV: a running sequence's hashed
+    blocks end within its computed tokens."""
+    bm = engine.block_manager
+    for seq in engine.scheduler.running:
+        hashed = len(bm.seq_block_hashes.get(seq.seq_id, ())) * bm.block_size
+        assert hashed <= seq.num_computed_tokens, (seq.request_id, hashed,
+                                                   seq.num_computed_tokens)
 
 
 def _answers(outputs: dict) -> list[list[int]]:
@@ -130,42 +141,48 @@ def test_drafts_never_accepted_give_the_same_tokens(engines):
     assert counted["num_draft_tokens"] > 0 and counted["num_accepted_tokens"] == 0, counted
 
 
-def test_grammar_penalty_and_logprob_requests_beside_speculating_ones():
-    """Constrained, penalized and log-probability requests decode a token a step in the same
-    steps as speculating ones (their sampled rows sit after other sequences' draft rows)."""
+def test_other_rows_beside_speculating_ones():
+    """Constrained, penalized and log-probability requests (a token a step), prompt scores,
+    a pooled prompt and n=2 choices (forks sharing the prompt's blocks) in the same steps as
+    speculating sequences: their rows sit after other sequences' draft rows, on the ranks and
+    in the engine's records. Everything equals the plain engine's."""
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    prompts = random_prompts(6, 10, 30, seed=9)
+    prompts = random_prompts(9, 10, 30, seed=9)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     params = [greedy, SamplingParams(temperature=0.0, max_tokens=40,
                                      structured_outputs={"json": schema}),
               greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                                      presence_penalty=1.5, frequency_penalty=0.5),
-              greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)]
-    results = []
+              greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(max_tokens=0, pool=()),
+              SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=24, ignore_eos=True)]
+    results, answers = [], []
     for speculative in (False, True):
         llm = LLM("tiny", runtime="inprocess", max_model_len=128, overlap_scheduling=False,
                   **({"speculative_config": {"method": "ngram", "num_speculative_tokens": K,
-                                            "disable_by_batch_size": 64}}
+                                            "disable_by_batch_size": 64, "adaptive": False}}
                      if speculative else {}))
         if speculative:
-            llm.engine.speculator.proposer = Recorded(_plain_answers, llm.engine.limits.vocab_size)
+            llm.engine.speculator.proposer = Recorded(answers, llm.engine.limits.vocab_size)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append(outs)
         if not speculative:
-            _plain_answers[:] = [list(p) + list(o.token_ids) for p, o in zip(prompts, outs)]
+            answers[:] = [list(o.prompt_token_ids) + list(o.token_ids) for o in outs]
         else:
             assert llm.engine.speculator.counters.num_accepted_tokens > 0
         llm.shutdown()
-    for plain, spec in zip(*results):
-        assert (spec.token_ids, spec.text) == (plain.token_ids, plain.text)
-    # log-probabilities: the same tokens ranked, values within float noise of another batch
-    for plain, spec in zip(results[0][5].logprobs, results[1][5].logprobs):
-        assert spec.top_ids == plain.top_ids
-        assert spec.top_logprobs == pytest.approx(plain.top_logprobs, abs=1e-4)
-    json.loads(results[1][1].text)  # the constrained answer is the schema's JSON
-
-
-_plain_answers: list[list[int]] = []
+    plain, spec = results
+    assert len(spec) == len(plain) == len(prompts) + 1
+    for a, b in zip(plain, spec):
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    # log-probabilities and pooled rows: within float noise of another batch
+    for a, b in zip(plain[5].logprobs + plain[6].prompt_logprobs[1:],
+                    spec[5].logprobs + spec[6].prompt_logprobs[1:]):
+        assert b.top_ids == a.top_ids
+        assert b.top_logprobs == pytest.approx(a.top_logprobs, abs=1e-4)
+    assert spec[7].pooled == pytest.approx(plain[7].pooled, abs=1e-4)
+    json.loads(spec[1].text)  # the constrained answer is the schema's JSON
 
 
 def test_unseeded_sampling_keeps_its_distribution():
@@ -285,3 +302,32 @@ def test_adaptive_drafting_backs_off_a_drafter_that_keeps_failing():
             llm.shutdown()
     assert drafted[False] >= K * 50  # k drafts at nearly every step, all rejected
     assert 0 < drafted[True] < drafted[False] / 5, drafted
+
+
+def test_a_windowed_model_speculates_with_its_blocks_given_back(family_path):
+    """Gemma 3's sliding-window layers (window 8, blocks of 4): drafts accepted and rejected
+    while out-of-window blocks are given back; the same tokens as decoding a token a step."""
+    path = family_path("gemma3")
+    prompts = random_prompts(3, 20, 40, seed=10)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    options = {"runtime": "inprocess", "max_model_len": 128, "kvcache_block_size": 4,
+               "overlap_scheduling": False}
+    plain = LLM(path, **options)
+    try:
+        expected = plain.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    answers = [list(o.prompt_token_ids) + list(o.token_ids) for o in expected]
+    llm = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                        "disable_by_batch_size": 8, "adaptive": False}, **options)
+    try:
+        vocab = llm.engine.limits.vocab_size
+        for wrong in (False, True):
+            llm.engine.speculator.proposer = Recorded(answers, vocab, wrong)
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in expected], wrong
+        counters = llm.engine.speculator.counters
+        assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+        assert llm.engine.block_manager.windowed
+    finally:
+        llm.shutdown()

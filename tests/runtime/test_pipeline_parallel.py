@@ -124,6 +124,27 @@ def test_pp2_under_preemption_matches_hf(ray_cluster, tiny_path, dispatch):
     assert (stats["num_running"], stats["num_waiting"]) == (0, 0)
 
 
+def test_pp2_speculates_under_preemption_with_hfs_tokens(ray_cluster, tiny_path):
+    """n-gram speculation over pipeline stages (steps of disjoint sequences in flight on both,
+    a sequence preempted while its verified run is in flight is not rolled back): HF's
+    greedy tokens, drafts accepted."""
+    prompts = random_prompts(6, 20, 60, seed=75)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = LLM("tiny", pipeline_parallel_size=2, max_model_len=256, kvcache_block_size=8,
+              num_kvcache_blocks=40, max_num_batched_tokens=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "disable_by_batch_size": 8,
+                                  "adaptive": False})
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_path, prompt, 32)
+    assert stats["speculative"]["num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
+
+
 @pytest.mark.parametrize("family", ["qwen3-moe-mixed", "gemma3", "llama3", "qwen3_5"])
 def test_pp2_matches_hf_for_each_model_family(ray_cluster, family_path, family):
     """Each family's layers split over two stages (the MoE's dense layer, Gemma's windowed and
