@@ -43,7 +43,8 @@ class RequestMetrics:
             return
         self.ttft.observe(token_times[0] - arrival)
         for earlier, later in zip(token_times, token_times[1:]):
-            self.itl.observe(later - earlier)
+            if later > earlier:  # a verified run's tokens arrive together: one gap a step
+                self.itl.observe(later - earlier)
 
     def snapshot(self) -> dict[str, object]:
         return {"time_to_first_token_seconds": self.ttft.snapshot(),

@@ -331,3 +331,25 @@ def test_a_windowed_model_speculates_with_its_blocks_given_back(family_path):
         assert llm.engine.block_manager.windowed
     finally:
         llm.shutdown()
+
+
+def test_inter_token_latency_counts_a_gap_per_step_not_per_token():
+    """A verified run's tokens arrive in one step: the histogram gets one gap for it (vLLM's
+    per-iteration latency), not zeros for the tokens that came with it."""
+    prompt = random_prompts(1, 12, 12, seed=13)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm = LLM("tiny", runtime="inprocess", max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                  "adaptive": False})
+    try:
+        first = llm.generate(prompt, greedy, use_tqdm=False)[0]
+        llm.engine.speculator.proposer = Recorded([list(prompt) + list(first.token_ids)],
+                                                  llm.engine.limits.vocab_size)
+        itl = llm.engine.metrics.itl
+        count, steps = itl.count, llm.engine.num_steps["decode"]
+        llm.generate(prompt, greedy, use_tqdm=False)
+        gaps, decode_steps = itl.count - count, llm.engine.num_steps["decode"] - steps
+    finally:
+        llm.shutdown()
+    assert decode_steps <= 40 // (K + 1) + 2  # runs of k + 1 tokens
+    assert gaps == decode_steps  # one gap per step after the first token's
