@@ -309,7 +309,8 @@ class LLMEngine:
                 records.append((seq, kv_end, row, seq.num_preemptions, lp_row, score_row,
                                 num_scores, pooled_at, drafts))
                 row += 1 + len(drafts)
-            seq.drafts = []
+            if seq.drafts:  # sent: the next schedule proposes afresh (no list a step otherwise)
+                seq.drafts = []
             score_row += num_scores
         computes_prompt = num_decode < out.num_batched_tokens
         return LaunchedStep(step_input, records, logprob_row, computes_prompt)

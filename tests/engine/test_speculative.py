@@ -18,6 +18,7 @@ import torch
 
 from nvray import LLM, SamplingParams
 from nvray.speculative import NgramProposer, SpeculativeConfig, accepted_run
+from drafters import Recorded
 from oracle import random_prompts
 from stepping import assert_clean, mixed_workload, run_steps, with_stop_rules
 
@@ -32,21 +33,6 @@ def _engine(speculative: bool, **kwargs):  # noqa: ANN202
                                          "prompt_lookup_min": 1, "disable_by_batch_size": 64,
                                          "adaptive": False}
     return LLM("tiny", runtime="inprocess", **options).engine
-
-
-class Recorded:
-    """Proposes what a plain engine generated after these tokens (``wrong``: a token that is
-    not it), when the tokens so far are one of its answers' beginnings."""
-
-    def __init__(self, answers: list[list[int]], vocab_size: int, wrong: bool = False) -> None:
-        self.answers, self.vocab_size, self.wrong = answers, vocab_size, wrong
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        for answer in self.answers:
-            if len(answer) > len(token_ids) and answer[:len(token_ids)] == token_ids:
-                drafts = answer[len(token_ids):len(token_ids) + k]
-                return [(t + 1) % self.vocab_size for t in drafts] if self.wrong else drafts
-        return []
 
 
 @pytest.fixture(scope="module")

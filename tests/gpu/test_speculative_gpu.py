@@ -9,22 +9,11 @@ import pytest
 import torch
 
 from nvray import LLM, SamplingParams
+from drafters import Recorded
 from oracle import random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-class _Recorded:
-    def __init__(self, answers: list[list[int]], vocab: int, wrong: bool) -> None:
-        self.answers, self.vocab, self.wrong = answers, vocab, wrong
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        for answer in self.answers:
-            if len(answer) > len(token_ids) and answer[:len(token_ids)] == token_ids:
-                drafts = answer[len(token_ids):len(token_ids) + k]
-                return [(t + 1) % self.vocab for t in drafts] if self.wrong else drafts
-        return []
 
 
 @pytest.mark.parametrize("batch", [1, 6])
@@ -46,7 +35,7 @@ def test_speculation_on_the_gpu_keeps_the_tokens(batch):
     try:
         vocab = spec.engine.limits.vocab_size
         for wrong in (False, True):
-            spec.engine.speculator.proposer = _Recorded(answers, vocab, wrong)
+            spec.engine.speculator.proposer = Recorded(answers, vocab, wrong)
             got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
             assert got == expected, f"wrong drafter: {wrong}"
         counters = spec.engine.speculator.counters
