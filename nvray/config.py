@@ -168,10 +168,10 @@ class EngineConfig:
     @property
     def overlaps_steps(self) -> bool:
         """Overlapped steps (placeholders for ids sampled on the device): not with pipeline
-        stages, which keep a step per stage in flight instead, nor with speculation, whose
-        drafts come from the tokens a step accepted (on the host)."""
-        return (self.overlap_scheduling and self.pipeline_parallel_size == 1
-                and self.speculative_config is None)
+        stages, which keep a step per stage in flight instead. With speculation, only the steps
+        no sequence may draft from overlap (drafts come from the tokens a step accepted, on
+        the host: ``Engine.step``)."""
+        return self.overlap_scheduling and self.pipeline_parallel_size == 1
 
     @classmethod
     def from_kwargs(cls, model: str = "tiny", **kwargs: Any) -> "EngineConfig":

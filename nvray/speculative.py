@@ -3,9 +3,10 @@
 ``SpeculativeConfig`` is the engine's ``speculative_config`` (vLLM's names): ``method``
 (``"ngram"``: prompt lookup), ``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (the n-gram lengths tried, longest first), ``disable_by_batch_size``: no
-drafts in a step while more sequences than this run (default 1: a verification step of one
-sequence replays a CUDA graph, several sequences' run eagerly, which costs more than k drafts
-save on a GPU today; docs/speculative.md has the figures); nvray's ``adaptive`` (default True):
+drafts in a step while more sequences than this run (default 32: past that a verification
+step's k + 1 rows a sequence cost more than good drafts save on an 8B model, and such steps
+overlap as without speculation; docs/speculative.md has the figures); nvray's ``adaptive``
+(default True):
 each sequence drafts as many tokens as its drafts have lately earned
 (``nvray/engine/speculation.py``).
 
@@ -21,7 +22,9 @@ accepts draft ``d`` with probability p(d), what rejection sampling accepts it wi
 
 ``NgramProposer.propose``: the longest suffix of the sequence (``prompt_lookup_max`` tokens down
 to ``prompt_lookup_min``) that occurred earlier in it; the drafts are the tokens that followed
-its latest earlier occurrence.
+its latest earlier occurrence, copied on into the drafts themselves where that occurrence is
+within k of the end (a repeating stretch drafts its next period: ``a b a b`` drafts ``a b a b``
+for k = 4, not just the ``a b`` the text holds).
 
 What does not speculate (it decodes a token a step, in the same batch): sequences with
 penalties, a grammar, log-probabilities, bad words, a ``min_tokens`` still to reach, beam
@@ -50,7 +53,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int = 1
+    disable_by_batch_size: int = 32
     adaptive: bool = True  # each sequence's drafts follow its acceptance (engine/speculation.py)
 
     @classmethod
@@ -102,10 +105,20 @@ class NgramProposer:
             end = 4 * (length - 1)  # an earlier occurrence ends before the last token
             while (at := raw.rfind(suffix, 0, end)) >= 0:
                 if at % 4 == 0:
-                    follow = at // 4 + n
-                    return token_ids[follow:follow + k]
+                    return self._copy(token_ids, at // 4 + n, k)
                 end = at + len(suffix) - 1  # misaligned: look further left
         return []
+
+
+    @staticmethod
+    def _copy(token_ids: list[int], follow: int, k: int) -> list[int]:
+        """``k`` tokens copied from ``follow`` on, the copy reading its own output past the end
+        (an overlapping copy, as LZ77's)."""
+        drafts = token_ids[follow:follow + k]
+        period = len(token_ids) - follow
+        while len(drafts) < k:
+            drafts.append(drafts[len(drafts) - period])
+        return drafts
 
 
 def accepted_run(drafts: list[int] | tuple[int, ...], sampled: list[int]) -> list[int]:

@@ -24,7 +24,10 @@ The ranks answer with one sampled token id per sequence that has a ``SampleSpec`
 Speculative decoding (``nvray/speculative.py``): a ``SeqStep`` whose last ``num_drafts`` tokens
 are drafts is sampled at each of its last ``num_drafts + 1`` positions, the j-th with the
 sequence's ``SampleSpec`` at ``step_index + j``: it answers ``num_drafts + 1`` ids, in
-position order (the engine keeps those its drafts confirm).
+position order (the engine keeps those its drafts confirm). A step the engine will draft from
+(``answer_now``) is answered by the very call that hands it over, even to ranks that overlap
+steps (the engine hands it over with nothing in flight): the next step's drafts follow the
+tokens it keeps.
 
 With overlapped steps a sequence's newest token may still be sampled by the step before this
 one when this one is built: its id is then a placeholder ``-1 - row``, where ``row`` is the
@@ -130,6 +133,7 @@ class StepInput:
     grammars: list[GrammarSpec] = field(default_factory=list)  # of new requests: compile ahead
     grammars_done: list[int] = field(default_factory=list)  # seq ids whose matchers go
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) slots: first
+    answer_now: bool = False  # speculation: its ids come back from this call (see above)
 
     @property
     def num_samples(self) -> int:
@@ -149,7 +153,7 @@ class StepInput:
         return _step_input_from_plain, (seqs, self.block_copies, self.released,
                                         self.adjusts_logits, self.samples_logprobs,
                                         self.constrained, self.grammars, self.grammars_done,
-                                        self.state_copies)
+                                        self.state_copies, self.answer_now)
 
 
 _namedtuple_of = tuple.__new__  # _namedtuple_of(Cls, plain_tuple): a Cls, built in C
@@ -160,7 +164,8 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
                            samples_logprobs: bool, constrained: bool = False,
                            grammars: list[GrammarSpec] | None = None,
                            grammars_done: list[int] | None = None,
-                           state_copies: list[tuple[int, int]] | None = None) -> StepInput:
+                           state_copies: list[tuple[int, int]] | None = None,
+                           answer_now: bool = False) -> StepInput:
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
     for seq_id, token_ids, start, table, sample, score, table_start, state_slot, pool, drafts in seqs:
@@ -171,7 +176,8 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
         steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
                                               table_start, state_slot, pool, drafts)))
     return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs,
-                     constrained, grammars or [], grammars_done or [], state_copies or [])
+                     constrained, grammars or [], grammars_done or [], state_copies or [],
+                     answer_now)
 
 
 class StepOutput(NamedTuple):

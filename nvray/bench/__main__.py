@@ -192,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--input-len", type=int, default=256)
     sp.add_argument("--output-len", type=int, default=256)
     sp.add_argument("--repeats", type=int, default=3, help="timed passes (after one warm-up)")
-    sp.add_argument("--damp", type=float, default=None,
-                    help="scale random weights' residual branches by this (e.g. 0.05), so the "
-                         "tokens do not depend on the batch shape and the oracle's drafts hold")
+    sp.add_argument("--no-echo", dest="echo", action="store_false",
+                    help="keep the loaded weights (default: turn them into a network that "
+                         "repeats its last token, whose tokens do not depend on the batch shape)")
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("speculative: concurrencies, lengths and --repeats must be >= 1")
         return bench_speculative(args.model, args.shape, concurrencies,
                                  args.num_speculative_tokens, args.mean_acceptance_length,
-                                 args.input_len, args.output_len, args.repeats, args.damp)
+                                 args.input_len, args.output_len, args.repeats, args.echo)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

@@ -1,9 +1,8 @@
 """``python -m nvray.bench speculative``: the machinery of speculative decoding, measured with a
 drafter whose acceptance is a parameter (random weights cannot show real acceptance).
 
-Workload, per concurrency c: c prompts of ``input_len`` random token ids, sampled at temperature
-1 with a seed per request (see ``_seeded``), ``output_len`` tokens each, ``ignore_eos``, all
-submitted at once (``LLM.generate``). First the
+Workload, per concurrency c: c prompts of ``input_len`` random token ids, greedy,
+``output_len`` tokens each, ``ignore_eos``, all submitted at once (``LLM.generate``). First the
 plain engine (no speculation, overlapped steps: the engine's default) runs each concurrency
 after a warm-up, and its outputs are recorded. Then one engine with ``speculative_config``
 (k = ``num_speculative_tokens``) runs the same workloads with its proposer replaced by an
@@ -12,12 +11,21 @@ otherwise replaced by a wrong token (the run stops accepting there), r chosen so
 acceptance length (accepted drafts + 1) is ``--mean-acceptance-length``; then with a drafter
 that is never right (r = 0: the full cost of verifying k drafts for nothing) — these two with
 ``adaptive`` off (k drafts whatever they earn) — then the never-right drafter with ``adaptive``
-on (the policy's saving), then the real n-gram proposer (adaptive) (``disable_by_batch_size`` set to the largest concurrency). Figures: output tok/s (median of ``repeats`` passes), each as a ratio to
+on (the policy's saving), the same under the default ``disable_by_batch_size`` (``policy``: what
+a user of the defaults gets from drafts that never hold), then the real n-gram proposer
+(adaptive); ``disable_by_batch_size`` set to the largest concurrency but in ``policy``. Figures:
+output tok/s (median of ``repeats`` passes), each as a ratio to
 the plain engine's at that concurrency, the measured mean acceptance length, and the share of
-sequences whose tokens equal the plain engine's (1.0 but where a verification step's other
-batch shape moves a near-tie in bf16 on a GPU; from there the oracle's drafts are wrong).
-``--damp F`` scales the residual branches of a random checkpoint by F in both engines
-(``damp_residual_branches``) so that its tokens do not depend on the batch shape.
+sequences whose tokens equal the plain engine's (must be 1.0: else the oracle's drafts are wrong
+from where they differ).
+
+The echo checkpoint (default; ``echo=False``: the weights as loaded): a random deep network in
+bf16 has near-ties everywhere, and a verification step's other batch shape moves one within a
+few tokens, so a recorded continuation stops being the target's. ``echo_weights`` turns the
+loaded weights, in place, into a network that repeats its last token with a wide margin
+(attention's and the MLP's output projections zero, the LM head the embedding scaled, the final
+norm's weight one): the same shapes, so the same bytes and FLOPs a step, and the same tokens
+whatever the batch. The n-gram proposer is then always right after two generated tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import time
 from typing import Any
 
 from nvray.bench.checkpoints import default_checkpoint, is_config_only
+from nvray.speculative import SpeculativeConfig
 
 
 def keep_probability(mean_length: float, k: int) -> float:
@@ -73,28 +82,32 @@ def _prompts(c: int, input_len: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(min(vocab, 10000)) for _ in range(input_len)] for _ in range(c)]
 
 
-def damp_residual_branches(llm: Any, factor: float) -> None:
-    """Scale every layer's output projections (attention's ``o_proj``, the MLP's
-    ``down_proj``) by ``factor``, in place (an in-process engine; its CUDA graphs read the same
-    tensors). A random deep network amplifies the difference between two batch shapes' bf16
-    kernels until its tokens differ; with its residual branches damped, each token depends
-    mostly on the one before, the same whatever the batch, so an oracle's acceptance holds."""
+def echo_weights(llm: Any, margin: float = 50.0) -> None:
+    """Make the in-process engine's weights (its CUDA graphs read the same tensors) repeat the
+    last token: the residual stream stays the token's embedding e (every ``o_proj`` and
+    ``down_proj`` zero), the final norm's weight is one, and the LM head is the embedding
+    scaled so that the token's own logit is ``margin`` (``hidden * alpha * rms(e) = margin``)
+    while another's is about ``margin / sqrt(hidden)``."""
     import torch  # noqa: PLC0415
 
+    model = llm.engine.executor.runner.model
+    params = dict(model.named_parameters())
+    embed = params["model.embed_tokens.weight"]
     with torch.no_grad():
-        for name, param in llm.engine.executor.runner.model.named_parameters():
+        for name, param in params.items():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
-                param.mul_(factor)
+                param.zero_()
+        params["model.norm.weight"].fill_(1.0)
+        rms = embed.float().pow(2).mean().sqrt()
+        alpha = margin / (embed.shape[1] * rms)
+        params.get("lm_head.weight", embed).copy_((embed.float() * alpha).to(embed.dtype))
 
 
-def _seeded(c: int, output_len: int) -> list[Any]:
-    """Temperature 1, a seed per request: speculation gives the very tokens decoding does, and
-    unlike greedy on random weights (near-ties everywhere) another batch shape's bf16 noise
-    rarely changes them."""
+def _greedy(c: int, output_len: int) -> list[Any]:
     from nvray import SamplingParams  # noqa: PLC0415
 
-    return [SamplingParams(temperature=1.0, seed=i, max_tokens=output_len, ignore_eos=True)
-            for i in range(c)]
+    return [SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            for _ in range(c)]
 
 
 def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int
@@ -116,7 +129,7 @@ def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int
 def bench_speculative(model: str | None = None, shape: str = "0.6b",
                       concurrencies: tuple[int, ...] = (1, 8, 32, 128), k: int = 4,
                       mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
-                      repeats: int = 3, damp: float | None = None) -> dict[str, Any]:
+                      repeats: int = 3, echo: bool = True) -> dict[str, Any]:
     from nvray import LLM  # noqa: PLC0415
 
     keep = keep_probability(mean_length, k)
@@ -125,36 +138,38 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
         options["load_format"] = "dummy"
     model = model or default_checkpoint(shape)
     plain_llm = LLM(model, **options)
-    if damp is not None:
-        damp_residual_branches(plain_llm, damp)
+    if echo:
+        echo_weights(plain_llm)
     vocab = plain_llm.engine.limits.vocab_size
     workloads = {c: _prompts(c, input_len, vocab) for c in concurrencies}
     plain, answers = {}, {}
     try:
         for c, prompts in workloads.items():
-            plain[c], answers[c], _ = _timed(plain_llm, prompts, _seeded(c, output_len), repeats)
+            plain[c], answers[c], _ = _timed(plain_llm, prompts, _greedy(c, output_len), repeats)
             print(f"c={c}: plain {plain[c]:,.0f} tok/s", flush=True)
     finally:
         plain_llm.shutdown()
     spec_llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                               "disable_by_batch_size": max(concurrencies)},
                    **options)
-    if damp is not None:
-        damp_residual_branches(spec_llm, damp)
+    if echo:
+        echo_weights(spec_llm)
     runs = []
     try:
         speculator = spec_llm.engine.speculator
         ngram, adaptive = speculator.proposer, speculator.config
         fixed = dataclasses.replace(adaptive, adaptive=False)  # k drafts whatever they earn
+        default_batch = SpeculativeConfig().disable_by_batch_size
+        policy = dataclasses.replace(adaptive, disable_by_batch_size=default_batch)
         for c, prompts in workloads.items():
             recorded = [p + a for p, a in zip(prompts, answers[c])]
             never = OracleProposer(recorded, input_len, 0.0, vocab)
             for name, proposer, config in (
                     ("oracle", OracleProposer(recorded, input_len, keep, vocab), fixed),
                     ("never_right", never, fixed), ("never_right_adaptive", never, adaptive),
-                    ("ngram", ngram, adaptive)):
+                    ("never_right_policy", never, policy), ("ngram", ngram, adaptive)):
                 speculator.proposer, speculator.config = proposer, config
-                rate, outs, counted = _timed(spec_llm, prompts, _seeded(c, output_len), repeats)
+                rate, outs, counted = _timed(spec_llm, prompts, _greedy(c, output_len), repeats)
                 same = sum(a == b for a, b in zip(outs, answers[c])) / c
                 drafts = counted.get("num_drafts", 0)
                 run = {"concurrency": c, "drafter": name, "tok_per_s": round(rate, 1),
@@ -170,4 +185,4 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
         spec_llm.shutdown()
     return {"model": model, "k": k, "target_mean_acceptance_length": mean_length,
             "keep_probability": round(keep, 4), "input_len": input_len,
-            "output_len": output_len, "repeats": repeats, "damp": damp, "runs": runs}
+            "output_len": output_len, "repeats": repeats, "echo": echo, "runs": runs}

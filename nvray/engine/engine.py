@@ -39,6 +39,7 @@ collects the last step in flight counts as that step's kind.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, NamedTuple
@@ -222,7 +223,10 @@ class LLMEngine:
         if self.pipeline_depth > 1:
             return self._pipelined_step()
         start = time.perf_counter()
-        launched = self._launch()
+        if self.overlap and self.speculator is not None and self.speculator.may_draft(
+                self.scheduler.running, self.plans):
+            return self._step_to_draft_from(start)
+        launched = self._launch(draft=not self.overlap)
         if not self.overlap:
             if launched is None:
                 return []
@@ -235,6 +239,25 @@ class LLMEngine:
         previous, self.in_flight = self.in_flight, launched
         outputs = [] if previous is None else self.update_from_output(previous, sampled or [])
         self._account_step(launched or previous, start)  # type: ignore[arg-type]
+        return outputs
+
+    def _step_to_draft_from(self, start: float) -> list[RequestOutput]:
+        """With overlapped steps and speculation: a step whose tokens the next schedule drafts
+        from runs with nothing in flight and is answered at once (``answer_now``); the step in
+        flight, if any, is read first (its tokens are what drafts follow)."""
+        if self.in_flight is not None:
+            sampled = self.executor.execute_overlapped(None)
+            previous, self.in_flight = self.in_flight, None
+            self._account_step(previous, start)
+            return self.update_from_output(previous, sampled or [])  # type: ignore[arg-type]
+        launched = self._launch()
+        if launched is None:
+            return []
+        launched = launched._replace(step_input=dataclasses.replace(launched.step_input,
+                                                                    answer_now=True))
+        outputs = self.update_from_output(
+            launched, self.executor.execute_overlapped(launched.step_input))  # type: ignore[arg-type]
+        self._account_step(launched, start)
         return outputs
 
     def _pipelined_step(self) -> list[RequestOutput]:
@@ -264,10 +287,11 @@ class LLMEngine:
         self.step_seconds[kind] += time.perf_counter() - start
         self.num_steps[kind] += 1
 
-    def _launch(self) -> LaunchedStep | None:
-        """Schedule the next step and account for it as launched (KV and sampled tokens)."""
+    def _launch(self, draft: bool = True) -> LaunchedStep | None:
+        """Schedule the next step and account for it as launched (KV and sampled tokens);
+        ``draft`` False: no drafts in it (an overlapped step)."""
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.plans)
+            self.speculator.propose(self.scheduler.running, self.plans, draft)
         out = self.scheduler.schedule()
         return None if out.is_empty else self.launch_scheduled(out)
 

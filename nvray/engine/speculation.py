@@ -61,31 +61,51 @@ class Speculator:
         self.max_model_len = max_model_len
         self.counters = SpecCounters(self.k)
 
-    def propose(self, running: Sequence_[Sequence], plans: dict[int, SeqPlan]) -> None:
+    def may_draft(self, running: Sequence_[Sequence], plans: dict[int, SeqPlan]) -> bool:
+        """Whether the next schedule may propose drafts: at most ``disable_by_batch_size``
+        sequences run and one of them decodes, may speculate and is not pausing. (Then the
+        engine runs the step with nothing in flight, so the drafts follow its newest tokens.)"""
+        if not running or len(running) > self.config.disable_by_batch_size:
+            return False
+        return any(seq.num_computed_tokens >= seq.num_prompt_tokens
+                   and self._may_speculate(seq, plans[seq.seq_id])
+                   and not (self.config.adaptive and seq.draft_pace is not None
+                            and seq.draft_pace.pause)
+                   for seq in running)
+
+    def propose(self, running: Sequence_[Sequence], plans: dict[int, SeqPlan],
+                draft: bool = True) -> None:
         """Set each running sequence's drafts for the next schedule (none where it may not,
-        and none at all while more than ``disable_by_batch_size`` sequences run)."""
+        none at all while more than ``disable_by_batch_size`` sequences run, and none with
+        ``draft`` False: a step the engine overlaps; adaptive pauses count down all the same)."""
         if len(running) > self.config.disable_by_batch_size:
             for seq in running:
                 seq.drafts = []
             return
         for seq in running:
-            seq.drafts = self._drafts(seq, plans[seq.seq_id])
+            seq.drafts = self._drafts(seq, plans[seq.seq_id], draft)
 
-    def _drafts(self, seq: Sequence, plan: SeqPlan) -> list[int]:
+    def _drafts(self, seq: Sequence, plan: SeqPlan, draft: bool) -> list[int]:
         num_tokens = len(seq.token_ids)
-        if seq.num_pending or seq.num_computed_tokens != num_tokens - 1:
-            return []  # prefilling, or its newest token is still being sampled
-        params = seq.params
-        num_output = num_tokens - seq.num_prompt_tokens
-        if (not params.speculate or plan.grammar is not None or plan.logprobs >= 0
-                or plan.bad_words or num_output < plan.min_tokens or params.has_penalties):
+        if seq.num_computed_tokens < seq.num_prompt_tokens or not self._may_speculate(seq, plan):
             return []
+        allowed = self._pace(seq).allowed() if self.config.adaptive else self.k  # pauses count
+        if not draft or seq.num_pending or seq.num_computed_tokens != num_tokens - 1:
+            return []  # an overlapped step, or its newest token is still being sampled
+        params, num_output = seq.params, num_tokens - seq.num_prompt_tokens
         # the verified run emits up to k + 1 tokens: within max_tokens and max_model_len
-        room = min(self._pace(seq).allowed() if self.config.adaptive else self.k,
-                   self.max_model_len - num_tokens - 1)
+        room = min(allowed, self.max_model_len - num_tokens - 1)
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - num_output - 1)
         return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
+    @staticmethod
+    def _may_speculate(seq: Sequence, plan: SeqPlan) -> bool:
+        """Whether this sequence's request allows drafts now (see the module docstring)."""
+        params = seq.params
+        return (params.speculate and plan.grammar is None and plan.logprobs < 0
+                and not plan.bad_words and not params.has_penalties
+                and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens)
 
     def _pace(self, seq: Sequence) -> DraftPace:
         if seq.draft_pace is None:

@@ -16,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from nvray.engine.engine import LLMEngine

@@ -76,9 +76,8 @@ class RayExecutor:
         self.config = config
         self.timeout = config.step_timeout_s
         # the ranks answer a step at the next call: overlapped steps, and pipeline stages (whose
-        # engine keeps steps in flight its own way); a speculating engine runs a step at a time
-        self.overlap = config.overlap_scheduling and (config.pipeline_parallel_size > 1
-                                                      or config.speculative_config is None)
+        # engine keeps steps in flight its own way); but a step to answer_now (speculation) at once
+        self.overlap = config.overlap_scheduling
         self.pipeline_depth = config.pipeline_parallel_size  # steps in flight at most
         self.output_rank = config.world_size - config.tensor_parallel_size  # last stage's first
         self.pending: collections.deque = collections.deque()  # handed over, answers unread

@@ -23,6 +23,15 @@ to the graph's Q tokens: the graph's query is always Q long and its context leng
 chunk's start + Q, so the real tokens sit at their true positions; the padding rows come
 after them, write nowhere (slot -1), and only they can see the padding positions (causal
 mask), so the real rows compute exactly what an eager forward would.
+
+Verification graphs (speculative decoding, ``verify_q`` = k + 1; batch sizes
+``verify_graph_sizes``: the decode sizes up to ``disable_by_batch_size``) serve a step whose
+sequences each compute at most ``verify_q`` tokens (a sequence's newest token and its drafts; a
+plain decode; a short prompt chunk): every sequence gets ``verify_q`` query rows, its real tokens
+first and then padding as in a prefill graph (context length: the chunk's start + ``verify_q``);
+padding sequences attend over the first ``verify_q`` positions of a real sequence's table and
+write nowhere. Without them several sequences' verification ran eagerly, about 3x a decode step
+on an 8B model (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from typing import Callable, Iterator
 import torch
 
 from nvray.layers.attention import AttentionMetadata
-from nvray.worker.inputs import InputBuilder
+from nvray.worker.inputs import GraphShapes, InputBuilder
 
 logger = logging.getLogger(__name__)
 _MAX_GRAPH_BS = 512
@@ -54,15 +63,28 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes if sizes and sizes[-1] == top else sizes + [top]
 
 
+def verify_graph_sizes(max_num_seqs: int, drafting_batch: int) -> list[int]:
+    """Captured verification batch sizes: the decode graphs' up to ``drafting_batch`` sequences
+    (the most that draft in one step: ``disable_by_batch_size``)."""
+    return graph_batch_sizes(min(max_num_seqs, drafting_batch))
+
+
+def graph_capacity(shapes: GraphShapes) -> int:
+    """Tokens the static inputs must hold for these graphs."""
+    return max([*shapes.decode, *shapes.prefill,
+                *(bs * shapes.verify_q for bs in shapes.verify)], default=0)
+
+
 class StepGraphs:
-    def __init__(self, forward: Forward, inputs: InputBuilder, sizes: list[int],
-                 row_shape: tuple[int, ...], dtype: torch.dtype, max_model_len: int, prefill_sizes: list[int] = ()) -> None:
-        assert max([*sizes, *prefill_sizes], default=0) <= inputs.graph_capacity, \
-            "inputs too small for the graphs"
+    def __init__(self, forward: Forward, inputs: InputBuilder, shapes: GraphShapes,
+                 row_shape: tuple[int, ...], dtype: torch.dtype, max_model_len: int) -> None:
+        assert graph_capacity(shapes) <= inputs.graph_capacity, "inputs too small for the graphs"
         self.forward = forward
         self.inputs = inputs
-        self.sizes = sizes
-        self.prefill_sizes = list(prefill_sizes)
+        self.shapes = shapes
+        self.sizes = list(shapes.decode)
+        self.prefill_sizes = list(shapes.prefill)
+        self.verify_sizes, self.verify_q = list(shapes.verify), shapes.verify_q
         self.max_model_len = max_model_len
         (self.ids, self.pos, self.seq_lens, self.rows, self.group_slots,
          self.state_slots) = inputs.static_views()
@@ -73,6 +95,11 @@ class StepGraphs:
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_query_start = {q: torch.tensor([0, q], dtype=torch.int32, device=inputs.device)
                                     for q in self.prefill_sizes}
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        most = max(self.verify_sizes, default=0)
+        self.verify_query_start = torch.arange(0, (most + 1) * self.verify_q or 1,
+                                               self.verify_q or 1, dtype=torch.int32,
+                                               device=inputs.device)
         self.pool = None
 
     def _meta(self, num_tokens: int, num_seqs: int, query_start_loc: torch.Tensor,
@@ -99,6 +126,13 @@ class StepGraphs:
         meta = self._meta(q, 1, self.prefill_query_start[q], q)
         self.out[:q] = self.forward(self.ids[:q], self.pos[:q], meta)
 
+    def _run_verify(self, bs: int) -> None:
+        """The captured region of a verification graph: ``bs`` sequences of ``verify_q`` query
+        tokens each."""
+        q = self.verify_q
+        meta = self._meta(bs * q, bs, self.verify_query_start[:bs + 1], q)
+        self.out[:bs * q] = self.forward(self.ids[:bs * q], self.pos[:bs * q], meta)
+
     def _capture_one(self, run: Callable[[int], None], size: int) -> torch.cuda.CUDAGraph:
         run(size)  # warm-up outside the graph (allocator, Triton compilation)
         torch.cuda.synchronize()
@@ -109,36 +143,47 @@ class StepGraphs:
         return graph
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int] | None = None, prefill: bool = False) -> float:
-        """Capture (largest first, one shared pool); returns the seconds it took. With
-        ``prefill`` the prefill graphs too (they attend over block 0 while captured)."""
+    def capture(self, sizes: list[int] | None = None, prefill: bool = False,
+                verify: list[int] = ()) -> float:
+        """Capture (largest first, one shared pool); returns the seconds it took: the decode
+        graphs of ``sizes`` (None: all), the verification graphs of ``verify`` and with
+        ``prefill`` the prefill graphs (they attend over block 0 while captured)."""
         start = time.perf_counter()
-        decode = sorted(sizes or self.sizes, reverse=True)
-        for run, graphs, size in self._regions(decode, self.prefill_sizes if prefill else []):
+        for run, graphs, size in self._regions(self.sizes if sizes is None else sizes, verify,
+                                               self.prefill_sizes if prefill else []):
             graphs[size] = self._capture_one(run, size)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    def capture_all(self) -> float:
+        """Every graph of the shapes: decode, verification, prefill."""
+        return self.capture(prefill=True, verify=self.verify_sizes)
+
     @torch.inference_mode()
-    def rehearse(self, prefill: bool = False) -> None:
-        """Run every region ``capture`` would capture once, eagerly, capturing nothing (the
+    def rehearse(self) -> None:
+        """Run every region ``capture_all`` would capture once, eagerly, capturing nothing (the
         launches a capture makes, for ``compile_ahead.py``)."""
-        decode = sorted(self.sizes, reverse=True)
-        for run, _, size in self._regions(decode, self.prefill_sizes if prefill else []):
+        for run, _, size in self._regions(self.sizes, self.verify_sizes, self.prefill_sizes):
             run(size)
 
-    def _regions(self, decode: list[int], prefill: list[int]
+    def _regions(self, decode: list[int], verify: list[int], prefill: list[int]
                  ) -> Iterator[tuple[Callable[[int], None], dict[int, torch.cuda.CUDAGraph], int]]:
-        """The regions in capture order, as (the region's run, the graphs it goes to, size),
-        each with its static inputs set: decode batches run the model once and write nothing,
-        attend to nothing (slot -1, seq_len 0); a prefill of q tokens attends over a context of
-        q positions (row 0 of the tables: block 0)."""
+        """The regions in capture order (each kind largest first), as (the region's run, the
+        graphs it goes to, size), each with its static inputs set: decode batches run the model
+        once and write nothing, attend to nothing (slot -1, seq_len 0); a verification batch's
+        sequences and a prefill of q tokens attend over a context of q positions (row 0 of the
+        tables: block 0)."""
         for slots in [*self.group_slots, *([] if self.state_slots is None else [self.state_slots])]:
             slots.fill_(-1)
         self.seq_lens.zero_()
+        self.rows.zero_()
         try:
-            for bs in decode:
+            for bs in sorted(decode, reverse=True):
                 yield self._run, self.graphs, bs
+            for bs in sorted(verify, reverse=True):
+                self.seq_lens[:bs] = self.verify_q
+                yield self._run_verify, self.verify_graphs, bs
+            self.seq_lens.zero_()
             for q in sorted(prefill, reverse=True):
                 self.seq_lens[:1] = q
                 yield self._run_prefill, self.prefill_graphs, q
@@ -155,7 +200,14 @@ class StepGraphs:
         self.prefill_graphs[q].replay()
         return self.out[:q]
 
+    def replay_verify(self, bs: int) -> torch.Tensor:
+        """Run the verification graph of ``bs`` sequences; [bs * verify_q, hidden] (a static
+        view)."""
+        self.verify_graphs[bs].replay()
+        return self.out[:bs * self.verify_q]
+
     def release(self) -> None:
         self.graphs.clear()
         self.prefill_graphs.clear()
+        self.verify_graphs.clear()
         self.pool = None

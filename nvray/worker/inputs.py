@@ -20,6 +20,11 @@ layers' scratch row).
 A step that is one sequence's query chunk fitting a prefill graph (``cuda_graph.py``) writes its
 tokens there too, padded to the graph's query length with tokens that write nowhere; its
 context length is the chunk's start + the graph's query length.
+A step whose sequences each compute at most ``verify_q`` tokens (speculative decoding's
+verification) and that fits a verification graph is laid out ``verify_q`` rows a sequence: each
+sequence's tokens, then padding that writes nowhere (context length: the chunk's start +
+``verify_q``); padding sequences attend over a real sequence's first ``verify_q`` positions. The
+rows to sample, score and pool and the placeholders' positions follow their tokens there.
 
 The host buffer is reused every step, so before writing it the builder waits for the previous
 step's copy (an event: free on rank 0, which synchronizes on the sampled tokens anyway).
@@ -49,6 +54,15 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+class GraphShapes(NamedTuple):
+    """The captured CUDA graphs' shapes, each ascending (empty: none; all empty: eager only)."""
+
+    decode: tuple[int, ...] = ()  # batch sizes of decode graphs
+    prefill: tuple[int, ...] = ()  # query lengths of one-sequence prefill graphs
+    verify: tuple[int, ...] = ()  # batch sizes of verification graphs ...
+    verify_q: int = 0  # ... of this many query rows a sequence
+
+
 class StepBatch(NamedTuple):
     input_ids: torch.Tensor  # [T] int32 (graph: [graph_bs], padded)
     positions: torch.Tensor  # [T] int32
@@ -59,6 +73,7 @@ class StepBatch(NamedTuple):
     num_seqs: int
     graph_bs: int  # batch size of the decode CUDA graph to replay; 0: none
     prefill_q: int = 0  # query length of the prefill CUDA graph to replay; 0: none
+    verify_bs: int = 0  # batch size of the verification CUDA graph to replay; 0: none
     num_scores: int = 0  # R
     num_pools: int = 0  # P
 
@@ -133,21 +148,22 @@ class InputBuilder:
                             fields[-1] if self.has_state else None)
 
     # ------------------------------------------------------------------ build
-    def prepare(self, step: StepInput, graph_sizes: list[int],
-                prefill_sizes: list[int] = (), prev_sampled: torch.Tensor | None = None) -> StepBatch:
-        """``graph_sizes``/``prefill_sizes``: captured decode batch sizes and prefill query
-        lengths, ascending (empty: eager only); ``prev_sampled``: the previous step's sampled
-        ids on the device (int32), which fill the placeholders."""
+    def prepare(self, step: StepInput, shapes: GraphShapes = GraphShapes(),
+                prev_sampled: torch.Tensor | None = None) -> StepBatch:
+        """``shapes``: the captured graphs' (none: eager only); ``prev_sampled``: the previous
+        step's sampled ids on the device (int32), which fill the placeholders."""
         if self.copy_done is not None:
             self.copy_done.synchronize()  # the host buffer is free again
         lists = self._collect(step)
         if lists.fill_dst:
             assert prev_sampled is not None and max(lists.fill_src) < prev_sampled.numel(), (
                 "a placeholder token refers to no sampled id of the previous step")
-        num_seqs = len(lists.rows)
-        if graph_sizes and max(lists.q_lens) == 1 and num_seqs <= graph_sizes[-1]:
-            batch, fill = self._prepare_graph(lists, graph_sizes[bisect.bisect_left(graph_sizes, num_seqs)])
-        elif prefill_q := self._prefill_graph_for(lists, prefill_sizes):
+        num_seqs, decode = len(lists.rows), shapes.decode
+        if decode and max(lists.q_lens) == 1 and num_seqs <= decode[-1]:
+            batch, fill = self._prepare_graph(lists, decode[bisect.bisect_left(decode, num_seqs)])
+        elif verify_bs := self._verify_graph_for(lists, shapes):
+            batch, fill = self._prepare_verify_graph(lists, verify_bs, shapes.verify_q)
+        elif prefill_q := self._prefill_graph_for(lists, shapes.prefill):
             batch, fill = self._prepare_prefill_graph(lists, prefill_q)
         else:
             batch, fill = self._prepare_eager(lists)
@@ -156,7 +172,17 @@ class InputBuilder:
             batch.input_ids[dst] = prev_sampled[src]  # type: ignore[index]
         return batch
 
-    def _prefill_graph_for(self, h: _HostLists, prefill_sizes: list[int]) -> int:
+    def _verify_graph_for(self, h: _HostLists, shapes: GraphShapes) -> int:
+        """The batch size of the verification graph that can run this step, or 0."""
+        q, sizes = shapes.verify_q, shapes.verify
+        if not sizes or len(h.rows) > sizes[-1] or max(h.q_lens) > q:
+            return 0
+        # each padded context must stay within the block table (max_model_len)
+        if any(end - n + q > self.max_positions for n, end in zip(h.q_lens, h.seq_lens)):
+            return 0
+        return sizes[bisect.bisect_left(sizes, len(h.rows))]
+
+    def _prefill_graph_for(self, h: _HostLists, prefill_sizes: tuple[int, ...]) -> int:
         """The query length of the prefill graph that can run this step, or 0."""
         if len(h.rows) != 1 or not prefill_sizes or h.q_lens[0] > prefill_sizes[-1]:
             return 0
@@ -211,48 +237,66 @@ class InputBuilder:
                 slots[g].extend(range(base + lo, base + hi))
 
     def _prepare_graph(self, h: _HostLists, graph_bs: int) -> tuple[StepBatch, _Fill]:
-        cap, n = self.graph_capacity, len(h.rows)
-        a = self.host_np
-        fields = [(h.ids, 0), (h.pos, 0), (h.seq_lens, 0), (h.rows, 0)] + [(s, -1) for s in h.slots]
-        fields += [(h.state, -1)] if self.has_state else []
-        for f, (values, pad) in enumerate(fields):
-            a[f * cap:f * cap + n] = values
-            a[f * cap + n:f * cap + graph_bs] = pad
-        head = self.static_fields * cap
+        n = len(h.rows)
+        fields = [(h.ids, 0, graph_bs), (h.pos, 0, graph_bs), (h.seq_lens, 0, graph_bs),
+                  (h.rows, 0, graph_bs)] + [(s, -1, graph_bs) for s in h.slots]
+        fields += [(h.state, -1, graph_bs)] if self.has_state else []
         sample_all = len(h.sample) == n and not h.reads_more
-        gathered = [] if sample_all else h.gathered
-        tail = self._fill(head, gathered, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
-        self.static.copy_(self.host[:head], non_blocking=True)
-        num_idx = len(gathered)
-        sample, upd_idx, upd_val, dst, src = self._upload(
-            head, tail, [num_idx, len(h.upd_idx), len(h.upd_val), len(h.fill_dst), len(h.fill_src)])
-        self.tables.apply(upd_idx, upd_val)
-        self._record()
+        sample, fill = self._write_static(h, fields, [] if sample_all else h.gathered, h.fill_dst)
         ids, pos = self.static_views()[:2]  # type: ignore[index]
         return StepBatch(ids[:graph_bs], pos[:graph_bs], None, None if sample_all else sample,
                          len(h.sample), n, graph_bs, num_scores=len(h.score),
-                         num_pools=len(h.pool)), (dst, src)
+                         num_pools=len(h.pool)), fill
 
     def _prepare_prefill_graph(self, h: _HostLists, q: int) -> tuple[StepBatch, _Fill]:
-        cap, n = self.graph_capacity, len(h.ids)
-        a = self.host_np
+        n = len(h.ids)
         fields = [(h.ids, 0, q), (h.pos, 0, q), ([h.seq_lens[0] - n + q], 0, 1), (h.rows, 0, 1)]
         fields += [(s, -1, q) for s in h.slots] + ([(h.state, -1, 1)] if self.has_state else [])
+        sample, fill = self._write_static(h, fields, h.gathered, h.fill_dst)
+        ids, pos = self.static_views()[:2]  # type: ignore[index]
+        return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q,
+                         num_scores=len(h.score), num_pools=len(h.pool)), fill
+
+    def _prepare_verify_graph(self, h: _HostLists, bs: int, q: int) -> tuple[StepBatch, _Fill]:
+        """``q`` rows a sequence (its tokens, then padding) for ``bs`` sequences (then padding
+        sequences over the first real one's first ``q`` positions)."""
+        where = [i * q + j for i, n in enumerate(h.q_lens) for j in range(n)]  # each token's row
+
+        def spread(values: list[int], pad: int) -> list[int]:
+            rows = [pad] * (len(h.q_lens) * q)
+            for at, value in zip(where, values):
+                rows[at] = value
+            return rows
+
+        seq_lens = [end - n + q for n, end in zip(h.q_lens, h.seq_lens)]
+        fields = [(spread(h.ids, 0), 0, bs * q), (spread(h.pos, 0), 0, bs * q),
+                  (seq_lens, q, bs), (h.rows, h.rows[0], bs)]
+        fields += [(spread(s, -1), -1, bs * q) for s in h.slots]
+        fields += [(h.state, -1, bs)] if self.has_state else []
+        sample, fill = self._write_static(h, fields, [where[j] for j in h.gathered],
+                                          [where[j] for j in h.fill_dst])
+        ids, pos = self.static_views()[:2]  # type: ignore[index]
+        return StepBatch(ids[:bs * q], pos[:bs * q], None, sample, len(h.sample), len(h.rows), 0,
+                         verify_bs=bs, num_scores=len(h.score), num_pools=len(h.pool)), fill
+
+    def _write_static(self, h: _HostLists, fields: list[tuple[list[int], int, int]],
+                      gathered: list[int], fill_dst: list[int]) -> tuple[torch.Tensor, _Fill]:
+        """Write each static field (its values, then its padding value up to its length), and
+        upload them with the rows to gather, the table updates and the placeholders; returns
+        the device rows to gather and the placeholders' (positions, sampled rows)."""
+        cap, a = self.graph_capacity, self.host_np
         for f, (values, pad, length) in enumerate(fields):
             a[f * cap:f * cap + len(values)] = values
             a[f * cap + len(values):f * cap + length] = pad
         head = self.static_fields * cap
-        gathered = h.gathered
-        tail = self._fill(head, gathered, h.upd_idx, h.upd_val, h.fill_dst, h.fill_src)
+        tail = self._fill(head, gathered, h.upd_idx, h.upd_val, fill_dst, h.fill_src)
         self.static.copy_(self.host[:head], non_blocking=True)
         sample, upd_idx, upd_val, dst, src = self._upload(
-            head, tail, [len(gathered), len(h.upd_idx), len(h.upd_val), len(h.fill_dst),
+            head, tail, [len(gathered), len(h.upd_idx), len(h.upd_val), len(fill_dst),
                          len(h.fill_src)])
         self.tables.apply(upd_idx, upd_val)
         self._record()
-        ids, pos = self.static_views()[:2]  # type: ignore[index]
-        return StepBatch(ids[:q], pos[:q], None, sample, len(h.sample), 1, 0, prefill_q=q,
-                         num_scores=len(h.score), num_pools=len(h.pool)), (dst, src)
+        return sample, (dst, src)
 
     def _prepare_eager(self, h: _HostLists) -> tuple[StepBatch, _Fill]:
         cu = [0]

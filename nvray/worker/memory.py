@@ -13,10 +13,10 @@ counted against it. Before the KV cache exists, the runner measures what else it
   up to ``max_num_seqs``, and with speculation draft rows too), run on a one-block scratch
   cache (its allocator blocks are kept, not returned);
 - ``cuda_graphs``: the CUDA graphs' pool and per-graph memory, estimated by trial captures on
-  the scratch cache: the largest decode graph, the decode graph whose attention holds the most
-  split scratch (a mid-size batch below the decode kernel's split threshold) where that is
-  another, then the smallest (pool after the first ones + the smallest's cost for each other
-  graph, the prefill graphs included).
+  the scratch cache: the largest verification graph (with speculation), the largest decode
+  graph, the decode graph whose attention holds the most split scratch (a mid-size batch below
+  the decode kernel's split threshold) where that is another, then the smallest (pool after the first ones + the smallest's cost for each other
+  graph, the prefill and verification graphs included).
 
 ``kv = total * utilization - used - activations - cuda_graphs``, and never more than the device
 has free less the activations and graphs (another process may hold more than the rest of the

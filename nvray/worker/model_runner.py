@@ -12,8 +12,9 @@ call, so that its grammar masks are filled meanwhile). On the GPU the norms, the
 the plain sampler (greedy, or no filters, bans or seeds) run as hand-written Triton kernels
 (``kernels/``; the layers ``torch.compile``d and the sampler eager where Triton is missing),
 also with ``enforce_eager``, which turns off graphs only. Inputs are built by ``InputBuilder``
-(one host-to-device copy per step); decode-only batches that fit a graph replay it, everything
-else runs eager; the LM head and the sampler always run eager on the rows to sample.
+(one host-to-device copy per step); decode-only batches, speculative verification batches and
+one-sequence short prefills that fit a graph replay it (``cuda_graph.py``), everything else
+runs eager; the LM head and the sampler always run eager on the rows to sample.
 Under pipeline parallelism (``layers/pp.py``) every rank runs every step on its stage's layers:
 a stage after the first receives the previous stage's activations into the model's
 ``stage_input`` before its forward (eager or a graph's replay), a stage before the last sends
@@ -44,12 +45,13 @@ from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
 from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import SampleSpec, StepInput, StepOutput, sample_specs
-from nvray.worker.cuda_graph import StepGraphs, graph_batch_sizes, prefill_graph_sizes
+from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
+                                     prefill_graph_sizes, verify_graph_sizes)
 from nvray.grammar import grammar_compiler
 from nvray.worker.device_lists import to_device
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
-from nvray.worker.inputs import InputBuilder
+from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory, measure_used
@@ -117,20 +119,19 @@ class ModelRunner:
         if self.use_torch_compile:
             enable_torch_compile(self.model)
             self.fused_sampler = use_triton_kernels(self.model)
-        graphs = self._graphs_wanted()
-        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if graphs else []
-        self.prefill_sizes = (prefill_graph_sizes(config.max_prefill_graph_tokens)
-                              if graphs else [])
+        self.graph_shapes = self._graph_shapes() if self._graphs_wanted() else GraphShapes()
+        self.graph_sizes = list(self.graph_shapes.decode)
+        self.prefill_sizes = list(self.graph_shapes.prefill)
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
-                                   max([*self.graph_sizes, *self.prefill_sizes], default=0),
-                                   self.device, self.kv_layout.num_groups,
-                                   has_state=bool(self.state_layers))
+                                   graph_capacity(self.graph_shapes), self.device,
+                                   self.kv_layout.num_groups, has_state=bool(self.state_layers))
         self.stage_input = self._stage_input_buffer()
         self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
         self.memory_report: GpuMemoryReport | None = None
         self.graph_memory = 0
         self.num_graph_replays = 0
+        self.num_verify_replays = 0  # of them, verification graphs'
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []  # every K and V tensor of the cache, once
         self.state_caches: list[torch.Tensor] = []  # every recurrent layer's state tensors
@@ -187,6 +188,16 @@ class ModelRunner:
         return {"tensor_parallel_size": tp_size(), "pipeline_parallel_size": pp_size(),
                 "expert_parallel": expert_parallel(), "all_reduce": self.all_reduce_in_use}
 
+    def _graph_shapes(self) -> GraphShapes:
+        """The graphs to capture: decode batches, short prefills and, with speculation,
+        verification batches of k + 1 tokens a sequence."""
+        config, spec = self.config, self.config.speculative
+        verify = (verify_graph_sizes(config.max_num_seqs, spec.disable_by_batch_size)
+                  if spec is not None else [])
+        return GraphShapes(tuple(graph_batch_sizes(config.max_num_seqs)),
+                           tuple(prefill_graph_sizes(config.max_prefill_graph_tokens)),
+                           tuple(verify), spec.num_speculative_tokens + 1 if spec else 0)
+
     def _graphs_wanted(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return False
@@ -226,8 +237,8 @@ class ModelRunner:
     def new_graphs(self) -> StepGraphs:
         hidden = self.hf_config.hidden_size  # a stage before the last: (hidden, residual) rows
         row_shape = (hidden,) if is_last_stage() else (2, hidden)
-        return StepGraphs(self.model, self.inputs, self.graph_sizes, row_shape,
-                          self.dtype, self.max_model_len, self.prefill_sizes)
+        return StepGraphs(self.model, self.inputs, self.graph_shapes, row_shape, self.dtype,
+                          self.max_model_len)
 
     def _release_graphs(self) -> None:
         if self.graphs is not None:
@@ -283,8 +294,7 @@ class ModelRunner:
         if step.state_copies:
             self.copy_states(step.state_copies)
         graphs = self.graphs
-        batch = self.inputs.prepare(step, graphs.sizes if graphs is not None else [],
-                                    graphs.prefill_sizes if graphs is not None else [],
+        batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
                                     self.last_sampled)
         if self.stage_input is not None:  # the previous stage's activations, rows as computed
             recv_from_prev(self.stage_input[:batch.positions.shape[0]])
@@ -294,6 +304,10 @@ class ModelRunner:
         elif batch.prefill_q:
             hidden = graphs.replay_prefill(batch.prefill_q)  # type: ignore[union-attr]
             self.num_graph_replays += 1
+        elif batch.verify_bs:
+            hidden = graphs.replay_verify(batch.verify_bs)  # type: ignore[union-attr]
+            self.num_graph_replays += 1
+            self.num_verify_replays += 1
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         if not is_last_stage():
@@ -335,7 +349,15 @@ class ModelRunner:
 
         A step with constrained rows queues its forward pass only: its sampling is queued at
         the next call, before the next forward, so that the caller reads the step before and
-        schedules the next one while the grammar masks are filled (``grammar_masks.py``)."""
+        schedules the next one while the grammar masks are filled (``grammar_masks.py``).
+
+        A step to ``answer_now`` (speculation; nothing may be in flight) runs to completion and
+        its own ids come back."""
+        if step is not None and step.answer_now:
+            assert not self.in_flight and self.deferred is None, (
+                "a step to answer at once was handed over while others are in flight")
+            self.last_sampled = None  # the next step holds no placeholders
+            return self.execute(step)
         self.profiler.step()
         if self.deferred is not None:
             self.in_flight.append(self._sample(self.deferred, share_ids=True))

@@ -3,11 +3,12 @@
 ``num_kvcache_blocks(runner)`` says how many KV blocks fit the rank's memory budget: on the GPU
 first compiling the Triton kernels all of this start-up launches, side by side
 (``compile_ahead.py``, over ``rehearse_startup``), then after a measured warm-up step and trial
-captures of CUDA graphs (``trial_graph_sizes``: the largest, the one holding the most decode
-scratch, the smallest; ``memory.py``); the control plane takes the minimum over ranks.
+captures of CUDA graphs (the largest verification graph where speculation has them, then
+``trial_graph_sizes``: the largest decode graph, the one holding the most decode scratch, the
+smallest; ``memory.py``); the control plane takes the minimum over ranks.
 ``prepare_kv_cache(runner, n)`` creates the cache, then, on the GPU, compiles the kernels the
-first requests would need (and warms the GEMMs, ``gemm_warmup.py``) and captures the decode and
-prefill CUDA graphs (``cuda_graph.py``; off with ``enforce_eager`` or an attention backend that
+first requests would need (and warms the GEMMs, ``gemm_warmup.py``) and captures the decode,
+verification and prefill CUDA graphs (``cuda_graph.py``; off with ``enforce_eager`` or an attention backend that
 cannot be captured).
 """
 
@@ -95,7 +96,7 @@ def rehearse_startup(runner: ModelRunner) -> None:
     launched)."""
     warm_kernel_steps(runner)
     if runner.graph_sizes:
-        runner.new_graphs().rehearse(prefill=True)
+        runner.new_graphs().rehearse()
 
 
 def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
@@ -110,12 +111,20 @@ def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
     activations = torch.cuda.max_memory_allocated(dev) - allocated - runner.kv_block_bytes
     graphs = 0
     if runner.graph_sizes:
-        def capture_one(size: int) -> None:
+        def capture_one(trial: tuple[str, int]) -> None:
+            kind, size = trial
             runner.graphs = runner.graphs or runner.new_graphs()
-            runner.graphs.capture([size])
+            if kind == "decode":
+                runner.graphs.capture([size])
+            else:
+                runner.graphs.capture([], verify=[size])
 
-        graphs = graph_memory_estimate(capture_one, trial_graph_sizes(runner),
-                                       len(runner.graph_sizes) + len(runner.prefill_sizes), dev)
+        shapes = runner.graph_shapes
+        # the largest verification graph (most tokens) sets the pool first where there is one
+        trials = [("verify", size) for size in shapes.verify[-1:]]
+        trials += [("decode", size) for size in trial_graph_sizes(runner)]
+        graphs = graph_memory_estimate(capture_one, trials, len(shapes.decode)
+                                       + len(shapes.prefill) + len(shapes.verify), dev)
     runner.allocate_kv_cache(0)  # drops the trial graphs too
     free_cached_memory()
     free, total = torch.cuda.mem_get_info(dev)
@@ -174,14 +183,16 @@ def capture_graphs(runner: ModelRunner) -> None:
     free_cached_memory()
     before = measure_used(runner.device)
     runner.graphs = runner.new_graphs()
-    seconds = runner.graphs.capture(prefill=True)
+    seconds = runner.graphs.capture_all()
     runner.graph_memory = measure_used(runner.device) - before
     estimate = runner.memory_report.cuda_graphs if runner.memory_report else 0
-    decode, prefill = runner.graph_sizes, runner.prefill_sizes
-    logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) and %d prefill graphs "
-                "(up to %s tokens) in %.1f s, %.0f MiB (estimated %.0f MiB)",
-                len(decode), decode[0], decode[-1], len(prefill), prefill[-1] if prefill else 0,
-                seconds, runner.graph_memory / 2**20, estimate / 2**20)
+    decode, prefill, verify = runner.graph_sizes, runner.prefill_sizes, runner.graph_shapes.verify
+    logger.info("captured %d decode CUDA graphs (batch sizes %s..%s), %d prefill graphs "
+                "(up to %s tokens) and %d verification graphs (up to %s sequences) in %.1f s, "
+                "%.0f MiB (estimated %.0f MiB)", len(decode), decode[0], decode[-1],
+                len(prefill), prefill[-1] if prefill else 0, len(verify),
+                verify[-1] if verify else 0, seconds, runner.graph_memory / 2**20,
+                estimate / 2**20)
 
 
 @torch.inference_mode()

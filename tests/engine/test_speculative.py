@@ -204,11 +204,13 @@ def test_unseeded_sampling_keeps_its_distribution():
     assert dof >= 2 and p_value > 1e-4, (chi2.item(), dof, counts)
 
 
-def test_the_ngram_proposer_follows_the_latest_earlier_occurrence():
+def test_the_ngram_proposer_copies_on_from_the_latest_earlier_occurrence():
     ngram = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
     assert ngram.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # latest, longest
     assert ngram.propose([5, 6, 7], 3) == []  # nothing recurs
-    assert ngram.propose([4, 4], 3) == [4]  # only what follows an earlier occurrence
+    assert ngram.propose([4, 4], 3) == [4, 4, 4]  # a repeat drafts its next period
+    assert ngram.propose([7, 1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert ngram.propose([3, 1, 2, 5, 1, 2], 4) == [5, 1, 2, 5]
     # bytes that match across two int32 tokens are no match (1 in 2**24's last byte and 0)
     assert ngram.propose([1, 9, 2**24, 0, 5, 1], 2) == [9, 2**24]
     assert accepted_run([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
@@ -228,20 +230,50 @@ def test_a_model_with_recurrent_layers_refuses_speculation(family_path):
             speculative_config={"method": "ngram"})
 
 
-def test_speculation_steps_aside_in_batches_larger_than_disable_by_batch_size():
-    prompt = random_prompts(1, 12, 12, seed=6)[0]
-    llm = LLM("tiny", runtime="inprocess", max_model_len=128,
-              speculative_config={"method": "ngram", "prompt_lookup_min": 1})  # default: 1
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+def test_larger_batches_overlap_their_steps_and_smaller_ones_draft():
+    """With ``disable_by_batch_size`` 2 and overlapped steps on: while more than two sequences
+    run, steps overlap and carry no drafts (also the first after a drafting step, whose
+    sequences have no token in flight); while two or fewer run, each step is answered at once
+    and drafts follow its tokens. One request runs alone, three join it, then they finish one
+    by one. The tokens are the plain engine's throughout."""
+    prompts = random_prompts(4, 12, 20, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (70, 10, 20, 30)]
+    plain = LLM("tiny", runtime="inprocess", max_model_len=128)
     try:
-        alone = llm.generate(prompt, greedy, use_tqdm=False)[0]
-        drafted_alone = llm.engine.speculator.counters.num_drafts
-        together = llm.generate([prompt] * 3, greedy, use_tqdm=False)
-        drafted_together = llm.engine.speculator.counters.num_drafts - drafted_alone
+        expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    finally:
+        plain.shutdown()
+    llm = LLM("tiny", runtime="inprocess", max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                  "disable_by_batch_size": 2, "adaptive": False})
+    engine = llm.engine
+    answers = [list(p) + list(t) for p, t in zip(prompts, expected)]
+    engine.speculator.proposer = Recorded(answers, engine.limits.vocab_size)
+    handed = []  # (answered at once, drafts, placeholders) of each step handed over
+    execute_overlapped = engine.executor.execute_overlapped
+
+    def spy(step):  # noqa: ANN001, ANN202 - the real call, recorded
+        if step is not None:
+            handed.append((step.answer_now, sum(s.num_drafts for s in step.seqs),
+                           sum(t < 0 for s in step.seqs for t in s.token_ids)))
+        return execute_overlapped(step)
+
+    engine.executor.execute_overlapped = spy
+    arrivals = {0: [("r0", prompts[0], params[0], False)],
+                6: [(f"r{i}", prompts[i], params[i], False) for i in (1, 2, 3)]}
+    try:
+        outputs = run_steps(engine, arrivals, {})
+        assert_clean(engine)
     finally:
         llm.shutdown()
-    assert drafted_alone > 0 and drafted_together == 0
-    assert all(out.token_ids == alone.token_ids for out in together)
+    assert [outputs[f"r{i}"][-1].token_ids for i in range(4)] == expected
+    overlapped = [h for h in handed if not h[0]]
+    answered = [h for h in handed if h[0]]
+    assert any(h[2] for h in overlapped), "no step overlapped the one before it"
+    assert all(h[1] == 0 for h in overlapped), "an overlapped step carried drafts"
+    assert all(h[2] == 0 for h in answered), "a step answered at once held placeholders"
+    assert sum(h[1] for h in answered) > 0, "no drafts while the batch was small"
 
 
 def test_a_request_may_opt_out_of_speculation():

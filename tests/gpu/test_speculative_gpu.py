@@ -1,7 +1,8 @@
-"""Speculative decoding on the GPU: the tiny model in float32 with CUDA graphs (one-sequence
-verification replays a prefill graph; several sequences verify eagerly), a drafter that is
-always right and one that is always wrong, against the same engine settings without
-speculation: greedy and seeded tokens equal."""
+"""Speculative decoding on the GPU: the tiny model in float32 with CUDA graphs (verification
+steps replay the verification graphs: k + 1 rows a sequence, padded where a sequence drafts
+fewer), a drafter that is always right and one that is always wrong, with fixed and adaptive
+draft counts, against the same engine settings without speculation: greedy and seeded tokens
+equal."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("batch", [1, 6])
-def test_speculation_on_the_gpu_keeps_the_tokens(batch):
+@pytest.mark.parametrize("batch,adaptive", [(1, False), (6, False), (6, True)])
+def test_speculation_on_the_gpu_keeps_the_tokens(batch, adaptive):
     prompts = random_prompts(batch, 10, 40, seed=12)
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
@@ -30,14 +31,16 @@ def test_speculation_on_the_gpu_keeps_the_tokens(batch):
         plain.shutdown()
     answers = [list(p) + list(t) for p, t in zip(prompts, expected)]
     spec = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                           "disable_by_batch_size": 8, "adaptive": False},
+                                           "disable_by_batch_size": 8, "adaptive": adaptive},
                **options)
     try:
         vocab = spec.engine.limits.vocab_size
+        runner = spec.engine.executor.runner
         for wrong in (False, True):
             spec.engine.speculator.proposer = Recorded(answers, vocab, wrong)
             got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
             assert got == expected, f"wrong drafter: {wrong}"
+        assert runner.num_verify_replays > 0, "no verification step replayed a graph"
         counters = spec.engine.speculator.counters
         assert counters.num_accepted_tokens > 0 and counters.num_draft_tokens > counters.num_accepted_tokens
     finally:
