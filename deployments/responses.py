@@ -8,7 +8,10 @@ stop string, or an undecided reasoning tag).
 
 Usage counts each prompt's tokens once, whatever its number of choices (``n``), and
 ``prompt_tokens_details.cached_tokens`` the prompt tokens served from the prefix cache (whole
-KV blocks), summed the same way. Log-probabilities (``logprobs_format.py``) and completions'
+KV blocks), summed the same way. Where speculative decoding verified drafts for the outputs,
+``completion_tokens_details`` counts them as OpenAI's predicted outputs do:
+``accepted_prediction_tokens`` (drafts the target confirmed) and ``rejected_prediction_tokens``
+(the others; not part of ``completion_tokens``). Log-probabilities (``logprobs_format.py``) and completions'
 ``echo`` go with each choice's text; a chunk whose text is held back keeps its tokens'
 log-probabilities for the next chunk that goes out. With a
 reasoning parser (app option ``reasoning_parser``) a chat message carries
@@ -39,9 +42,15 @@ def usage_of(outputs: list[RequestOutput]) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.token_ids) for o in outputs)
     cached = sum(o.num_cached_tokens for o in firsts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion,
+                             "prompt_tokens_details": {"cached_tokens": cached}}
+    drafted = sum(o.num_draft_tokens for o in outputs)
+    if drafted:
+        accepted = sum(o.num_accepted_draft_tokens for o in outputs)
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}
+    return usage
 
 
 def with_usage(chunk: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:

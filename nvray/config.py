@@ -157,12 +157,13 @@ class EngineConfig:
 
     @property
     def max_sampled_rows(self) -> int:
-        """Most rows a step samples: one per sequence, and with speculation one more per draft
-        while at most ``disable_by_batch_size`` sequences run (never above the token budget)."""
+        """Most rows a step samples: one per sequence, and with speculation k more for each of
+        the at most ``disable_by_batch_size`` sequences that draft (the schedule may admit new
+        sequences beside them; never above the token budget)."""
         rows, spec = self.max_num_seqs, self.speculative
         if spec is not None:
             drafting = min(spec.disable_by_batch_size, self.max_num_seqs)
-            rows = max(rows, drafting * (spec.num_speculative_tokens + 1))
+            rows += drafting * spec.num_speculative_tokens
         return min(rows, self.max_num_batched_tokens)
 
     @property

@@ -62,6 +62,10 @@ class RequestOutput:
     # a pooling request's (SamplingParams.pool): the last prompt token's final hidden state,
     # or the pooled token ids' logits there (nvray/pooling.py turns it into an embedding/score)
     pooled: list[float] | None = None
+    # speculative decoding (the final output): drafts verified for this choice, and of them
+    # accepted (nvray/speculative.py); the OpenAI usage's accepted/rejected_prediction_tokens
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def usage(self) -> dict[str, int]:

@@ -27,8 +27,9 @@ within k of the end (a repeating stretch drafts its next period: ``a b a b`` dra
 for k = 4, not just the ``a b`` the text holds).
 
 What does not speculate (it decodes a token a step, in the same batch): sequences with
-penalties, a grammar, log-probabilities, bad words, a ``min_tokens`` still to reach, beam
-searches, and models with recurrent layers (whose state cannot be rolled back).
+penalties, a grammar, bad words, a ``min_tokens`` still to reach, beam searches, and models
+with recurrent layers (whose state cannot be rolled back). Log-probabilities are the target's
+at each kept token's position.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class Executor(Protocol):
 
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         """Launch ``step`` (None: nothing new); return the answer of the step launched before
-        (None if there was none)."""
+        (None if there was none), or ``step``'s own if it is to ``answer_now``."""
 
     def submit(self, step: StepInput) -> None:
         """Pipeline stages (the Ray executor): hand the ranks ``step`` without waiting."""

@@ -37,6 +37,8 @@ class InstantExecutor:
         return StepOutput([self.rng.randrange(3, self.vocab) for _ in range(step.num_samples)])
 
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
+        if step is not None and step.answer_now:
+            return self.execute(step)
         previous, self.previous = self.previous, (None if step is None else self.execute(step))
         return previous
 

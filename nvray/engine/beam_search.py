@@ -122,7 +122,7 @@ class BeamSearcher:
     def beam_params(params: BeamSearchParams) -> SamplingParams:
         """What each beam runs: greedy (its own pick is ignored), reporting the candidates."""
         return SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
-                              logprobs=2 * params.beam_width)
+                              logprobs=2 * params.beam_width, speculate=False)
 
     def add(self, request_id: str, token_ids: list[int], params: BeamSearchParams,
             eos_token_ids: tuple[int, ...], arrival: float, priority: int) -> None:

@@ -54,7 +54,7 @@ from nvray.engine.scheduler import Scheduler, SchedulerOutput
 from nvray.engine.sequence import RequestState, SeqPlan, Sequence
 from nvray.engine.speculation import Speculator
 from nvray.engine.step_builder import build_step_input
-from nvray.outputs import RequestOutput
+from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.startup_phases import describe
 from nvray.step_protocol import Executor, StepInput, StepOutput
@@ -326,10 +326,10 @@ class LLMEngine:
             else:
                 seq.num_pending += 1
                 seq.pending_row = row
-                lp_row = -1
-                if sample.logprobs >= 0:
-                    lp_row, logprob_row = logprob_row, logprob_row + 1
                 drafts = tuple(seq_step.token_ids[-seq_step.num_drafts:]) if seq_step.num_drafts else ()
+                lp_row = -1
+                if sample.logprobs >= 0:  # a row at each verified position
+                    lp_row, logprob_row = logprob_row, logprob_row + 1 + len(drafts)
                 records.append((seq, kv_end, row, seq.num_preemptions, lp_row, score_row,
                                 num_scores, pooled_at, drafts))
                 row += 1 + len(drafts)
@@ -352,8 +352,10 @@ class LLMEngine:
             if seq.is_finished:  # finished or aborted since: this step's work for it is void
                 continue
             if drafts:  # its tokens first: how much of this KV holds is the verification's
+                logprobs = (result.logprobs[lp_row:lp_row + len(drafts) + 1]  # type: ignore[index]
+                            if lp_row >= 0 else None)
                 self._apply_verified(self.requests[seq.request_id][seq.index],
-                                     sampled[row:row + len(drafts) + 1], drafts, kv_end,
+                                     sampled[row:row + len(drafts) + 1], drafts, logprobs, kv_end,
                                      seq.num_preemptions == num_preemptions, now, finished,
                                      outputs)
                 continue
@@ -397,16 +399,22 @@ class LLMEngine:
         return outputs
 
     def _apply_verified(self, state: RequestState, sampled: list[int],
-                        drafts: tuple[int, ...], kv_end: int, kept: bool, now: float,
-                        finished: list[RequestState], outputs: list[RequestOutput]) -> None:
+                        drafts: tuple[int, ...], logprobs: list[TokenLogprobs] | None,
+                        kv_end: int, kept: bool, now: float, finished: list[RequestState],
+                        outputs: list[RequestOutput]) -> None:
         """A speculating sequence's step: the tokens its drafts confirm (``nvray/speculative.py``)
-        join it one by one under the stop rules; the KV of rejected drafts is dropped (the
-        sequence computes from the first rejected position again; its blocks stay its own)."""
+        join it one by one under the stop rules, each with its position's log-probabilities
+        where asked; the KV of rejected drafts is dropped (the sequence computes from the first
+        rejected position again; its blocks stay its own)."""
         seq = state.seq
         seq.num_pending -= 1
         tokens = self.speculator.emitted(seq, drafts, sampled)  # type: ignore[union-attr]
         rejected = len(drafts) + 1 - len(tokens)
-        for token in tokens:
+        seq.num_draft_tokens += len(drafts)
+        seq.num_accepted_drafts += len(drafts) - rejected
+        for i, token in enumerate(tokens):
+            if logprobs is not None:
+                state.logprobs.append(logprobs[i])  # type: ignore[union-attr]
             append_token(state, token, now, self.limits.max_model_len)
             self.num_generation_tokens += 1
             if state.finish_reason is not None:

@@ -89,7 +89,9 @@ def make_output(state: RequestState) -> RequestOutput:
             delta_token_ids=delta_token_ids, finished=True, finish_reason=state.finish_reason,
             stop_reason=state.stop_reason, error=state.error,
             num_cached_tokens=seq.num_cached_tokens, prompt=state.prompt, logprobs=state.logprobs,
-            prompt_logprobs=state.prompt_logprobs, pooled=state.pooled)
+            prompt_logprobs=state.prompt_logprobs, pooled=state.pooled,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_draft_tokens=seq.num_accepted_drafts)
     else:  # a streaming step: the deltas only
         out = RequestOutput(seq.request_id, [], delta_text=delta_text,
                             delta_token_ids=delta_token_ids, index=seq.index)

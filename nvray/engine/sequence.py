@@ -43,7 +43,8 @@ class Sequence:
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
                  "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
-                 "ranks_table_len", "state_slot", "state_save_at", "drafts", "draft_pace")
+                 "ranks_table_len", "state_slot", "state_save_at", "drafts", "draft_pace",
+                 "num_draft_tokens", "num_accepted_drafts")
 
     _counter = itertools.count()
 
@@ -75,6 +76,8 @@ class Sequence:
         self.state_save_at = -1  # where its state is kept for prefix caching (BlockManager)
         self.drafts: list[int] = []  # speculation: tokens proposed to follow (nvray/speculative.py)
         self.draft_pace: Any = None  # speculation: its DraftPace (nvray/engine/speculation.py)
+        self.num_draft_tokens = 0  # speculation: drafts verified for it, and of them accepted
+        self.num_accepted_drafts = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -3,13 +3,17 @@
 ``Speculator.propose`` runs before each schedule: every running sequence that is decoding (its
 prompt computed, no token being sampled) and may speculate gets up to k drafts in
 ``Sequence.drafts``, which the scheduler adds to its tokens for the step and the step builder
-sends after its newest token. ``Speculator.emitted`` turns a verified step's sampled ids into the
+sends after its newest token. With overlapped steps, ``may_draft`` tells the engine whether the
+next step may carry drafts: if so it runs with nothing in flight, else it overlaps and carries
+none. ``Speculator.emitted`` turns a verified step's sampled ids into the
 tokens the sequence keeps and counts them.
 
 A sequence may speculate unless its tokens depend on more than the target's distribution at
 each position given the tokens before it, as the ranks sample it: penalties (the drafts would
-count as output), a grammar, log-probabilities, bad words, ``min_tokens`` not yet reached. Drafts
-never run past ``max_tokens`` or ``max_model_len``. A request with ``speculate=False`` opts out.
+count as output), a grammar, bad words, ``min_tokens`` not yet reached; beam search opts out.
+Drafts never run past ``max_tokens`` or ``max_model_len``. A request with ``speculate=False``
+opts out. Log-probabilities are the target's: the ranks compute them at every verified
+position, and a kept token takes its position's.
 
 With ``adaptive`` (the default), a sequence's ``DraftPace`` sets how many drafts it proposes:
 the runs it verifies cost a forward pass over every draft, so a sequence whose drafts fail
@@ -103,7 +107,7 @@ class Speculator:
     def _may_speculate(seq: Sequence, plan: SeqPlan) -> bool:
         """Whether this sequence's request allows drafts now (see the module docstring)."""
         params = seq.params
-        return (params.speculate and plan.grammar is None and plan.logprobs < 0
+        return (params.speculate and plan.grammar is None
                 and not plan.bad_words and not params.has_penalties
                 and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens)
 

@@ -11,6 +11,11 @@ With several block-table groups (``nvray/kv_layout.py``) a sequence's table is f
 ``[G, max_rows, max_blocks]``, so each group's rows are the ``[max_rows, max_blocks]`` table the
 attention kernels read (``group_tables[g]``).
 
+The last row (``pad_row``) is never handed out and stays zeros: CUDA graphs' padding sequences
+read it (block 0 of every group). A row is zeroed when handed out, so the entries past a
+sequence's own (which a graph's padding positions may read) are never a previous holder's -1
+(a windowed group's freed block, ``nvray/kv_layout.py``) but a real block id.
+
 ``sync(seq_id, entries, table_start, out_idx, out_val)`` returns the sequence's row and its
 whole table (host), and appends the updates the device needs; ``release(seq_ids)`` drops the
 tables of freed sequences. A step that sends whole tables (``table_start`` 0: a new table, or
@@ -31,13 +36,14 @@ class DeviceBlockTables:
         self.tables = torch.zeros(num_groups, max_rows, max_blocks, dtype=torch.int32,
                                   device=device)
         self.group_tables = list(self.tables.unbind(0))  # [max_rows, max_blocks] views
+        self.pad_row = max_rows - 1  # never handed out: zeros (see the module docstring)
         self.reset()
 
     def reset(self) -> None:
         self.rows: dict[int, int] = {}  # seq_id -> row
         self.held: dict[int, list[int]] = {}  # seq_id -> the entries its row holds
         self.last_step: dict[int, int] = {}  # seq_id -> step it was last scheduled in
-        self.free = list(range(self.max_rows - 1, -1, -1))
+        self.free = list(range(self.pad_row - 1, -1, -1))
         self.step = 0
 
     def begin_step(self) -> None:
@@ -91,6 +97,7 @@ class DeviceBlockTables:
             self._reclaim()
         row = self.free.pop()
         self.rows[seq_id], self.held[seq_id] = row, []
+        self.tables[:, row].zero_()  # before this step's updates (the same stream)
         return row
 
     def _reclaim(self) -> None:

@@ -7,7 +7,7 @@ compiler releases the GIL for much of its work, so compiles run well side by sid
 
 ``compile_ahead(probe, rest, threads)`` rehearses those launches: it runs the start-up's
 forwards once, eagerly (the warm-up step as the probe; then the kernel warm-up's steps and every
-decode and prefill graph's forward, ``startup.rehearse_startup``), with Triton's
+decode, verification and prefill graph's forward, ``startup.rehearse_startup``), with Triton's
 ``jit_cache_hook`` set, so that a launch whose kernel is not yet in memory submits its compile to
 a thread pool (``triton.AsyncCompileMode``) and returns without running; the pool also builds
 each kernel's launcher (a C extension, built with the host's C compiler). Nothing of the

@@ -1,11 +1,13 @@
-"""StepGraphs: the model's forward captured in CUDA graphs: decode batches, short prefills.
+"""StepGraphs: the model's forward captured in CUDA graphs: decode batches, short prefills,
+speculative verification batches.
 
 A decode step of a few hundred sequences of a small model is a few hundred kernel launches
 whose host cost exceeds their GPU time; replaying a graph launches them all at once. Graphs are
 captured for ``graph_batch_sizes(max_num_seqs)`` (1, 2, 4, 8, then multiples of 16 up to
 min(max_num_seqs, 512)), largest first, sharing one memory pool. A decode batch runs in the
 smallest graph that holds it; the padding rows have seq_len 0 (the decode kernel writes zeros)
-and slot -1 (nothing is stored). Larger batches, and any step with a prefill chunk, run eager.
+and slot -1 (nothing is stored). Larger batches, and steps with a prefill chunk that neither a
+prefill graph nor a verification graph (below) holds, run eager.
 
 Inputs are the InputBuilder's static buffers; block tables are gathered inside the graph from
 the device block table (``max_model_len`` wide), so the decode kernel's split-K grid is sized
@@ -29,8 +31,8 @@ Verification graphs (speculative decoding, ``verify_q`` = k + 1; batch sizes
 sequences each compute at most ``verify_q`` tokens (a sequence's newest token and its drafts; a
 plain decode; a short prompt chunk): every sequence gets ``verify_q`` query rows, its real tokens
 first and then padding as in a prefill graph (context length: the chunk's start + ``verify_q``);
-padding sequences attend over the first ``verify_q`` positions of a real sequence's table and
-write nowhere. Without them several sequences' verification ran eagerly, about 3x a decode step
+padding sequences attend over the first ``verify_q`` positions of the tables' padding row
+(block 0) and write nowhere. Without them several sequences' verification ran eagerly, about 3x a decode step
 on an 8B model (docs/speculative.md).
 """
 

@@ -23,7 +23,8 @@ context length is the chunk's start + the graph's query length.
 A step whose sequences each compute at most ``verify_q`` tokens (speculative decoding's
 verification) and that fits a verification graph is laid out ``verify_q`` rows a sequence: each
 sequence's tokens, then padding that writes nowhere (context length: the chunk's start +
-``verify_q``); padding sequences attend over a real sequence's first ``verify_q`` positions. The
+``verify_q``); padding sequences attend over the first ``verify_q`` positions of the tables'
+padding row (block 0, ``DeviceBlockTables.pad_row``). The
 rows to sample, score and pool and the placeholders' positions follow their tokens there.
 
 The host buffer is reused every step, so before writing it the builder waits for the previous
@@ -128,8 +129,8 @@ class InputBuilder:
         self.max_positions = -(-max_model_len // block_size) * block_size  # the tables' reach
         self.device = device
         self.cuda = device.type == "cuda"
-        self.tables = DeviceBlockTables(2 * max_num_seqs + 2, -(-max_model_len // block_size),
-                                        device, num_groups)
+        self.tables = DeviceBlockTables(2 * max_num_seqs + 3, -(-max_model_len // block_size),
+                                        device, num_groups)  # + its padding row
         self.graph_capacity = _aligned(graph_capacity)
         self.static_fields = SHARED_FIELDS + num_groups + has_state
         self.static = torch.zeros(self.static_fields * self.graph_capacity, dtype=torch.int32,
@@ -259,7 +260,7 @@ class InputBuilder:
 
     def _prepare_verify_graph(self, h: _HostLists, bs: int, q: int) -> tuple[StepBatch, _Fill]:
         """``q`` rows a sequence (its tokens, then padding) for ``bs`` sequences (then padding
-        sequences over the first real one's first ``q`` positions)."""
+        sequences over the first ``q`` positions of the tables' padding row: block 0)."""
         where = [i * q + j for i, n in enumerate(h.q_lens) for j in range(n)]  # each token's row
 
         def spread(values: list[int], pad: int) -> list[int]:
@@ -270,7 +271,7 @@ class InputBuilder:
 
         seq_lens = [end - n + q for n, end in zip(h.q_lens, h.seq_lens)]
         fields = [(spread(h.ids, 0), 0, bs * q), (spread(h.pos, 0), 0, bs * q),
-                  (seq_lens, q, bs), (h.rows, h.rows[0], bs)]
+                  (seq_lens, q, bs), (h.rows, self.tables.pad_row, bs)]
         fields += [(spread(s, -1), -1, bs * q) for s in h.slots]
         fields += [(h.state, -1, bs)] if self.has_state else []
         sample, fill = self._write_static(h, fields, [where[j] for j in h.gathered],

@@ -86,6 +86,10 @@ def _run_both(spec_engine, plain_engine, proposer=None):  # noqa: ANN001, ANN202
     assert_clean(plain_engine)
     counted = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens",
                                                         "num_accepted_tokens")}
+    # each request's final output counts its own drafts: together, what the engine counted
+    finals = [outs[-1] for outs in spec.values()]
+    assert sum(o.num_draft_tokens for o in finals) == counted["num_draft_tokens"]
+    assert sum(o.num_accepted_draft_tokens for o in finals) == counted["num_accepted_tokens"]
     return spec, plain, counted
 
 
@@ -128,15 +132,16 @@ def test_drafts_never_accepted_give_the_same_tokens(engines):
 
 
 def test_other_rows_beside_speculating_ones():
-    """Constrained, penalized and log-probability requests (a token a step), prompt scores,
-    a pooled prompt and n=2 choices (forks sharing the prompt's blocks) in the same steps as
-    speculating sequences: their rows sit after other sequences' draft rows, on the ranks and
-    in the engine's records. Everything equals the plain engine's."""
+    """Constrained and penalized requests (a token a step), prompt scores, a pooled prompt and
+    n=2 choices (forks sharing the prompt's blocks) in the same steps as speculating sequences:
+    their rows sit after other sequences' draft rows, on the ranks and in the engine's records.
+    Two log-probability requests draft too: each kept token gets its position's. Everything
+    equals the plain engine's."""
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     prompts = random_prompts(9, 10, 30, seed=9)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    params = [greedy, SamplingParams(temperature=0.0, max_tokens=40,
-                                     structured_outputs={"json": schema}),
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema}),
               greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                                      presence_penalty=1.5, frequency_penalty=0.5),
               greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
@@ -160,11 +165,14 @@ def test_other_rows_beside_speculating_ones():
         llm.shutdown()
     plain, spec = results
     assert len(spec) == len(plain) == len(prompts) + 1
+    assert spec[0].num_accepted_draft_tokens > 0 < spec[5].num_accepted_draft_tokens  # logprobs
+    assert spec[1].num_draft_tokens == spec[3].num_draft_tokens == 0  # grammar, penalties
     for a, b in zip(plain, spec):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
     # log-probabilities and pooled rows: within float noise of another batch
-    for a, b in zip(plain[5].logprobs + plain[6].prompt_logprobs[1:],
-                    spec[5].logprobs + spec[6].prompt_logprobs[1:]):
+    assert len(spec[0].logprobs) == len(spec[5].logprobs) == 24
+    for a, b in zip(plain[0].logprobs + plain[5].logprobs + plain[6].prompt_logprobs[1:],
+                    spec[0].logprobs + spec[5].logprobs + spec[6].prompt_logprobs[1:]):
         assert b.top_ids == a.top_ids
         assert b.top_logprobs == pytest.approx(a.top_logprobs, abs=1e-4)
     assert spec[7].pooled == pytest.approx(plain[7].pooled, abs=1e-4)

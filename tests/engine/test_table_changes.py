@@ -120,3 +120,23 @@ def test_a_change_the_rank_cannot_apply_fails_loudly():
     tables.release([5, 6])
     with pytest.raises(AssertionError, match="holds no table"):
         tables.sync(5, [], 2, idx, val)
+
+
+def test_a_reused_row_holds_no_earlier_sequences_entries_and_the_padding_row_stays_zero():
+    """CUDA graphs' padding reads entries past a sequence's own (and the padding row): never a
+    previous holder's -1 (a windowed group's freed block), which the kernels would read as a
+    block before the cache."""
+    tables = DeviceBlockTables(3, 6, torch.device("cpu"))
+    idx, val = [], []
+    first, _ = tables.sync(1, [-1, -1, 5, 6, 7], 0, idx, val)
+    tables.apply(torch.tensor(idx), torch.tensor(val, dtype=torch.int32))
+    assert first != tables.pad_row
+    tables.release([1])
+    idx, val = [], []
+    again, _ = tables.sync(2, [3], 0, idx, val)
+    tables.apply(torch.tensor(idx), torch.tensor(val, dtype=torch.int32))
+    assert again == first
+    assert tables.group_tables[0][again].tolist() == [3, 0, 0, 0, 0, 0]
+    other, _ = tables.sync(3, [4], 0, [], [])
+    assert tables.pad_row not in (again, other)
+    assert tables.group_tables[0][tables.pad_row].tolist() == [0] * 6

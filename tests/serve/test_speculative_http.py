@@ -1,6 +1,8 @@
 """A speculating app over HTTP (``speculative_config`` as ``serve run`` passes it, a JSON
 string): the openai client gets the tokens of the app that does not speculate, /metrics counts
-the drafts (vLLM's spec_decode counters), and a request's ``speculate: false`` adds none."""
+the drafts (vLLM's spec_decode counters) and so does the response's usage
+(``completion_tokens_details``' accepted/rejected prediction tokens), and a request's
+``speculate: false`` adds none."""
 
 from __future__ import annotations
 
@@ -26,20 +28,30 @@ def spec_url(serve_http):
     serve.delete("spec")
 
 
-def _answer(base: str, **extra) -> str:
+def _chat(base: str, **extra):  # noqa: ANN202
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=40,
                                          temperature=0,
                                          extra_body={"ignore_eos": True, **extra})
     assert out.usage.completion_tokens == 40
-    return out.choices[0].message.content
+    return out
+
+
+def _answer(base: str, **extra) -> str:
+    return _chat(base, **extra).choices[0].message.content
 
 
 def test_a_speculating_app_answers_as_the_plain_one_and_counts_its_drafts(spec_url, base_url):
     before = metric(spec_url, DRAFTS)
-    assert _answer(spec_url) == _answer(base_url)
+    spec = _chat(spec_url)
+    assert spec.choices[0].message.content == _answer(base_url)
     drafted = metric(spec_url, DRAFTS)
     assert drafted > before
     assert metric(spec_url, "nvray_spec_decode_num_drafts_total") > 0
-    assert _answer(spec_url, speculate=False) == _answer(base_url)
+    details = spec.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == drafted - before
+    assert _chat(base_url).usage.completion_tokens_details is None  # nothing drafted
+    opted_out = _chat(spec_url, speculate=False)
+    assert opted_out.choices[0].message.content == _answer(base_url)
     assert metric(spec_url, DRAFTS) == drafted  # opted out: no drafts
+    assert opted_out.usage.completion_tokens_details is None
