@@ -26,10 +26,10 @@ its latest earlier occurrence, copied on into the drafts themselves where that o
 within k of the end (a repeating stretch drafts its next period: ``a b a b`` drafts ``a b a b``
 for k = 4, not just the ``a b`` the text holds).
 
-What does not speculate (it decodes a token a step, in the same batch): sequences with
-penalties, a grammar, bad words, a ``min_tokens`` still to reach, beam searches, and models
-with recurrent layers (whose state cannot be rolled back). Log-probabilities are the target's
-at each kept token's position.
+What does not speculate (it decodes a token a step, in the same batch): sequences with a
+grammar, bad words, a ``min_tokens`` still to reach, beam searches, and models with recurrent
+layers (whose state cannot be rolled back). Log-probabilities are the target's at each kept
+token's position; penalties at a draft position count the drafts before it.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ beam forked from another takes its parent's state).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -190,14 +191,21 @@ class StepOutput(NamedTuple):
 
 def sample_specs(step: StepInput) -> list[SampleSpec]:
     """The ``SampleSpec`` of each sampled row, in row order (a speculating sequence's j-th draft
-    position at ``step_index + j``)."""
+    position at ``step_index + j``, its penalties counting drafts 1..j as output: a token kept
+    there follows them)."""
     specs = []
     for s in step.seqs:
         if s.sample is None:
             continue
         specs.append(s.sample)
+        penalties = s.sample.penalties
         for j in range(1, s.num_drafts + 1):
-            specs.append(s.sample._replace(step_index=s.sample.step_index + j))
+            spec = s.sample._replace(step_index=s.sample.step_index + j)
+            if penalties is not None:
+                drafts = s.token_ids[len(s.token_ids) - s.num_drafts:][:j]
+                spec = spec._replace(penalties=penalties._replace(
+                    tokens=penalties.tokens + array("i", drafts).tobytes()))
+            specs.append(spec)
     return specs
 
 

@@ -9,11 +9,12 @@ none. ``Speculator.emitted`` turns a verified step's sampled ids into the
 tokens the sequence keeps and counts them.
 
 A sequence may speculate unless its tokens depend on more than the target's distribution at
-each position given the tokens before it, as the ranks sample it: penalties (the drafts would
-count as output), a grammar, bad words, ``min_tokens`` not yet reached; beam search opts out.
-Drafts never run past ``max_tokens`` or ``max_model_len``. A request with ``speculate=False``
-opts out. Log-probabilities are the target's: the ranks compute them at every verified
-position, and a kept token takes its position's.
+each position given the tokens before it, as the ranks sample it: a grammar, bad words,
+``min_tokens`` not yet reached; beam search opts out. Drafts never run past ``max_tokens`` or
+``max_model_len``. A request with ``speculate=False`` opts out. Log-probabilities are the
+target's: the ranks compute them at every verified position, and a kept token takes its
+position's. Penalties at a draft position count the drafts before it as output (a token kept
+there follows them: ``step_protocol.sample_specs``).
 
 With ``adaptive`` (the default), a sequence's ``DraftPace`` sets how many drafts it proposes:
 the runs it verifies cost a forward pass over every draft, so a sequence whose drafts fail
@@ -107,8 +108,7 @@ class Speculator:
     def _may_speculate(seq: Sequence, plan: SeqPlan) -> bool:
         """Whether this sequence's request allows drafts now (see the module docstring)."""
         params = seq.params
-        return (params.speculate and plan.grammar is None
-                and not plan.bad_words and not params.has_penalties
+        return (params.speculate and plan.grammar is None and not plan.bad_words
                 and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens)
 
     def _pace(self, seq: Sequence) -> DraftPace:
