@@ -84,9 +84,7 @@ class StepGraphs:
         self.forward = forward
         self.inputs = inputs
         self.shapes = shapes
-        self.sizes = list(shapes.decode)
-        self.prefill_sizes = list(shapes.prefill)
-        self.verify_sizes, self.verify_q = list(shapes.verify), shapes.verify_q
+        self.verify_q = shapes.verify_q
         self.max_model_len = max_model_len
         (self.ids, self.pos, self.seq_lens, self.rows, self.group_slots,
          self.state_slots) = inputs.static_views()
@@ -96,12 +94,11 @@ class StepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prefill_query_start = {q: torch.tensor([0, q], dtype=torch.int32, device=inputs.device)
-                                    for q in self.prefill_sizes}
+                                    for q in shapes.prefill}
         self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        most = max(self.verify_sizes, default=0)
-        self.verify_query_start = torch.arange(0, (most + 1) * self.verify_q or 1,
-                                               self.verify_q or 1, dtype=torch.int32,
-                                               device=inputs.device)
+        most = max(shapes.verify, default=0)
+        self.verify_query_start = self.verify_q * torch.arange(most + 1, dtype=torch.int32,
+                                                               device=inputs.device)
         self.pool = None
 
     def _meta(self, num_tokens: int, num_seqs: int, query_start_loc: torch.Tensor,
@@ -145,30 +142,24 @@ class StepGraphs:
         return graph
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int] | None = None, prefill: bool = False,
-                verify: list[int] = ()) -> float:
-        """Capture (largest first, one shared pool); returns the seconds it took: the decode
-        graphs of ``sizes`` (None: all), the verification graphs of ``verify`` and with
-        ``prefill`` the prefill graphs (they attend over block 0 while captured)."""
+    def capture(self, shapes: GraphShapes | None = None) -> float:
+        """Capture the graphs of ``shapes`` (None: all of this object's; a part of them: the
+        memory estimate's trials), each kind largest first, into one shared pool; returns the
+        seconds it took."""
         start = time.perf_counter()
-        for run, graphs, size in self._regions(self.sizes if sizes is None else sizes, verify,
-                                               self.prefill_sizes if prefill else []):
+        for run, graphs, size in self._regions(shapes or self.shapes):
             graphs[size] = self._capture_one(run, size)
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def capture_all(self) -> float:
-        """Every graph of the shapes: decode, verification, prefill."""
-        return self.capture(prefill=True, verify=self.verify_sizes)
-
     @torch.inference_mode()
     def rehearse(self) -> None:
-        """Run every region ``capture_all`` would capture once, eagerly, capturing nothing (the
+        """Run every region ``capture`` would capture once, eagerly, capturing nothing (the
         launches a capture makes, for ``compile_ahead.py``)."""
-        for run, _, size in self._regions(self.sizes, self.verify_sizes, self.prefill_sizes):
+        for run, _, size in self._regions(self.shapes):
             run(size)
 
-    def _regions(self, decode: list[int], verify: list[int], prefill: list[int]
+    def _regions(self, shapes: GraphShapes
                  ) -> Iterator[tuple[Callable[[int], None], dict[int, torch.cuda.CUDAGraph], int]]:
         """The regions in capture order (each kind largest first), as (the region's run, the
         graphs it goes to, size), each with its static inputs set: decode batches run the model
@@ -180,13 +171,13 @@ class StepGraphs:
         self.seq_lens.zero_()
         self.rows.zero_()
         try:
-            for bs in sorted(decode, reverse=True):
+            for bs in sorted(shapes.decode, reverse=True):
                 yield self._run, self.graphs, bs
-            for bs in sorted(verify, reverse=True):
+            for bs in sorted(shapes.verify, reverse=True):
                 self.seq_lens[:bs] = self.verify_q
                 yield self._run_verify, self.verify_graphs, bs
             self.seq_lens.zero_()
-            for q in sorted(prefill, reverse=True):
+            for q in sorted(shapes.prefill, reverse=True):
                 self.seq_lens[:1] = q
                 yield self._run_prefill, self.prefill_graphs, q
         finally:

@@ -75,8 +75,8 @@ def graph_memory_estimate(capture_one, trial_sizes: list, num_graphs: int,
                           device: torch.device) -> int:
     """Memory of ``num_graphs`` graphs sharing one pool, from trial captures.
 
-    ``capture_one(trial)`` captures the graph a trial names (startup.py: ``(kind, size)``) into
-    the shared pool. All but the last of ``trial_sizes`` (the largest; the one with the most
+    ``capture_one(trial)`` captures the graph a trial names (startup.py: a ``GraphShapes`` of
+    one graph) into the shared pool. All but the last of ``trial_sizes`` (the largest; the one with the most
     scratch) set the pool, which the
     others reuse; the last (the smallest) costs what each graph that does not set the pool
     adds, itself included.

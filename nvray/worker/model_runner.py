@@ -120,8 +120,6 @@ class ModelRunner:
             enable_torch_compile(self.model)
             self.fused_sampler = use_triton_kernels(self.model)
         self.graph_shapes = self._graph_shapes() if self._graphs_wanted() else GraphShapes()
-        self.graph_sizes = list(self.graph_shapes.decode)
-        self.prefill_sizes = list(self.graph_shapes.prefill)
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    graph_capacity(self.graph_shapes), self.device,
                                    self.kv_layout.num_groups, has_state=bool(self.state_layers))
@@ -187,6 +185,15 @@ class ModelRunner:
         """How the ranks split the model and talk, for stats and the model card."""
         return {"tensor_parallel_size": tp_size(), "pipeline_parallel_size": pp_size(),
                 "expert_parallel": expert_parallel(), "all_reduce": self.all_reduce_in_use}
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The decode graphs' batch sizes, ascending (empty: no graphs)."""
+        return list(self.graph_shapes.decode)
+
+    @property
+    def prefill_sizes(self) -> list[int]:
+        return list(self.graph_shapes.prefill)
 
     def _graph_shapes(self) -> GraphShapes:
         """The graphs to capture: decode batches, short prefills and, with speculation,

@@ -24,6 +24,7 @@ from nvray.worker.compile_ahead import ahead_threads, compile_ahead
 from nvray.worker.gemm_warmup import warm_gemms
 from nvray.worker.memory import (GpuMemoryReport, free_cached_memory, graph_memory_estimate,
                                  measure_used)
+from nvray.worker.inputs import GraphShapes
 from nvray.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -111,18 +112,16 @@ def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
     activations = torch.cuda.max_memory_allocated(dev) - allocated - runner.kv_block_bytes
     graphs = 0
     if runner.graph_sizes:
-        def capture_one(trial: tuple[str, int]) -> None:
-            kind, size = trial
+        def capture_one(trial: GraphShapes) -> None:
             runner.graphs = runner.graphs or runner.new_graphs()
-            if kind == "decode":
-                runner.graphs.capture([size])
-            else:
-                runner.graphs.capture([], verify=[size])
+            runner.graphs.capture(trial)
 
         shapes = runner.graph_shapes
         # the largest verification graph (most tokens) sets the pool first where there is one
-        trials = [("verify", size) for size in shapes.verify[-1:]]
-        trials += [("decode", size) for size in trial_graph_sizes(runner)]
+        trials = [shapes._replace(decode=(), prefill=(), verify=(size,))
+                  for size in shapes.verify[-1:]]
+        trials += [shapes._replace(decode=(size,), prefill=(), verify=())
+                   for size in trial_graph_sizes(runner)]
         graphs = graph_memory_estimate(capture_one, trials, len(shapes.decode)
                                        + len(shapes.prefill) + len(shapes.verify), dev)
     runner.allocate_kv_cache(0)  # drops the trial graphs too
@@ -183,7 +182,7 @@ def capture_graphs(runner: ModelRunner) -> None:
     free_cached_memory()
     before = measure_used(runner.device)
     runner.graphs = runner.new_graphs()
-    seconds = runner.graphs.capture_all()
+    seconds = runner.graphs.capture()
     runner.graph_memory = measure_used(runner.device) - before
     estimate = runner.memory_report.cuda_graphs if runner.memory_report else 0
     decode, prefill, verify = runner.graph_sizes, runner.prefill_sizes, runner.graph_shapes.verify
