@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from nvray.config import EngineConfig
+from nvray.lora.request import LoRARequest
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "EngineConfig", "RequestOutput", "SamplingParams",
-           "TokenLogprobs"]
+__all__ = ["LLM", "BeamSearchParams", "EngineConfig", "LoRARequest", "RequestOutput",
+           "SamplingParams", "TokenLogprobs"]
 __version__ = "0.1.0"
 
 

@@ -51,7 +51,8 @@ def create_engine(config: EngineConfig,
                              architecture=architecture_of(model_path),
                              kv_group_windows=tuple(executor.kv_group_windows),
                              num_state_slots=executor.num_state_slots,
-                             parallelism=dict(executor.parallelism))
+                             parallelism=dict(executor.parallelism),
+                             lora_targets=dict(executor.lora_targets))
         engine = LLMEngine(config, tokenizer, executor, limits,
                            grammar_compiler=functools.partial(grammar_compiler, model_path,
                                                               executor.vocab_size))

@@ -85,6 +85,11 @@ class EngineConfig:
     # speculative decoding (nvray/speculative.py), vLLM's keys, e.g. {"method": "ngram",
     # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; None: off
     speculative_config: dict[str, Any] | None = None
+    # multi-LoRA (nvray/lora): PEFT adapters named per request, batched in one step
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters resident on the GPU at once (slots)
+    max_lora_rank: int = 16  # the largest adapter rank a slot holds
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -130,6 +135,20 @@ class EngineConfig:
         _require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
         _require(self.runtime == "ray" or self.world_size == 1, "runtime", self.runtime,
                  "tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs runtime='ray'")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        _require(1 <= self.max_loras <= 256, "max_loras", self.max_loras, "must be in [1, 256]")
+        _require(1 <= self.max_lora_rank <= 512, "max_lora_rank", self.max_lora_rank,
+                 "must be in [1, 512]")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 "max_cpu_loras", self.max_cpu_loras, f"must be >= max_loras={self.max_loras}")
+        if not self.enable_lora:
+            return
+        _require(self.quantization is None, "quantization", self.quantization,
+                 "enable_lora needs an unquantized model (LoRA on FP8 layers is not supported)")
+        _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
+                 self.pipeline_parallel_size, "enable_lora needs pipeline_parallel_size=1")
 
     def _validate_choices(self) -> None:
         for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
@@ -150,6 +169,11 @@ class EngineConfig:
     def world_size(self) -> int:
         """Rank actors per engine: ``tensor_parallel_size`` per pipeline stage."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters each rank keeps read in host memory."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

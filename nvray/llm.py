@@ -22,6 +22,7 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from nvray.config import EngineConfig
+from nvray.lora.request import LoRARequest
 from nvray.startup_phases import StartupPhases
 from nvray.outputs import RequestOutput
 from nvray.sampling_params import BeamSearchParams, SamplingParams, num_choices
@@ -86,23 +87,29 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priorities: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priorities: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for each prompt (a string or token ids); one output per prompt, in order
-        (with ``n > 1``: ``n`` outputs per prompt, by ``index``, prompt after prompt)."""
+        (with ``n > 1``: ``n`` outputs per prompt, by ``index``, prompt after prompt).
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        return self._generate(list(prompts), sampling_params, use_tqdm, priorities)  # type: ignore[arg-type]
+        return self._generate(list(prompts), sampling_params, use_tqdm, priorities,  # type: ignore[arg-type]
+                              lora_request)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Generate a reply to each conversation, formatted with the model's chat template
         (``chat_template_kwargs``: extra template variables, e.g. ``{"enable_thinking": False}``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, chat_template_kwargs)  # type: ignore[arg-type]
                    for c in conversations]
-        return self._generate(prompts, sampling_params, use_tqdm, None)
+        return self._generate(prompts, sampling_params, use_tqdm, None, lora_request)
 
     def apply_chat_template(self, conversation: list[Message],
                             chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -173,26 +180,37 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
         return params
 
+    @staticmethod
+    def _lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora_request entries for {n} prompts")
+        return loras
+
     def _generate(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool,
-                  priorities: Seq[int] | None) -> list[RequestOutput]:
+                  priorities: Seq[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         params = self._params_list(sampling_params, len(prompts))
         prios = list(priorities) if priorities is not None else [0] * len(prompts)
+        loras = self._lora_list(lora_request, len(prompts))
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         bar = tqdm(total=sum(map(num_choices, params)), desc="Generating", dynamic_ncols=True,
                    disable=not use_tqdm)
         try:
             if self.engine is not None:
-                return self._run_inprocess(ids, prompts, params, prios, bar)
-            return self._run_on_ray(ids, prompts, params, prios, bar)
+                return self._run_inprocess(ids, prompts, params, prios, loras, bar)
+            return self._run_on_ray(ids, prompts, params, prios, loras, bar)
         finally:
             bar.close()
 
     def _run_inprocess(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],
-                       prios: list[int], bar: tqdm) -> list[RequestOutput]:
+                       prios: list[int], loras: list[LoRARequest | None], bar: tqdm
+                       ) -> list[RequestOutput]:
         engine = self.engine
         try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, prios):
-                engine.add_request(rid, prompt, p, prio)
+            for rid, prompt, p, prio, lora in zip(ids, prompts, params, prios, loras):
+                engine.add_request(rid, prompt, p, prio, lora_request=lora)
         except ValueError:
             for rid in ids:  # all or nothing: drop the ones queued before the bad one
                 engine.abort_request(rid)
@@ -216,11 +234,13 @@ class LLM:
         return [results[rid, i] for rid, p in zip(ids, params) for i in range(num_choices(p))]
 
     def _run_on_ray(self, ids: list[str], prompts: list[Any], params: list[SamplingParams],
-                    prios: list[int], bar: tqdm) -> list[RequestOutput]:
+                    prios: list[int], loras: list[LoRARequest | None], bar: tqdm
+                    ) -> list[RequestOutput]:
         from nvray.request import EngineRequest  # noqa: PLC0415
 
-        sink = self.client.submit([EngineRequest(p, sp, rid, prio) for rid, p, sp, prio
-                                   in zip(ids, prompts, params, prios)])
+        sink = self.client.submit([EngineRequest(p, sp, rid, prio, lora_request=lora)
+                                   for rid, p, sp, prio, lora
+                                   in zip(ids, prompts, params, prios, loras)])
         results: list[RequestOutput | None] = [None] * len(sink.request_ids)  # n per prompt
         last = (time.perf_counter(), self.client.stats()) if not bar.disable else (0.0, {})
         remaining = len(results)

@@ -19,3 +19,4 @@ class EngineRequest:
     request_id: str | None = None  # None: the output router gives it a fresh one
     priority: int = 0
     stream: bool = False  # an output every step it makes progress, not only the final one
+    lora_request: Any = None  # a LoRARequest (nvray/lora): the adapter it runs through

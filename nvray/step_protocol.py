@@ -57,6 +57,11 @@ running sequence holds one state slot (``SeqStep.state_slot``, from the engine's
 resumes from its slot. A step's ``state_copies`` (src, dst) copy whole slots before it runs (a
 beam forked from another takes its parent's state).
 
+Multi-LoRA (``nvray/lora``): a ``SeqStep``'s ``lora_slot`` is the GPU slot of the adapter its
+tokens run through (-1: the base model); a step's ``lora_loads`` (slot, ``LoRAAdapter``) put
+adapters into slots before it runs (the engine never reloads a slot that a sequence of a step
+in flight uses).
+
 ``Executor`` is what runs steps for the engine: the in-process runner
 (``nvray/worker/executor.py``) or the Ray rank group (``nvray/runtime/ray_executor.py``).
 """
@@ -118,6 +123,7 @@ class SeqStep(NamedTuple):
     state_slot: int = -1  # models with recurrent layers: the sequence's state slot (-1: none)
     pool: tuple[int, ...] | None = None  # pool the chunk's last row (see the module docstring)
     num_drafts: int = 0  # speculation: the last this many token_ids are drafts (see above)
+    lora_slot: int = -1  # multi-LoRA: its adapter's slot (see above)
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,7 @@ class StepInput:
     grammars_done: list[int] = field(default_factory=list)  # seq ids whose matchers go
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) slots: first
     answer_now: bool = False  # speculation: its ids come back from this call (see above)
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)  # (slot, LoRAAdapter): first
 
     @property
     def num_samples(self) -> int:
@@ -149,12 +156,12 @@ class StepInput:
         seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table,
                  None if s.sample is None else tuple(s.sample),
                  None if s.score is None else tuple(s.score), s.table_start, s.state_slot,
-                 s.pool, s.num_drafts)
+                 s.pool, s.num_drafts, s.lora_slot)
                 for s in self.seqs]
         return _step_input_from_plain, (seqs, self.block_copies, self.released,
                                         self.adjusts_logits, self.samples_logprobs,
                                         self.constrained, self.grammars, self.grammars_done,
-                                        self.state_copies, self.answer_now)
+                                        self.state_copies, self.answer_now, self.lora_loads)
 
 
 _namedtuple_of = tuple.__new__  # _namedtuple_of(Cls, plain_tuple): a Cls, built in C
@@ -166,19 +173,22 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
                            grammars: list[GrammarSpec] | None = None,
                            grammars_done: list[int] | None = None,
                            state_copies: list[tuple[int, int]] | None = None,
-                           answer_now: bool = False) -> StepInput:
+                           answer_now: bool = False,
+                           lora_loads: list[tuple[int, Any]] | None = None) -> StepInput:
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
-    for seq_id, token_ids, start, table, sample, score, table_start, state_slot, pool, drafts in seqs:
+    for (seq_id, token_ids, start, table, sample, score, table_start, state_slot, pool, drafts,
+         lora_slot) in seqs:
         if sample is not None:
             sample = _namedtuple_of(SampleSpec, sample)
         if score is not None:
             score = _namedtuple_of(PromptScore, score)
         steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
-                                              table_start, state_slot, pool, drafts)))
+                                              table_start, state_slot, pool, drafts,
+                                              lora_slot)))
     return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs,
                      constrained, grammars or [], grammars_done or [], state_copies or [],
-                     answer_now)
+                     answer_now, lora_loads or [])
 
 
 class StepOutput(NamedTuple):
@@ -228,6 +238,7 @@ class Executor(Protocol):
     vocab_size: int
     dtypes: dict[str, str]  # {"weights", "compute", "kv_cache"}: what the ranks hold, in words
     parallelism: dict[str, Any]  # tensor/pipeline_parallel_size, expert_parallel, all_reduce
+    lora_targets: dict[str, tuple[int, int]]  # adaptable modules -> full (in, out); {}: no LoRA
 
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` to completion; rank 0's answer."""

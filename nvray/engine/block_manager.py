@@ -5,6 +5,8 @@ Contract:
 - Prefix caching: a block that is full *and whose KV has been written* gets a chained hash
   (xxh64 of the previous block's hash and its token ids) and goes into ``hash_to_block``.
   A lookup also compares token ids, so a hash collision can never serve the wrong KV.
+  A sequence with a LoRA adapter chains from the adapter's ``cache_salt`` instead of 0, so
+  its KV is never served to the base model or another adapter (``_root``).
 - A freed block keeps its hash and content; free blocks are evicted least recently freed first
   (blocks holding no cached content go first of all). Reusing a block drops its stale hash.
 - At most ``(num_tokens - 1) // block_size`` blocks of a sequence are served from the cache,
@@ -59,6 +61,11 @@ _ROOT_HASH = 0
 
 def _chain(prev_hash: int, block_bytes: bytes) -> int:
     return xxhash.xxh64_intdigest(prev_hash.to_bytes(8, "little") + block_bytes)
+
+
+def _root(seq: Sequence) -> int:
+    """Where the chained hashes of ``seq``'s blocks start: its adapter's salt, or 0."""
+    return _ROOT_HASH if seq.lora is None else seq.lora.cache_salt
 
 
 def hash_block(prev_hash: int, token_ids: list[int]) -> int:
@@ -193,7 +200,7 @@ class BlockManager:
         if self.num_groups == 1 and not self.windowed:
             found: list[int] = []
             hashes: list[int] = []
-            prev = _ROOT_HASH
+            prev = _root(seq)
             for i in range((len(tokens) - 1) // bs):
                 block_tokens = tokens[i * bs:(i + 1) * bs]
                 prev = hash_block(prev, block_tokens)
@@ -203,14 +210,14 @@ class BlockManager:
                 found.append(block_id)
                 hashes.append(prev)
             return CachedPrefix(found, hashes)
-        return self._find_cached_prefix_by_group(tokens)
+        return self._find_cached_prefix_by_group(tokens, _root(seq))
 
-    def _find_cached_prefix_by_group(self, tokens: list[int]) -> CachedPrefix:
+    def _find_cached_prefix_by_group(self, tokens: list[int], root: int) -> CachedPrefix:
         """``find_cached_prefix`` over several groups or windows: the longest prefix of ``k``
         blocks such that each full group caches blocks ``0..k-1`` and each windowed group the
         blocks its window reaches from position ``k * block_size``."""
         bs, groups = self.block_size, self.num_groups
-        hashes = hash_blocks(_ROOT_HASH, tokens[:(len(tokens) - 1) // bs * bs], bs)
+        hashes = hash_blocks(root, tokens[:(len(tokens) - 1) // bs * bs], bs)
         for g, window in enumerate(self.group_windows):  # a full group's first miss ends it
             if window is None:
                 hashes = hashes[:self._num_cached_leading(hashes, g, tokens)]
@@ -374,7 +381,7 @@ class BlockManager:
         k = min(len(known), num_tokens // bs)
         if k == num_tokens // bs:
             return known[k - 1]
-        return hash_blocks(known[k - 1] if k else _ROOT_HASH, seq.token_ids[k * bs:num_tokens],
+        return hash_blocks(known[k - 1] if k else _root(seq), seq.token_ids[k * bs:num_tokens],
                            bs)[-1]
 
     def take_state_copies(self) -> list[tuple[int, int]]:
@@ -436,7 +443,7 @@ class BlockManager:
         if first >= num_full:
             return
         bs, tokens, table, groups = self.block_size, seq.token_ids, seq.block_table, self.num_groups
-        new = hash_blocks(hashes[-1] if hashes else _ROOT_HASH, tokens[first * bs:num_full * bs], bs)
+        new = hash_blocks(hashes[-1] if hashes else _root(seq), tokens[first * bs:num_full * bs], bs)
         hashes.extend(new)
         for i, h in enumerate(new, first):
             for g in range(groups):

@@ -54,6 +54,9 @@ from nvray.engine.scheduler import Scheduler, SchedulerOutput
 from nvray.engine.sequence import RequestState, SeqPlan, Sequence
 from nvray.engine.speculation import Speculator
 from nvray.engine.step_builder import build_step_input
+from nvray.lora.registry import LoRARegistry
+from nvray.lora.request import LoRARequest
+from nvray.lora.slots import LoRASlots
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.startup_phases import describe
@@ -103,10 +106,12 @@ class LLMEngine:
         self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
                                           config.enable_prefix_caching, limits.kv_group_windows,
                                           limits.num_state_slots, config.max_num_seqs)
+        self.loras = LoRARegistry(config.enable_lora, limits.lora_targets, config.max_lora_rank)
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.scheduling_policy,
                                    config.enable_chunked_prefill, config.sjf_aging_s, clock,
-                                   config.pipeline_parallel_size)
+                                   config.pipeline_parallel_size, self.lora_slots)
         self.intake = RequestIntake(tokenizer, limits, self.block_manager,
                                     config.max_num_batched_tokens, config.enable_chunked_prefill,
                                     grammar_compiler)
@@ -134,20 +139,24 @@ class LLMEngine:
     # --------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | BeamSearchParams | None = None, priority: int = 0,
-                    stream: bool = False) -> list[int]:
+                    stream: bool = False, lora_request: LoRARequest | None = None) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ValueError if it can't run.
 
         A ``stream`` request gets an output every step it makes progress; others get only their
         final output. With ``n > 1`` each choice is a sequence of its own and its outputs carry
-        its ``index``; the prompt is prefilled once (see ``Scheduler``: forks).
+        its ``index``; the prompt is prefilled once (see ``Scheduler``: forks). A
+        ``lora_request`` runs it through that adapter (checked here: ``LoRARegistry``).
         """
         params = params or SamplingParams()
         if request_id in self.requests or request_id in self.beams.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # a pooling prompt is tokenized as its checkpoint's own pipeline does (an embedding
         # model's tokenizer may end it with EOS, which last-token pooling reads)
+        adapter = self.loras.resolve(lora_request)
         token_ids = self.intake.tokenize(prompt, getattr(params, "pool", None) is not None)
         if isinstance(params, BeamSearchParams):
+            if adapter is not None:
+                raise ValueError("beam search with a LoRA adapter is not supported")
             return self._add_beam_search(request_id, token_ids, params, priority)
         params = self.intake.validate(token_ids, params)
         grammar = self.intake.compile_grammar(params)
@@ -158,6 +167,7 @@ class LLMEngine:
         self.requests[request_id] = states
         for state in states:
             state.plan.grammar = grammar  # each choice gets its own matcher on rank 0
+            state.seq.lora = adapter
             self.plans[state.seq.seq_id] = state.plan
             self.scheduler.add(state.seq)
         self.num_prompt_tokens += len(token_ids)
@@ -305,7 +315,8 @@ class LLMEngine:
         bm = self.block_manager
         step_input = build_step_input(out, self.plans, bm.take_copies(), bm.take_released(),
                                       self.new_grammars, self.grammars_done,
-                                      bm.take_state_copies())
+                                      bm.take_state_copies(),
+                                      self.lora_slots.take_loads() if self.lora_slots else None)
         if self.new_grammars or self.grammars_done:
             self.new_grammars, self.grammars_done = [], []
         records: list[SeqRecord] = []
@@ -463,7 +474,15 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         spec = {"speculative": self.speculator.stats()} if self.speculator is not None else {}
-        return {**self._base_stats(), **self._expert_load(), **spec}
+        return {**self._base_stats(), **self._expert_load(), **spec, **self._lora_stats()}
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """Multi-LoRA: the adapters in the GPU slots and the loads into them (swaps)."""
+        slots = self.lora_slots
+        if slots is None:
+            return {}
+        return {"lora": {"resident": slots.resident(), "num_slots": slots.num_slots,
+                         "num_loads": slots.num_loads}}
 
     def _expert_load(self) -> dict[str, Any]:
         """Expert parallel: the (token, expert) pairs each rank's experts computed since

@@ -36,6 +36,8 @@ class ModelLimits:
     kv_group_windows: tuple[int | None, ...] = (None,)  # per block-table group (kv_layout.py)
     num_state_slots: int = 0  # recurrent-state slots (models with linear-attention layers)
     parallelism: dict[str, Any] = field(default_factory=dict)  # how the ranks split the model
+    # multi-LoRA: the projections adapters may adapt, checkpoint module -> full (in, out)
+    lora_targets: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class RequestIntake:

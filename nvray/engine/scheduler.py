@@ -10,6 +10,11 @@ Each ``schedule()`` call builds one batch:
    prompt split into chunks when it exceeds the remaining budget.
 A long prompt therefore never stalls running decodes.
 
+Multi-LoRA (``lora_slots``: ``nvray/lora/slots.py``): a waiting sequence whose adapter has no
+GPU slot, while every slot serves running sequences, waits (the sequences behind it may go); a
+sequence holds its adapter's slot while it runs and gives it back when it finishes or is
+preempted.
+
 With overlapped steps a running sequence whose last planned token is its ``max_tokens``-th is
 not scheduled again: the step sampling that token is in flight, and its result finishes it;
 nor is one that waits for its newest token (``Sequence.waits_for_tokens``) while it is pending.
@@ -42,6 +47,7 @@ from typing import Callable
 
 from nvray.engine.block_manager import NO_PREFIX, BlockManager
 from nvray.engine.sequence import Sequence, SequenceStatus
+from nvray.lora.slots import LoRASlots
 
 
 @dataclass
@@ -58,7 +64,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fcfs", enable_chunked_prefill: bool = True, aging_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, pipeline_depth: int = 1) -> None:
+                 clock: Callable[[], float] = time.monotonic, pipeline_depth: int = 1,
+                 lora_slots: LoRASlots | None = None) -> None:
         assert policy in ("fcfs", "sjf", "priority"), f"unknown policy {policy}"
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -68,6 +75,7 @@ class Scheduler:
         self.aging_s = aging_s
         self.clock = clock
         self.pipeline_depth = pipeline_depth
+        self.lora_slots = lora_slots
         self.step_seqs = max_num_seqs  # sequences one step may take (its share, pipelined)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -80,8 +88,22 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that already holds its blocks (a beam forked from another) runs next."""
+        self._start_running(seq)
+
+    def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if seq.lora is not None:
+            self.lora_slots.acquire(seq)  # type: ignore[union-attr]
+
+    def _stop_running(self, seq: Sequence) -> None:
+        """``seq`` left the running list: its blocks and adapter slot go back."""
+        self.block_manager.free(seq)
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq)  # type: ignore[union-attr]
+
+    def _admits_adapter(self, seq: Sequence) -> bool:
+        return seq.lora is None or self.lora_slots.can_admit(seq.lora)  # type: ignore[union-attr]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,7 +121,7 @@ class Scheduler:
         for seq in seqs:
             if seq.status is SequenceStatus.WAITING:  # not scheduled yet, or preempted
                 self.waiting.remove(seq)
-            self.block_manager.free(seq)
+            self._stop_running(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason_of(seq)
             seq.num_pending = 0
@@ -166,7 +188,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._stop_running(seq)
         seq.status = SequenceStatus.WAITING
         seq.drafts = []  # it computes its tokens again first
         seq.num_preemptions += 1
@@ -182,6 +204,8 @@ class Scheduler:
                 break
             if seq.num_pending and self.pipeline_depth > 1:
                 continue  # preempted while its token was sampled: it waits for that token
+            if not self._admits_adapter(seq):
+                continue  # every adapter slot serves running sequences
             if seq.fork_of is not None:
                 forked = self._try_fork(seq, out, budget)
                 if forked is None:
@@ -207,8 +231,7 @@ class Scheduler:
             self.waiting.remove(seq)
             bm.allocate_prefix(seq, cached)
             bm.append_slots(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._start_running(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
 
@@ -237,8 +260,7 @@ class Scheduler:
         bm.fork(seq, source, shared)
         bm.append_slots(seq, num_new)
         seq.fork_of = None
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._start_running(seq)
         out.scheduled.append((seq, num_new))
         return True
 

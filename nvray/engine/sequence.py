@@ -44,7 +44,7 @@ class Sequence:
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
                  "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
                  "ranks_table_len", "state_slot", "state_save_at", "drafts", "draft_pace",
-                 "num_draft_tokens", "num_accepted_drafts")
+                 "num_draft_tokens", "num_accepted_drafts", "lora", "lora_slot")
 
     _counter = itertools.count()
 
@@ -78,6 +78,8 @@ class Sequence:
         self.draft_pace: Any = None  # speculation: its DraftPace (nvray/engine/speculation.py)
         self.num_draft_tokens = 0  # speculation: drafts verified for it, and of them accepted
         self.num_accepted_drafts = 0
+        self.lora: Any = None  # multi-LoRA: its LoRAAdapter (nvray/lora), None: the base model
+        self.lora_slot = -1  # ... and the GPU slot it holds while running (LoRASlots)
 
     def __len__(self) -> int:
         return len(self.token_ids)

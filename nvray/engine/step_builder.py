@@ -3,11 +3,13 @@
 ``build_step_input`` turns a ``SchedulerOutput`` and each sequence's ``SeqPlan`` (what shapes
 its steps, fixed at admission: ``sequence.py``) into the rank input: the tokens each sequence
 computes (with a placeholder for a token still being sampled on the device), the block-table
-entries the ranks lack (``Sequence.ranks_table_len``), each sequence's recurrent-state slot, and
+entries the ranks lack (``Sequence.ranks_table_len``), each sequence's recurrent-state slot and adapter slot, and
 each sampling row's ``SampleSpec``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from nvray.engine.scheduler import SchedulerOutput
 from nvray.engine.sequence import SeqPlan, Sequence
@@ -72,7 +74,8 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
                      released: list[int] | None = None,
                      grammars: list[GrammarSpec] | None = None,
                      grammars_done: list[int] | None = None,
-                     state_copies: list[tuple[int, int]] | None = None) -> StepInput:
+                     state_copies: list[tuple[int, int]] | None = None,
+                     lora_loads: list[tuple[int, Any]] | None = None) -> StepInput:
     """Turn a scheduler decision into rank input; ``plans`` maps seq_id to its SeqPlan. The
     step must be launched: the sequences count the entries sent as held by the ranks (and the
     grammars sent as held by rank 0)."""
@@ -102,6 +105,7 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         table, held = seq.block_table, seq.ranks_table_len
         seq.ranks_table_len = len(table)
         steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
-                             score, held, seq.state_slot, pool, num_drafts))
+                             score, held, seq.state_slot, pool, num_drafts, seq.lora_slot))
     return StepInput(steps, block_copies or [], released or [], adjusts, logprobs, constrained,
-                     grammars or [], grammars_done or [], state_copies or [])
+                     grammars or [], grammars_done or [], state_copies or [],
+                     lora_loads=lora_loads or [])

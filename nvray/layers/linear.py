@@ -8,12 +8,16 @@ checkpoint tensor onto this rank.
 - RowParallelLinear: input features split; outputs summed over the ranks by the norm they feed
   (a ``tp.PartialSum``; with a bias, by an all-reduce here).
 
-Every layer takes an optional ``Fp8Config`` (``nvray/quantization``): its weight is then FP8
+With multi-LoRA (``nvray/lora``) a projection's ``lora`` holds its adapter slots, and its output
+gets each token's adapter delta (a row-parallel one adds it to its rank's partial sum, before the
+reduction). Every layer takes an optional ``Fp8Config`` (``nvray/quantization``): its weight is then FP8
 with a scale tensor beside it, and the loaders shard the scale along the same axis as the
 weight, in units of the scale's ``shard_unit`` (the weight rows / columns one entry covers).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +59,14 @@ class LinearBase(nn.Module):
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             param.quant_method = self.quant_method  # type: ignore[attr-defined]
+        self.lora: Any = None  # its LoRAWeights (nvray/lora/weights.py) when adapters are on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        return self._project(x, self.bias)
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self._matmul(x, bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
     def use_triton_kernels(self) -> None:
         """FP8 layers take their CUDA kernels (GPU only; the model runner calls this)."""
@@ -167,7 +176,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor | PartialSum:
         """The rank's partial sum, for the norm it feeds to finish (``tp.PartialSum``); the
         sum itself with a bias (added once, after it) or on one rank."""
-        y = self._matmul(x, None)
+        y = self._project(x, None)
         if self.bias is None and tp_size() > 1:
             return PartialSum(y)
         y = all_reduce(y)

@@ -62,7 +62,8 @@ class EngineLoop:
     def _add_one(self, request: EngineRequest, sink: OutputSink) -> int | ValueError:
         try:
             token_ids = self.engine.add_request(request.request_id, request.prompt,
-                                                request.params, request.priority, request.stream)
+                                                request.params, request.priority, request.stream,
+                                                lora_request=request.lora_request)
         except ValueError as e:
             return e
         self.sinks[request.request_id] = sink

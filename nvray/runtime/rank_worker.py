@@ -120,7 +120,8 @@ class RankWorker:
                 "vocab_size": self.runner.hf_config.vocab_size, "dtypes": self.runner.dtypes(),
                 "kv_group_windows": self.runner.kv_layout.group_windows,
                 "num_state_slots": self.runner.num_state_slots,
-                "parallelism": self.runner.parallelism()}
+                "parallelism": self.runner.parallelism(),
+                "lora_targets": self.runner.lora_targets()}
 
     def startup_phases(self) -> dict[str, float]:
         """This rank's start-up seconds by phase (startup_phases.py)."""

@@ -108,6 +108,7 @@ class RayExecutor:
         self.kv_group_windows = tuple(facts["kv_group_windows"])
         self.num_state_slots = facts["num_state_slots"]
         self.parallelism = facts["parallelism"]
+        self.lora_targets = facts["lora_targets"]
 
     def _compile(self):  # noqa: ANN202 - ray.dag types are experimental
         from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415

@@ -27,6 +27,7 @@ class InProcessExecutor:
         self.kv_group_windows = self.runner.kv_layout.group_windows
         self.num_state_slots = self.runner.num_state_slots
         self.parallelism = self.runner.parallelism()
+        self.lora_targets = self.runner.lora_targets()
         self.startup_phases = dict(self.runner.startup.seconds)
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -40,6 +40,7 @@ from nvray.layers.pp import is_last_stage, pp_size, pp_stage, recv_from_prev, se
 from nvray.layers.tp import (broadcast_from_first, expert_parallel, set_expert_parallel, tp_rank,
                              tp_size, use_p2p_all_reduce)
 from nvray.kv_layout import plan_kv_layout
+from nvray.lora.model import LoRAModel
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
@@ -124,6 +125,7 @@ class ModelRunner:
                                    graph_capacity(self.graph_shapes), self.device,
                                    self.kv_layout.num_groups, has_state=bool(self.state_layers))
         self.stage_input = self._stage_input_buffer()
+        self.lora = self._lora_model()
         self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
         self.memory_report: GpuMemoryReport | None = None
@@ -142,6 +144,20 @@ class ModelRunner:
         vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
                                           config.max_num_seqs, self.device)
+
+    def _lora_model(self) -> LoRAModel | None:
+        """Adapter slots on every adaptable projection (``enable_lora``), before the memory
+        profile, which counts them."""
+        c = self.config
+        if not c.enable_lora:
+            return None
+        capacity = max(c.max_num_batched_tokens, self.inputs.graph_capacity)
+        return LoRAModel(self.model, c.max_loras, c.max_lora_rank, c.cpu_loras, capacity,
+                         self.device)
+
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """The projections adapters may adapt: checkpoint module -> full (in, out)."""
+        return self.lora.targets() if self.lora is not None else {}
 
     def _stage_input_buffer(self) -> torch.Tensor | None:
         """A later pipeline stage's input, [tokens, 2, hidden], as large as a step gets (the
@@ -300,9 +316,13 @@ class ModelRunner:
             self.copy_blocks(step.block_copies)
         if step.state_copies:
             self.copy_states(step.state_copies)
+        if self.lora is not None:
+            self.lora.begin_step(step)
         graphs = self.graphs
         batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
                                     self.last_sampled)
+        if self.lora is not None:
+            self.lora.prepare_step(step, graphs.shapes.verify_q if batch.verify_bs else 0)  # type: ignore[union-attr]
         if self.stage_input is not None:  # the previous stage's activations, rows as computed
             recv_from_prev(self.stage_input[:batch.positions.shape[0]])
         if batch.graph_bs:

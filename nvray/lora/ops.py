@@ -1,0 +1,63 @@
+"""The batched LoRA delta of one projection: ``y[t] += (x[t] @ A[slot(t)].T) @ B[slot(t)].T``.
+
+``add_lora(x, y, weights, batch)`` adds every token's delta through its adapter's slot
+(``batch``: the step's token -> slot map, ``batch.py``; ``weights``: the projection's slots,
+``weights.py``), slice by slice for a fused projection, in place, and returns ``y``. On CUDA
+tensors it runs the Triton shrink/expand kernels (``kernels/lora.py``, which CUDA graphs
+capture); elsewhere ``shrink_torch`` / ``expand_torch``, which are also the kernels' references.
+A step without adapter tokens skips it all, except while graphs are captured (the kernels are
+then in the graph and read the counts of each replay).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from nvray.lora.batch import LoRABatch
+    from nvray.lora.weights import LoRAWeights
+
+_triton: Any = None  # kernels.lora, imported on the first CUDA call
+
+
+def _groups(rows: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor
+            ) -> Iterator[tuple[int, torch.Tensor]]:
+    for slot, (count, start) in enumerate(zip(counts.tolist(), starts.tolist())):
+        if count:
+            yield slot, rows[start:start + count].long()
+
+
+def shrink_torch(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
+                 counts: torch.Tensor, starts: torch.Tensor) -> None:
+    """``h[t] = x[t] @ a[slot(t)].T`` (float32) for the grouped rows."""
+    for slot, idx in _groups(rows, counts, starts):
+        h[idx] = x[idx].float() @ a[slot].float().T
+
+
+def expand_torch(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+                 counts: torch.Tensor, starts: torch.Tensor, h_col: int, y_col: int,
+                 width: int) -> None:
+    """``y[t, y_col:+width] += h[t, h_col:+R] @ b[slot(t), y_col:+width].T``, rounded once."""
+    r = b.shape[2]
+    for slot, idx in _groups(rows, counts, starts):
+        delta = h[idx, h_col:h_col + r] @ b[slot, y_col:y_col + width].float().T
+        y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float() + delta).to(y.dtype)
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, weights: "LoRAWeights", batch: "LoRABatch"
+             ) -> torch.Tensor:
+    if not batch.launches:
+        return y
+    global _triton
+    if x.is_cuda and _triton is None:
+        import kernels.lora as _triton  # noqa: PLC0415
+    shrink, expand = ((_triton.lora_shrink, _triton.lora_expand) if x.is_cuda
+                      else (shrink_torch, expand_torch))
+    rows, counts, starts = batch.rows, batch.counts, batch.starts
+    h = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
+    shrink(x, weights.a, h, rows, counts, starts)
+    for h_col, y_col, width in weights.slices:
+        expand(h, weights.b, y, rows, counts, starts, h_col, y_col, width)
+    return y

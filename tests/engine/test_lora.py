@@ -1,0 +1,147 @@
+"""Multi-LoRA on the in-process engine, against PEFT's own model as the oracle.
+
+Adapters are written by PEFT (``tests/lora_adapters.py``): different ranks, target modules, an
+rsLoRA one and one with a per-module alpha. A batch mixes them with the base model; each request
+gets PEFT's greedy tokens for its adapter, and the adapters change the tokens (else the check
+would be empty). Prefix caching never serves one adapter's KV to another; more adapters than
+GPU slots take turns; preemption keeps the tokens; an adapter nvray cannot serve is refused when
+named, with the reason, and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+from lora_adapters import ATTENTION, MLP, peft_greedy, peft_logits, write_adapter
+from oracle import random_prompts
+from tiny_engines import tiny_inprocess
+
+from nvray import LoRARequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_path) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "all": write_adapter(tiny_path, str(root / "all"), 8, ATTENTION + MLP, seed=1),
+        "qv-rs": write_adapter(tiny_path, str(root / "qv-rs"), 4, ["q_proj", "v_proj"], seed=2,
+                               use_rslora=True, alpha=6),
+        "mlp": write_adapter(tiny_path, str(root / "mlp"), 16, MLP, seed=3,
+                             alpha_pattern={"down_proj": 3.0}),
+        "ko": write_adapter(tiny_path, str(root / "ko"), 2, ["k_proj", "o_proj"], seed=4,
+                            std=0.4),
+    }
+
+
+def _request(adapters: dict[str, str], name: str | None) -> LoRARequest | None:
+    return None if name is None else LoRARequest(name, 1, adapters[name])
+
+
+@pytest.fixture(scope="module")
+def lora_llm():
+    llm = tiny_inprocess(256, enable_lora=True, max_loras=2, max_num_batched_tokens=64)
+    yield llm
+    llm.shutdown()
+
+
+def test_a_batch_mixing_adapters_and_the_base_gets_pefts_tokens(lora_llm, adapters, tiny_path):
+    names = [None, "all", "qv-rs", "mlp", "ko", "all", None, "qv-rs"]
+    prompts = random_prompts(len(names), 5, 40, seed=41)
+    outs = lora_llm.generate(prompts, GREEDY, use_tqdm=False,
+                             lora_request=[_request(adapters, n) for n in names])
+    for name, prompt, out in zip(names, prompts, outs):
+        path = adapters[name] if name else None
+        assert list(out.token_ids) == peft_greedy(tiny_path, path, prompt, 8), name
+    base = [peft_greedy(tiny_path, None, p, 8) for p in prompts]
+    changed = [list(o.token_ids) != b for n, o, b in zip(names, outs, base) if n is not None]
+    assert all(changed), "every adapter must change the tokens, or the test checks nothing"
+    lora = lora_llm.stats()["lora"]
+    assert lora["num_slots"] == 2 and lora["num_loads"] >= 4  # 4 adapters took turns in 2 slots
+
+
+def test_log_probabilities_are_pefts_within_tolerance(lora_llm, adapters, tiny_path):
+    prompt = random_prompts(1, 12, 12, seed=43)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    for name in ("all", "qv-rs"):
+        out = lora_llm.generate([prompt], params, use_tqdm=False,
+                                lora_request=_request(adapters, name))[0]
+        logits = peft_logits(tiny_path, adapters[name], prompt + list(out.token_ids))
+        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            want = logits[len(prompt) - 1 + i].log_softmax(-1)[token].item()
+            assert math.isclose(entry.logprob, want, abs_tol=1e-3), (name, i)
+
+
+def test_the_prefix_cache_never_shares_kv_between_adapters(lora_llm, adapters, tiny_path):
+    prompt = random_prompts(1, 40, 40, seed=45)[0]
+    seen = []
+    for name in ("all", "mlp", None, "all"):
+        out = lora_llm.generate([prompt], GREEDY, use_tqdm=False,
+                                lora_request=_request(adapters, name))[0]
+        path = adapters[name] if name else None
+        assert list(out.token_ids) == peft_greedy(tiny_path, path, prompt, 8), name
+        seen.append(out.num_cached_tokens)
+    assert seen[1] == 0 and seen[2] == 0, "another adapter's (or the base's) KV was served"
+    assert seen[3] >= 32, "the same adapter's own prefix should be a cache hit"
+
+
+def test_preempted_adapter_requests_keep_their_tokens(adapters, tiny_path):
+    names = ["all", "ko", None, "qv-rs", "all", "mlp"]
+    prompts = random_prompts(len(names), 20, 30, seed=47)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = tiny_inprocess(256, enable_lora=True, max_loras=3, num_kvcache_blocks=20,
+                         max_num_batched_tokens=64)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False,
+                            lora_request=[_request(adapters, n) for n in names])
+        assert llm.stats()["num_preemptions"] > 0, "the workload must preempt"
+    finally:
+        llm.shutdown()
+    for name, prompt, out in zip(names, prompts, outs):
+        path = adapters[name] if name else None
+        assert list(out.token_ids) == peft_greedy(tiny_path, path, prompt, 24), name
+
+
+def _copy_with_config(src: str, dst: str, **changes: object) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def test_adapters_nvray_cannot_serve_are_refused_with_the_reason(lora_llm, adapters, tiny_path,
+                                                                 tmp_path):
+    wide = write_adapter(tiny_path, str(tmp_path / "wide"), 32, ["q_proj"], seed=5)
+    head = write_adapter(tiny_path, str(tmp_path / "head"), 4, ["q_proj", "lm_head"], seed=6)
+    dora = _copy_with_config(adapters["ko"], str(tmp_path / "dora"), use_dora=True)
+    cases = {"wide": (wide, "above max_lora_rank=16"),
+             "head": (head, "lm_head"),
+             "dora": (dora, "DoRA"),
+             "missing": (str(tmp_path / "nowhere"), "is not a directory")}
+    for name, (path, reason) in cases.items():
+        with pytest.raises(ValueError, match=reason) as err:
+            lora_llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False,
+                              lora_request=LoRARequest(name, 1, path))
+        assert repr(name) in str(err.value)
+    out = lora_llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False,
+                            lora_request=_request(adapters, "ko"))[0]
+    assert list(out.token_ids) == peft_greedy(tiny_path, adapters["ko"], [5, 6, 7], 8)
+
+
+def test_an_engine_without_enable_lora_refuses_adapters(adapters):
+    llm = tiny_inprocess(128)
+    try:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False,
+                         lora_request=_request(adapters, "ko"))
+    finally:
+        llm.shutdown()
