@@ -20,6 +20,9 @@ be longer than what they hold (a CUDA graph's static buffers): only ``counts`` s
   ``y[t, y_col : y_col + width]`` (``y``: ``[T, OUT]``, x's dtype, in place), rounding once.
   A fused projection (q/k/v, gate/up) calls it once per slice.
 
+Products accumulate in float32; float32 weights multiply in IEEE float32 (no TF32), 16-bit ones
+on the tensor cores (``h`` rounded to B's dtype first).
+
 Grid ``(cdiv(T, BLOCK_M), cdiv(N or width, BLOCK_N), num_slots)``: a program takes up to
 BLOCK_M of one slot's tokens (gathered through ``rows``) and one tile of outputs; programs past
 a slot's count return at once, so a graph captured for T rows serves any mix of slots.
@@ -57,7 +60,8 @@ def _slot_rows(rows_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M: tl.conste
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, rows_ptr, counts_ptr, starts_ptr, K, N,
                    stride_x, stride_as, stride_an, stride_h,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
     pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if pid_m * BLOCK_M >= tl.load(counts_ptr + slot):
         return
@@ -71,7 +75,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, rows_ptr, counts_ptr, starts_ptr, K, N,
                     mask=valid[:, None] & (offs_k < K)[None, :], other=0.0)
         a = tl.load(a_base + offs_n[None, :] * stride_an + offs_k[:, None],
                     mask=(offs_n < N)[None, :] & (offs_k < K)[:, None], other=0.0)
-        acc += tl.dot(x, a)
+        acc += tl.dot(x, a, input_precision=PRECISION)
     tl.store(h_ptr + rows[:, None] * stride_h + offs_n[None, :], acc,
              mask=valid[:, None] & (offs_n < N)[None, :])
 
@@ -79,7 +83,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, rows_ptr, counts_ptr, starts_ptr, K, N,
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, y_ptr, rows_ptr, counts_ptr, starts_ptr, R, width,
                    h_col, y_col, stride_h, stride_bs, stride_bo, stride_y,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PRECISION: tl.constexpr):
     pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if pid_m * BLOCK_M >= tl.load(counts_ptr + slot):
         return
@@ -91,11 +96,16 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, rows_ptr, counts_ptr, starts_ptr, R, wid
                 + offs_r[:, None], mask=n_ok[None, :] & (offs_r < R)[:, None], other=0.0)
     h = tl.load(h_ptr + rows[:, None] * stride_h + h_col + offs_r[None, :],
                 mask=valid[:, None] & (offs_r < R)[None, :], other=0.0)
-    delta = tl.dot(h.to(b.dtype), b)
+    delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
     out = y_ptr + rows[:, None] * stride_y + y_col + offs_n[None, :]
     mask = valid[:, None] & n_ok[None, :]
     y = tl.load(out, mask=mask, other=0.0)
     tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 weights multiply in full precision (not TF32); 16-bit ones on tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _check_meta(rows: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
@@ -121,7 +131,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.T
     grid = (triton.cdiv(t, _BLOCK_M), triton.cdiv(n, _BLOCK_N), slots)
     _shrink_kernel[grid](x, a, h, rows, counts, starts, k, n, x.stride(0), a.stride(0),
                          a.stride(1), h.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-                         BLOCK_K=_BLOCK_K)
+                         BLOCK_K=_BLOCK_K, PRECISION=_precision(a.dtype))
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
@@ -141,4 +151,5 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.T
     grid = (triton.cdiv(t, _BLOCK_M), triton.cdiv(width, _BLOCK_N), slots)
     _expand_kernel[grid](h, b, y, rows, counts, starts, r, width, h_col, y_col, h.stride(0),
                          b.stride(0), b.stride(1), y.stride(0), BLOCK_M=_BLOCK_M,
-                         BLOCK_N=_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r)))
+                         BLOCK_N=_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r)),
+                         PRECISION=_precision(b.dtype))

@@ -34,7 +34,9 @@ Subcommands:
 - ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
   over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
   ``throughput --all-reduce auto,nccl`` compares them in the engine; ``throughput --profile DIR``
-  writes each rank's kernel times over 20 decode steps (one configuration at a time).
+  writes each rank's kernel times over 20 decode steps (one configuration at a time);
+  ``throughput --loras 8 --lora-rank 16`` runs each configuration again with multi-LoRA
+  (``LoRAWorkload`` in ``nvray/bench/throughput.py``).
 - ``sampler``: the sampler's GPU and host time per step for each filter mix, sorting the
   vocabulary and with the sort-free kernel (``nvray/bench/sampler.py``).
 - ``gpu-busy``: GPU busy share of decode wall time (torch profiler), overlapped steps on and off
@@ -75,7 +77,8 @@ from typing import Any
 from nvray.bench import scaleup, serve, soak, startup
 from nvray.bench.allreduce import ROWS as ALLREDUCE_ROWS
 from nvray.bench.checkpoints import QWEN3_SHAPES, SHAPES
-from nvray.bench.throughput import FEATURES, bench_throughput, resolve_placements
+from nvray.bench.throughput import (FEATURES, LoRAWorkload, bench_throughput,
+                                    resolve_placements)
 from nvray.config import ALL_REDUCES, KV_CACHE_DTYPES
 
 
@@ -166,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--expert-parallel", default="off",
                     help="MoE experts at TP>1 to compare, comma-separated: off (each expert's "
                          "width split over the ranks), on (whole experts per rank)")
+    tp.add_argument("--loras", type=int, default=0,
+                    help="also run with this many random LoRA adapters (a tenth of the requests "
+                         "on the base), in-process: lora_vs_base, swaps/s, first-use latency")
+    tp.add_argument("--lora-rank", type=int, default=16)
+    tp.add_argument("--max-loras", type=int, default=8, help="GPU adapter slots (--loras)")
     tp.add_argument("--profile", default=None, metavar="DIR",
                     help="write each rank's kernel times over 20 decode steps under DIR "
                          "(nvray/worker/step_profiler.py)")
@@ -283,12 +291,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                       {"off": False, "on": True})
         if args.profile:  # read by the ranks (Ray's local workers inherit this environment)
             os.environ["NVRAY_PROFILE_DIR"] = args.profile
+        if args.loras < 0 or args.lora_rank < 1 or args.max_loras < 1:
+            raise SystemExit("throughput: --loras must be >= 0, --lora-rank and --max-loras >= 1")
+        lora = (LoRAWorkload(args.loras, args.lora_rank, args.max_loras) if args.loras else None)
         return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
                                 args.max_model_len, args.floor, overlaps,
                                 _names("--features", args.features, list(FEATURES)),
                                 _budgets(args.max_num_batched_tokens),
                                 sizes, args.shape, quantizations, kv_dtypes, all_reduces,
-                                expert_parallels, stages)
+                                expert_parallels, stages, lora)
     if args.cmd == "embed":
         from nvray.bench.embed import bench_embed  # noqa: PLC0415
 

@@ -9,14 +9,25 @@ one engine at a time (each waits for the previous one's GPU memory to be release
 gives output and total tok/s (prefill included), its steps and their wall time by kind, and, on
 a GPU whose bandwidth and matmul peak were measured, its share of the workload's floors
 (``nvray/bench/floor.py``; TP=n: n times them) and, at TP>1, its ``speedup_vs_tp1``.
+
+Multi-LoRA (``--loras N``, ``LoRAWorkload``): each configuration runs twice, on the base model,
+then with ``enable_lora`` and N random rank-``--lora-rank`` adapters over ``--max-loras`` GPU
+slots (``nvray/bench/lora_adapters.py``; written after start-up for the projections the engine
+reports), each request picking one at random and a tenth of them none; the LoRA run gives its
+``lora_vs_base`` output tok/s ratio, its adapter loads (swaps) and swaps per second, and an
+adapter's first use: a one-token request's latency through an adapter never used (read from
+disk, loaded into a slot) beside one through a resident adapter.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from nvray.bench.checkpoints import default_checkpoint, is_config_only
@@ -34,6 +45,14 @@ FEATURES: dict[str, dict[str, Any]] = {
     "filters": {"top_p": 0.95, "top_k": 20},  # Qwen3's recommended sampling
     "top_p": {"top_p": 0.95},  # what many OpenAI clients send: no top-k to bound the candidates
 }
+
+
+@dataclass(frozen=True)
+class LoRAWorkload:
+    count: int  # adapters the requests pick from
+    rank: int = 16
+    max_loras: int = 8  # GPU slots
+    base_share: float = 0.1  # requests on the base model
 
 
 def bench_workload(num_seqs: int = 256, seed: int = 0, **extra: Any
@@ -70,23 +89,69 @@ def _wait_gpu_memory_released(baseline_used: list[int], timeout_s: float = 60.0)
           file=sys.stderr, flush=True)
 
 
+def _lora_options(lora: LoRAWorkload | None) -> dict[str, Any]:
+    if lora is None:
+        return {}
+    return {"enable_lora": True, "max_loras": min(lora.max_loras, lora.count),
+            "max_lora_rank": lora.rank, "max_cpu_loras": max(lora.count + 1, lora.max_loras)}
+
+
+def _lora_requests(llm: Any, lora: LoRAWorkload, num_requests: int, folder: str
+                   ) -> tuple[list[Any], dict[str, Any]]:
+    """Write the adapters (for the projections the engine reports), measure a first use, and
+    draw each request's adapter (None: the base)."""
+    from nvray import LoRARequest  # noqa: PLC0415
+    from nvray.bench.lora_adapters import clone_adapter, write_random_adapter  # noqa: PLC0415
+
+    first = write_random_adapter(os.path.join(folder, "a0"), llm.engine.limits.lora_targets,
+                                 lora.rank, seed=0)
+    paths = [first] + [clone_adapter(first, os.path.join(folder, f"a{i}"))
+                       for i in range(1, lora.count + 1)]
+    adapters = [LoRARequest(f"bench-{i}", i + 1, p) for i, p in enumerate(paths)]
+    fresh, used = adapters.pop(), adapters[0]
+    one = SamplingParams(max_tokens=1)
+    prompt = list(range(100, 228))
+    llm.generate([prompt], one, use_tqdm=False, lora_request=used)  # resident from now on
+    latency = {}
+    for name, adapter in (("resident_adapter_ms", used), ("first_use_adapter_ms", fresh)):
+        t0 = time.perf_counter()
+        llm.generate([prompt], one, use_tqdm=False, lora_request=adapter)
+        latency[name] = round(1000 * (time.perf_counter() - t0), 1)
+    rng = random.Random(1)
+    picks = [None if rng.random() < lora.base_share else adapters[rng.randrange(lora.count)]
+             for _ in range(num_requests)]
+    return picks, latency
+
+
 def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list[list[int]],
-                    params: list[SamplingParams], engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+                    params: list[SamplingParams], engine_kwargs: dict[str, Any],
+                    lora: LoRAWorkload | None = None) -> dict[str, Any]:
     overlap = engine_kwargs.get("overlap_scheduling", True)
     from nvray import LLM  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    llm = LLM(model, runtime=runtime, enforce_eager=enforce_eager, **engine_kwargs)
+    llm = LLM(model, runtime=runtime, enforce_eager=enforce_eager, **engine_kwargs,
+              **_lora_options(lora))
     startup_s = time.perf_counter() - t0
+    lora_figures: dict[str, Any] = {}
     try:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
-        before = llm.stats()
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        stats = llm.stats()
+        with tempfile.TemporaryDirectory(prefix="nvray-bench-loras-") as folder:
+            picks = None
+            if lora is not None:
+                picks, lora_figures = _lora_requests(llm, lora, len(prompts), folder)
+            before = llm.stats()
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=picks)
+            elapsed = time.perf_counter() - t0
+            stats = llm.stats()
     finally:
         llm.shutdown()
+    if lora is not None:
+        loads = stats["lora"]["num_loads"] - before["lora"]["num_loads"]
+        lora_figures.update(loras=lora.count, lora_rank=lora.rank,
+                            max_loras=min(lora.max_loras, lora.count), lora_loads=loads,
+                            lora_swaps_per_s=round(loads / elapsed, 2))
     output_tokens = sum(len(o.token_ids) for o in outputs)
     assert output_tokens == sum(p.max_tokens for p in params), "ignore_eos: every request runs to max_tokens"
     return {"runtime": runtime, "cuda_graphs": not enforce_eager, "overlap_scheduling": overlap,
@@ -99,6 +164,7 @@ def _throughput_run(model: str, runtime: str, enforce_eager: bool, prompts: list
             "num_preemptions": stats.get("num_preemptions"),
             **({"expert_load_imbalance": stats["expert_load_imbalance"]}
                if "expert_load_imbalance" in stats else {}),
+            **lora_figures,
             **_latencies(before, stats), **_steps_by_kind(before, stats)}
 
 
@@ -136,7 +202,8 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                      kv_cache_dtypes: tuple[str, ...] = ("auto",),
                      all_reduces: tuple[str, ...] = ("auto",),
                      expert_parallels: tuple[bool, ...] = (False,),
-                     pipeline_parallel_sizes: tuple[int, ...] = (1,)) -> dict[str, Any]:
+                     pipeline_parallel_sizes: tuple[int, ...] = (1,),
+                     lora: LoRAWorkload | None = None) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     placements = resolve_placements(runtimes, tensor_parallel_sizes, pipeline_parallel_sizes)
@@ -171,14 +238,20 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                 options["load_format"] = "dummy"
             if budget is not None:
                 options["max_num_batched_tokens"] = budget
-            runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
-                         "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                         "quantization": quant,
-                         "kv_cache_dtype": kv, "all_reduce": reduce, "expert_parallel": ep,
-                         **_throughput_run(model, runtime, enforce_eager, prompts, params, options)})
-            print(json.dumps(runs[-1]), flush=True)
-            if cuda:
-                _wait_gpu_memory_released(baseline)
+            with_loras = (None, lora) if lora is not None and runtime == "inprocess" else (None,)
+            for workload in with_loras:
+                runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
+                             "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                             "quantization": quant,
+                             "kv_cache_dtype": kv, "all_reduce": reduce, "expert_parallel": ep,
+                             **_throughput_run(model, runtime, enforce_eager, prompts, params,
+                                               options, workload)})
+                if workload is not None:
+                    runs[-1]["lora_vs_base"] = round(
+                        runs[-1]["output_tok_per_s"] / runs[-2]["output_tok_per_s"], 3)
+                print(json.dumps(runs[-1]), flush=True)
+                if cuda:
+                    _wait_gpu_memory_released(baseline)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     for run in runs:
         floors = _floors(model, device, num_seqs, floor_tok_per_s, run["quantization"],

@@ -9,14 +9,12 @@ kernels read the counts each replay, and zero counts make them return at once. T
 one pinned buffer and one non-blocking copy per step that has adapter tokens (or follows one),
 guarded by an event as ``InputBuilder``'s is.
 
-``launches`` says whether the projections run the LoRA ops this forward: a step with adapter
-tokens, or a graph capture (``capturing``), whose kernels must be in the graph.
+``launches`` says whether the projections run the LoRA ops this forward: on the GPU always
+(the kernels of a step without adapter tokens return at once; so the warm-up compiles them and
+every graph captures them), on the CPU only for a step with adapter tokens.
 """
 
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -39,20 +37,10 @@ class LoRABatch:
         self.copy_done = torch.cuda.Event() if self.cuda else None
         self.has_tokens = False  # this step has adapter tokens
         self.counts_written = False  # the device counts may be non-zero
-        self.capture_depth = 0
 
     @property
     def launches(self) -> bool:
-        return self.has_tokens or self.capture_depth > 0
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Graph capture: the projections launch their LoRA kernels whatever the counts."""
-        self.capture_depth += 1
-        try:
-            yield
-        finally:
-            self.capture_depth -= 1
+        return self.has_tokens or self.cuda
 
     def prepare(self, token_slots: list[int] | None, token_rows: list[int] | None = None) -> None:
         """The step's tokens' slots (-1: base), in step order, and their rows in the forward

@@ -5,8 +5,8 @@
 ``weights.py``), slice by slice for a fused projection, in place, and returns ``y``. On CUDA
 tensors it runs the Triton shrink/expand kernels (``kernels/lora.py``, which CUDA graphs
 capture); elsewhere ``shrink_torch`` / ``expand_torch``, which are also the kernels' references.
-A step without adapter tokens skips it all, except while graphs are captured (the kernels are
-then in the graph and read the counts of each replay).
+On the CPU a step without adapter tokens skips it all; on the GPU the kernels always run (and
+return at once without adapter tokens), so CUDA graphs hold them and read each replay's counts.
 """
 
 from __future__ import annotations
