@@ -8,10 +8,12 @@ embeddings or the LM head). Each is known by the checkpoint names of the modules
 how PEFT names them; ``targets()`` lists them with their full (in, out) features, for the driver
 to check adapters against (``adapter.inspect_adapter``).
 
-``load(slot, adapter)`` puts an adapter into a slot: its tensors come from an LRU of
-``max_cpu_loras`` adapters in host memory, or from disk; every projection's slot is cleared,
-then filled for the modules the adapter adapts. The step that names the slot runs after the
-copies (one stream). ``batch`` is the step's token -> slot map the projections read.
+``load(slot, adapter)`` puts an adapter into a slot: two copies per projection of its slot
+images (A and B as this rank holds them, zeros where the adapter leaves a module alone, pinned
+host memory), kept for an LRU of ``max_cpu_loras`` adapters and otherwise made from the
+adapter's files. The copies are queued on the step's stream, after the steps launched before
+(which may still read the slot's old adapter) and before the step that names it. ``batch`` is
+the step's token -> slot map the projections read.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class LoRAModel:
             self.layers.append((weights, names))
             for name, shard_id in zip(names, slice_ids(module)):
                 self._targets[name] = full_shape(module, shard_id)
-        self.cpu_cache: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        self.cpu_cache: OrderedDict[tuple[str, str], list[Any]] = OrderedDict()
         self.num_disk_loads = 0
 
     def targets(self) -> dict[str, tuple[int, int]]:
@@ -84,23 +86,23 @@ class LoRAModel:
         self.batch.prepare(slots, rows)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        weights = self._host_weights(adapter)
-        for layer, names in self.layers:
-            layer.clear(slot)
-            for part, name in enumerate(names):
-                if name in weights:
-                    a, b = weights[name]
-                    layer.set(slot, part, a, b)
+        for (layer, _), image in zip(self.layers, self._images(adapter)):
+            layer.write(slot, image)
 
-    def _host_weights(self, adapter: LoRAAdapter) -> dict[str, Any]:
-        weights = self.cpu_cache.pop(adapter.key, None)
-        if weights is None:
+    def _images(self, adapter: LoRAAdapter) -> list[Any]:
+        """Each projection's slot image of ``adapter`` (``LoRAWeights.image``), from the LRU
+        or made from its files."""
+        images = self.cpu_cache.pop(adapter.key, None)
+        if images is None:
             weights = load_adapter_weights(adapter)
             self.num_disk_loads += 1
-        self.cpu_cache[adapter.key] = weights
+            images = [layer.image({part: weights[name] for part, name in enumerate(names)
+                                   if name in weights})
+                      for layer, names in self.layers]
+        self.cpu_cache[adapter.key] = images
         while len(self.cpu_cache) > self.max_cpu_loras:
             self.cpu_cache.popitem(last=False)
-        return weights
+        return images
 
     def forget(self, adapter_key: tuple[str, str]) -> None:
         """Drop an unloaded adapter's tensors from host memory."""

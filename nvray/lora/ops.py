@@ -31,18 +31,21 @@ def _groups(rows: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor
 
 def shrink_torch(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
                  counts: torch.Tensor, starts: torch.Tensor) -> None:
-    """``h[t] = x[t] @ a[slot(t)].T`` (float32) for the grouped rows."""
+    """``h[0, t] = x[t] @ a[slot(t)].T`` (float32) for the grouped rows, the other parts zero
+    (``h``: [splits, T, N] partial sums)."""
+    h[1:] = 0
     for slot, idx in _groups(rows, counts, starts):
-        h[idx] = x[idx].float() @ a[slot].float().T
+        h[0, idx] = x[idx].float() @ a[slot].float().T
 
 
 def expand_torch(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
                  counts: torch.Tensor, starts: torch.Tensor, h_col: int, y_col: int,
                  width: int) -> None:
-    """``y[t, y_col:+width] += h[t, h_col:+R] @ b[slot(t), y_col:+width].T``, rounded once."""
+    """``y[t, y_col:+width] += h.sum(0)[t, h_col:+R] @ b[slot(t), y_col:+width].T``, rounded
+    once."""
     r = b.shape[2]
     for slot, idx in _groups(rows, counts, starts):
-        delta = h[idx, h_col:h_col + r] @ b[slot, y_col:y_col + width].float().T
+        delta = h[:, idx, h_col:h_col + r].sum(0) @ b[slot, y_col:y_col + width].float().T
         y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float() + delta).to(y.dtype)
 
 
@@ -56,7 +59,9 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, weights: "LoRAWeights", batch: "L
     shrink, expand = ((_triton.lora_shrink, _triton.lora_expand) if x.is_cuda
                       else (shrink_torch, expand_torch))
     rows, counts, starts = batch.rows, batch.counts, batch.starts
-    h = torch.empty(x.shape[0], weights.a.shape[1], dtype=torch.float32, device=x.device)
+    splits = _triton.shrink_splits(x.shape[0], x.shape[1]) if x.is_cuda else 1
+    h = torch.empty(splits, x.shape[0], weights.a.shape[1], dtype=torch.float32,
+                    device=x.device)
     shrink(x, weights.a, h, rows, counts, starts)
     for h_col, y_col, width in weights.slices:
         expand(h, weights.b, y, rows, counts, starts, h_col, y_col, width)

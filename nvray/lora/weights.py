@@ -78,26 +78,36 @@ class LoRAWeights:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return add_lora(x, y, self, self.batch)
 
-    def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+    def image(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One slot's A and B as this rank holds them, in host memory (pinned for a GPU):
+        ``parts`` maps a fused part to its full (unsharded) A [r, in] and scaled B [out, r];
+        the parts left out stay zero."""
+        pin = self.a.device.type == "cuda"
+        a_img = torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
+        b_img = torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
+        R = self.rank
+        for part, (a, b) in parts.items():
+            r = a.shape[0]
+            a_pad = torch.zeros(R, a.shape[1], dtype=self.a.dtype)
+            a_pad[:r] = a
+            b_pad = torch.zeros(b.shape[0], R, dtype=self.b.dtype)
+            b_pad[:, :r] = b
+            a_dst = a_img[part * R:(part + 1) * R]
+            if self.row_parallel:  # A split along its input features, as the weight is
+                self.layer.weight_loader(_Target(a_dst), a_pad)
+                b_img.copy_(b_pad)
+                continue
+            a_dst.copy_(a_pad)
+            shard_id = self.shard_ids[part]
+            args = () if shard_id is None else (shard_id,)
+            self.layer.weight_loader(_Target(b_img), b_pad, *args)
+        return a_img, b_img
 
-    def set(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Slice ``part``'s full (unsharded) A [r, in] and scaled B [out, r] into ``slot``."""
-        r, R = a.shape[0], self.rank
-        a_pad = torch.zeros(R, a.shape[1], dtype=self.a.dtype)
-        a_pad[:r] = a
-        b_pad = torch.zeros(b.shape[0], R, dtype=self.b.dtype)
-        b_pad[:, :r] = b
-        a_dst = self.a[slot, part * R:(part + 1) * R]
-        if self.row_parallel:  # A split along its input features, as the weight is
-            self.layer.weight_loader(_Target(a_dst), a_pad)
-            self.b[slot].copy_(b_pad)
-            return
-        a_dst.copy_(a_pad)
-        shard_id = self.shard_ids[part]
-        args = () if shard_id is None else (shard_id,)
-        self.layer.weight_loader(_Target(self.b[slot]), b_pad, *args)
+    def write(self, slot: int, image: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy a slot's ``image`` in (stream-ordered: after the steps launched before)."""
+        self.a[slot].copy_(image[0], non_blocking=True)
+        self.b[slot].copy_(image[1], non_blocking=True)
 
 
 class _Target:

@@ -10,6 +10,7 @@ and verification graphs replay with adapter tokens in them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -51,17 +52,28 @@ def _merged(base: str, adapter: str, out: str) -> str:
     return out
 
 
+def _targets(path: str) -> dict[str, tuple[int, int]]:
+    """The tiny Qwen3's projections, checkpoint module -> (in, out)."""
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    h, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], \
+        c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv),
+              "self_attn.v_proj": (h, kv), "self_attn.o_proj": (q, h),
+              "mlp.gate_proj": (h, c["intermediate_size"]),
+              "mlp.up_proj": (h, c["intermediate_size"]),
+              "mlp.down_proj": (c["intermediate_size"], h)}
+    return {f"model.layers.{i}.{m}": s for i in range(c["num_hidden_layers"])
+            for m, s in shapes.items()}
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     from nvray.bench.lora_adapters import write_random_adapter
     from nvray.models.tiny import tiny_model_path
 
     base, root = tiny_model_path(), tmp_path_factory.mktemp("gpu-loras")
-    probe = LLM("tiny", enable_lora=True, **OPTIONS)
-    try:
-        targets = probe.engine.limits.lora_targets
-    finally:
-        probe.shutdown()
+    targets = _targets(base)
     found = {}
     for seed, (name, kinds) in enumerate(KINDS.items()):
         chosen = {m: s for m, s in targets.items() if m.rsplit(".", 1)[-1] in kinds}
@@ -71,10 +83,13 @@ def adapters(tmp_path_factory):
     return found
 
 
-def _merged_tokens(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    llm = LLM(path, **OPTIONS)
+@functools.lru_cache(maxsize=None)
+def _merged_tokens(path: str, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    """The plain engine's greedy tokens (eager: it starts faster) on a merged checkpoint."""
+    llm = LLM(path, enforce_eager=True, **OPTIONS)
     try:
-        return [list(o.token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        return [list(o.token_ids) for o in llm.generate([list(p) for p in prompts], GREEDY,
+                                                        use_tqdm=False)]
     finally:
         llm.shutdown()
 
@@ -85,7 +100,7 @@ def test_adapters_in_cuda_graphs_give_the_merged_models_tokens(adapters, specula
     prompts = random_prompts(len(names), 8, 40, seed=51)
     expected = {}
     for name in set(names):
-        chosen = [p for n, p in zip(names, prompts) if n == name]
+        chosen = tuple(tuple(p) for n, p in zip(names, prompts) if n == name)
         path = adapters[name][1] if name else "tiny"
         expected[name] = iter(_merged_tokens(path, chosen))
     spec = ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
@@ -102,7 +117,7 @@ def test_adapters_in_cuda_graphs_give_the_merged_models_tokens(adapters, specula
         assert llm.stats()["lora"]["num_loads"] >= 3
     finally:
         llm.shutdown()
-    base = _merged_tokens("tiny", prompts)
+    base = _merged_tokens("tiny", tuple(tuple(p) for p in prompts))
     for name, out, plain in zip(names, outs, base):
         assert list(out.token_ids) == next(expected[name]), name
         assert name is None or list(out.token_ids) != plain, f"{name} changed nothing"

@@ -48,9 +48,9 @@ def _per_token(x, a, b, y, slots, widths, rows=None):
     return want
 
 
-def _run(fns, x, a, b, y, batch, widths):
+def _run(fns, x, a, b, y, batch, widths, splits=1):
     shrink, expand = fns
-    h = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    h = torch.full((splits, x.shape[0], a.shape[1]), float("nan"), device=x.device)
     shrink(x, a, h, batch.rows, batch.counts, batch.starts)
     col = 0
     for j, width in enumerate(widths):
@@ -62,9 +62,11 @@ PATHS = {"triton": (lora_shrink, lora_expand), "torch": (shrink_torch, expand_to
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("num_tokens,k,widths", [(37, 64, [48, 16, 16]), (5, 40, [24]),
-                                                 (70, 96, [80, 80])])
-def test_every_token_gets_its_own_slots_delta_and_base_tokens_none(path, num_tokens, k, widths):
+@pytest.mark.parametrize("num_tokens,k,widths,splits", [
+    (37, 64, [48, 16, 16], 1), (5, 40, [24], 1), (70, 96, [80, 80], 1),
+    (37, 300, [48, 16, 16], 3), (5, 520, [24], 2)])  # K split into partial sums
+def test_every_token_gets_its_own_slots_delta_and_base_tokens_none(path, num_tokens, k, widths,
+                                                                   splits):
     dtype = torch.float32
     x, a, b, slots = _case(num_tokens, k, widths, seed=num_tokens, dtype=dtype)
     y = torch.randn(num_tokens, sum(widths), dtype=dtype, device=DEVICE)
@@ -72,8 +74,15 @@ def test_every_token_gets_its_own_slots_delta_and_base_tokens_none(path, num_tok
     batch = LoRABatch(SLOTS, 128, DEVICE)  # buffers longer than the step
     batch.prepare(slots)
     assert batch.has_tokens
-    _run(PATHS[path], x, a, b, y, batch, widths)
+    _run(PATHS[path], x, a, b, y, batch, widths, splits)
     torch.testing.assert_close(y.float(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_decode_step_splits_the_input_features_and_a_prefill_does_not():
+    from kernels.lora import shrink_splits
+
+    assert shrink_splits(256, 4096) > 1 and shrink_splits(1, 12288) > 1
+    assert shrink_splits(16384, 4096) == 1
 
 
 @pytest.mark.parametrize("path", PATHS)
