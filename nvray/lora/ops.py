@@ -22,29 +22,32 @@ if TYPE_CHECKING:
 _triton: Any = None  # kernels.lora, imported on the first CUDA call
 
 
-def _groups(rows: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor
-            ) -> Iterator[tuple[int, torch.Tensor]]:
-    for slot, (count, start) in enumerate(zip(counts.tolist(), starts.tolist())):
-        if count:
-            yield slot, rows[start:start + count].long()
+def _groups(rows: torch.Tensor, tiles: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each slot's rows, from the tiles (a slot's tiles are consecutive in ``rows``)."""
+    runs: dict[int, list[int]] = {}
+    for slot, start, n in zip(*tiles.tolist()):
+        if slot >= 0:
+            run = runs.setdefault(slot, [start, start])
+            run[1] = start + n
+    for slot, (start, end) in runs.items():
+        yield slot, rows[start:end].long()
 
 
 def shrink_torch(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
-                 counts: torch.Tensor, starts: torch.Tensor) -> None:
+                 tiles: torch.Tensor) -> None:
     """``h[0, t] = x[t] @ a[slot(t)].T`` (float32) for the grouped rows, the other parts zero
     (``h``: [splits, T, N] partial sums)."""
     h[1:] = 0
-    for slot, idx in _groups(rows, counts, starts):
+    for slot, idx in _groups(rows, tiles):
         h[0, idx] = x[idx].float() @ a[slot].float().T
 
 
 def expand_torch(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-                 counts: torch.Tensor, starts: torch.Tensor, h_col: int, y_col: int,
-                 width: int) -> None:
+                 tiles: torch.Tensor, h_col: int, y_col: int, width: int) -> None:
     """``y[t, y_col:+width] += h.sum(0)[t, h_col:+R] @ b[slot(t), y_col:+width].T``, rounded
     once."""
     r = b.shape[2]
-    for slot, idx in _groups(rows, counts, starts):
+    for slot, idx in _groups(rows, tiles):
         delta = h[:, idx, h_col:h_col + r].sum(0) @ b[slot, y_col:y_col + width].float().T
         y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float() + delta).to(y.dtype)
 
@@ -58,11 +61,11 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, weights: "LoRAWeights", batch: "L
         import kernels.lora as _triton  # noqa: PLC0415
     shrink, expand = ((_triton.lora_shrink, _triton.lora_expand) if x.is_cuda
                       else (shrink_torch, expand_torch))
-    rows, counts, starts = batch.rows, batch.counts, batch.starts
+    rows, tiles = batch.rows, batch.tiles_for(x.shape[0])
     splits = _triton.shrink_splits(x.shape[0], x.shape[1]) if x.is_cuda else 1
     h = torch.empty(splits, x.shape[0], weights.a.shape[1], dtype=torch.float32,
                     device=x.device)
-    shrink(x, weights.a, h, rows, counts, starts)
+    shrink(x, weights.a, h, rows, tiles)
     for h_col, y_col, width in weights.slices:
-        expand(h, weights.b, y, rows, counts, starts, h_col, y_col, width)
+        expand(h, weights.b, y, rows, tiles, h_col, y_col, width)
     return y

@@ -3,7 +3,8 @@
 Tokens of a step use different adapter slots or none (the base), in any order; the kernels get
 them grouped by slot through ``LoRABatch`` (the rank's own builder), over buffers longer than
 what they hold (a CUDA graph's static buffers), and must give every adapter token its own
-slot's delta and leave base tokens alone. Also the torch path the CPU runs (``ops.py``), and a
+slot's delta and leave base tokens alone; a smaller step after a larger one leaves none of the
+larger one's tiles behind. Also the torch path the CPU runs (``ops.py``), and a
 verification graph's layout (tokens at padded rows). Runs under Triton's interpreter on the
 CPU, compiled on a GPU.
 """
@@ -51,10 +52,11 @@ def _per_token(x, a, b, y, slots, widths, rows=None):
 def _run(fns, x, a, b, y, batch, widths, splits=1):
     shrink, expand = fns
     h = torch.full((splits, x.shape[0], a.shape[1]), float("nan"), device=x.device)
-    shrink(x, a, h, batch.rows, batch.counts, batch.starts)
+    tiles = batch.tiles_for(x.shape[0])
+    shrink(x, a, h, batch.rows, tiles)
     col = 0
     for j, width in enumerate(widths):
-        expand(h, b, y, batch.rows, batch.counts, batch.starts, j * RANK, col, width)
+        expand(h, b, y, batch.rows, tiles, j * RANK, col, width)
         col += width
 
 
@@ -112,14 +114,28 @@ def test_a_verification_layout_puts_each_token_at_its_padded_row():
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_step_without_adapter_tokens_zeroes_the_counts_a_graph_reads():
+def test_a_step_without_adapter_tokens_clears_the_tiles_a_graph_reads():
     widths = [16]
     x, a, b, slots = _case(8, 32, widths, seed=7, dtype=torch.float32)
     batch = LoRABatch(SLOTS, 64, DEVICE)
     batch.prepare([0] * 8)
     batch.prepare([-1] * 8)  # the next step: base tokens only
-    assert not batch.has_tokens and batch.counts.sum().item() == 0
+    assert not batch.has_tokens and (batch.tiles[0] == -1).all()
     y = torch.randn(8, 16, device=DEVICE)
     before = y.clone()
     _run(PATHS["triton"], x, a, b, y, batch, widths)  # what a replayed graph would launch
     assert torch.equal(y, before)
+
+
+def test_a_smaller_step_after_a_larger_one_runs_only_its_own_tiles():
+    widths = [16]
+    batch = LoRABatch(SLOTS, 128, DEVICE)
+    big = [s % SLOTS for s in range(100)]
+    batch.prepare(big)
+    x, a, b, _ = _case(20, 32, widths, seed=9, dtype=torch.float32)
+    slots = [2] * 5 + [-1] * 10 + [0] * 5
+    batch.prepare(slots)
+    y = torch.randn(20, 16, device=DEVICE)
+    want = _per_token(x, a, b, y, slots, widths)
+    _run(PATHS["triton"], x, a, b, y, batch, widths)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
