@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from deployments.admission import AdmissionGate
+from deployments.lora_names import parse_lora_modules
 from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 
 _ENGINE = EngineConfig()  # the engine's defaults, the one source of each
@@ -76,6 +77,25 @@ class AppArgs(BaseModel):
                                                       "vLLM's keys, e.g. '{\"method\": \"ngram\", "
                                                       "\"num_speculative_tokens\": 4}' (a JSON "
                                                       "object string on the command line)")
+    enable_lora: bool = Field(_ENGINE.enable_lora, description="serve LoRA adapters (on by "
+                              "itself with lora_modules, lora_path or "
+                              "allow_runtime_lora_updating)")
+    max_loras: int = Field(_ENGINE.max_loras, ge=1, description="LoRA: adapters resident on "
+                           "the GPU at once (one step batches them all)")
+    max_lora_rank: int = Field(_ENGINE.max_lora_rank, ge=1, description="LoRA: the largest "
+                               "adapter rank served")
+    max_cpu_loras: int | None = Field(_ENGINE.max_cpu_loras, ge=1, description="LoRA: adapters "
+                                      "kept read in host memory; default: max_loras")
+    lora_modules: list[Any] | dict[str, str] | None = Field(None, description="LoRA adapters "
+                                                           "served by name: 'name=path' strings "
+                                                           "or {'name', 'path'} objects; on the "
+                                                           "command line 'a=/p/a,b=/p/b' or "
+                                                           "JSON")
+    lora_path: str | None = Field(None, description="LoRA: a directory of adapter directories; "
+                                  "a request's model names one of them by its directory name "
+                                  "(or '<base>:<name>'), found on first use")
+    allow_runtime_lora_updating: bool = Field(False, description="LoRA: serve POST "
+                                              "/v1/load_lora_adapter and /v1/unload_lora_adapter")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="any other "
                                            "EngineConfig option, e.g. {'cpu_kvcache_space_gib': 1} "
                                            "(a JSON object string on the command line)")
@@ -136,6 +156,17 @@ class AppArgs(BaseModel):
     def routes_by_prefix(self) -> bool:
         return self.max_replicas > 1 if self.prefix_routing is None else self.prefix_routing
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_modules_from_text(cls, value: Any) -> Any:
+        """``lora_modules='sql=/ckpt/sql,chat=/ckpt/chat'`` or a JSON list/object string."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                return [item for item in value.split(",") if item]
+        return value
+
     @field_validator("engine_options", "hf_overrides", "speculative_config", mode="before")
     @classmethod
     def _engine_options_from_json(cls, value: Any) -> Any:
@@ -173,8 +204,14 @@ class AppArgs(BaseModel):
             "max_model_len", "max_num_seqs",
             "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
             "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
-            "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides", "speculative_config")}
-        return EngineConfig.from_kwargs(self.model, **fields, **self.engine_options)
+            "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides", "speculative_config",
+            "max_loras", "max_lora_rank", "max_cpu_loras")}
+        return EngineConfig.from_kwargs(self.model, **fields, enable_lora=self.serves_loras(),
+                                        **self.engine_options)
+
+    def serves_loras(self) -> bool:
+        return bool(self.enable_lora or self.lora_modules or self.lora_path
+                    or self.allow_runtime_lora_updating)
 
 
 def parse_args(args: dict[str, Any] | AppArgs | None) -> AppArgs:
@@ -192,6 +229,7 @@ def parse_args(args: dict[str, Any] | AppArgs | None) -> AppArgs:
                          f"max_replicas={parsed.max_replicas}")
     try:
         parsed.engine_config()  # engine option errors surface at start-up too
+        parse_lora_modules(parsed.lora_modules)
     except ValueError as e:
         raise ValueError(f"invalid nvray app arguments: {e}") from None
     return parsed

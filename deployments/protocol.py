@@ -390,3 +390,17 @@ class DetokenizeRequest(StrictModel):
 
 def _choice_name(choice: ToolChoice) -> str:
     return choice if isinstance(choice, str) else f"function {choice.function.name}"
+
+
+class LoadLoRARequest(StrictModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(StrictModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's; ``lora_int_id`` is accepted and unused)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

@@ -5,9 +5,9 @@
 (``deployments/response_store.py``), which every replica reaches, so ``previous_response_id``
 continues a response whichever replica served it.
 
-A mixin: it uses the server's plumbing (``_authorize``, ``_check_model``, ``_require``,
-``_finals``, ``_streaming_response``, ``_spelling``) and its ``stored``, ``reasoning``,
-``tool_parser`` and ``model_name``.
+A mixin: it uses the server's plumbing (``_authorize``, ``_adapter``, ``_name_for``,
+``_require``, ``_finals``, ``_streaming_response``, ``_spelling``) and its ``stored``,
+``reasoning`` and ``tool_parser``.
 
 No ``from __future__ import annotations`` (FastAPI reads the route annotations)."""
 
@@ -31,7 +31,7 @@ class ResponsesRoutes:
         """OpenAI's Responses API over the chat machinery (``deployments/responses_api.py``),
         kept in the app's response store (``deployments/response_store.py``)."""
         self._authorize(request)
-        self._check_model(body.model)
+        lora = self._adapter(body.model)
         self._require("generate", request)
         conversation = await self._conversation(body.previous_response_id)
         conversation += body.input_messages()
@@ -43,14 +43,14 @@ class ResponsesRoutes:
                                           tool_format=self.tool_parser.xgrammar_format)
         except UnsupportedParameter as e:
             raise body.chat_error(e) from None
-        fmt = ResponsesFormat(ChatFormat(self.model_name, self.reasoning, None,
+        fmt = ResponsesFormat(ChatFormat(self._name_for(lora), self.reasoning, None,
                                          self.tool_parser if chat.calls_tools else None,
                                          chat.tool_schemas()), body, await self._think_end_id())
         if body.stream:
             return await self._streaming_response(
                 [chat.prompt()], params, fmt, chat,
-                lambda events: self._kept_at_end(events, body, fmt, conversation))
-        response = fmt.full(await self._finals([chat.prompt()], params, body.priority))
+                lambda events: self._kept_at_end(events, body, fmt, conversation), lora=lora)
+        response = fmt.full(await self._finals([chat.prompt()], params, body.priority, lora))
         await self._keep(body, fmt, conversation)
         return JSONResponse(response)
 

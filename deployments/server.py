@@ -21,6 +21,11 @@ It finds its engine one of two ways (``deployments/engines.py``):
   503 while no engine replica answers within ``HEALTH_WAIT_S`` (none is up while the app
   deploys).
 
+LoRA adapters (``deployments/lora_names.py``): a generation request's ``model`` may name an
+adapter (or ``<base>:<adapter>``); its requests then run through it, and the response names it.
+``/v1/models`` lists the adapters known so far with their parent; ``POST /v1/load_lora_adapter``
+and ``/v1/unload_lora_adapter`` change them with ``allow_runtime_lora_updating``.
+
 ``/tokenize`` and ``/detokenize`` ask an engine's driver: the driver holds the tokenizer the
 engine runs and renders chat prompts on the one code path (``nvray.chat_template``) that
 requests take, so the ids and counts a client sees are the engine's by construction, at the
@@ -59,13 +64,16 @@ from deployments.auth import bearer_key_matches, header_key_matches
 from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngine
 from deployments.errors import OpenAIError, to_openai_error
 from deployments.http_app import api
+from deployments.lora_names import LoRANames, parse_lora_modules
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
 from deployments.tools import tool_parser_for
 from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  SamplingFields, TokenizeRequest)
+                                  LoadLoRARequest, SamplingFields, TokenizeRequest,
+                                  UnloadLoRARequest)
 from deployments.logprobs_format import TokenTexts
 from deployments.responses import ChatFormat, CompletionFormat, StreamFormat, with_usage
+from nvray.lora.request import LoRARequest
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
@@ -118,6 +126,8 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
         this replica's own engine."""
         self.args = parse_args(args)
         self.model_name = self.args.name_to_serve()
+        self.loras = LoRANames(self.model_name, parse_lora_modules(self.args.lora_modules),
+                               self.args.lora_path)
         self.api_key = self.args.resolved_api_key()
         self.timeout = self.args.request_timeout_s
         self.chunks_per_s = self.args.stream_chunks_per_s
@@ -163,11 +173,23 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
         if model is not None and model != self.model_name:
             raise OpenAIError(404, f"the model '{model}' does not exist", param, "model_not_found")
 
-    def _check_request(self, request: Request, body: SamplingFields) -> None:
+    def _adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a generation request's ``model`` names (None: the base model)."""
+        if not self.args.serves_loras():
+            self._check_model(model)
+            return None
+        return self.loras.resolve(model)
+
+    def _name_for(self, lora: LoRARequest | None) -> str:
+        """The model a response names: the adapter's, or the served model's."""
+        return self.model_name if lora is None else lora.lora_name
+
+    def _check_request(self, request: Request, body: SamplingFields) -> LoRARequest | None:
         self._authorize(request)
-        self._check_model(body.model)
+        lora = self._adapter(body.model)
         self._require("generate", request)
         body.check_supported()
+        return lora
 
     def _require(self, task: str, request: Request) -> None:
         """A route of another task than the model's is a 400 naming both."""
@@ -203,11 +225,13 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
             raise error from None
 
     async def _finals(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,
-                      priority: int = 0) -> list[RequestOutput]:
+                      priority: int = 0, lora: LoRARequest | None = None
+                      ) -> list[RequestOutput]:
         """Final outputs of ``prompts`` (all admitted or none: a rejected one raises)."""
         lease = await self._lease(prompts)
         try:
-            sink = await lease.router.add([EngineRequest(p, params, priority=priority)
+            sink = await lease.router.add([EngineRequest(p, params, priority=priority,
+                                                         lora_request=lora)
                                            for p in prompts])
             try:
                 async with asyncio.timeout(self.timeout):
@@ -251,13 +275,42 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [await self._model_card()]})
+        return JSONResponse({"object": "list",
+                             "data": [await self._model_card(), *self.loras.cards(self.created)]})
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self._authorize(request)
+        if model_id != self.model_name:
+            for card in self.loras.cards(self.created):
+                if card["id"] == model_id:
+                    return JSONResponse(card)
         self._check_model(model_id, param=None)
         return JSONResponse(await self._model_card())
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoRARequest, request: Request
+                                ) -> PlainTextResponse:
+        """vLLM's: add an adapter by name (``allow_runtime_lora_updating``)."""
+        self._authorize(request)
+        self._require_lora_updating()
+        self.loras.load(body.lora_name, body.lora_path, await self.engines.info())
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoRARequest, request: Request
+                                  ) -> PlainTextResponse:
+        self._authorize(request)
+        self._require_lora_updating()
+        self.loras.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                 "successfully.")
+
+    def _require_lora_updating(self) -> None:
+        if not self.args.allow_runtime_lora_updating:
+            raise OpenAIError(404, "loading and unloading LoRA adapters at run time is off: "
+                                   "start the app with allow_runtime_lora_updating=true",
+                              code="not_found")
 
     @api.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest, request: Request) -> JSONResponse:
@@ -286,40 +339,42 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        self._check_request(request, body)
+        lora = self._check_request(request, body)
         params = body.completion_params()
-        fmt = CompletionFormat(self.model_name,
+        fmt = CompletionFormat(self._name_for(lora),
                                self.token_texts() if body.logprobs is not None else None,
                                self._echo_texts(body.prompts(), params) if body.echo else None)
         if body.stream:
-            return await self._streaming_response(body.prompts(), params, fmt, body)
-        return JSONResponse(fmt.full(await self._finals(body.prompts(), params, body.priority)))
+            return await self._streaming_response(body.prompts(), params, fmt, body, lora=lora)
+        return JSONResponse(fmt.full(await self._finals(body.prompts(), params, body.priority,
+                                                        lora)))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        self._check_request(request, body)
+        lora = self._check_request(request, body)
         params = body.sampling_params(body.output_limit(), reasoning=self.reasoning is not None,
                                       tool_format=self.tool_parser.xgrammar_format)
         prompts = [body.prompt()]
-        fmt = ChatFormat(self.model_name, self.reasoning,
+        fmt = ChatFormat(self._name_for(lora), self.reasoning,
                          self.token_texts() if body.logprobs else None,
                          self.tool_parser if body.calls_tools else None, body.tool_schemas())
         if body.stream:
-            return await self._streaming_response(prompts, params, fmt, body)
-        return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority)))
+            return await self._streaming_response(prompts, params, fmt, body, lora=lora)
+        return JSONResponse(fmt.full(await self._finals(prompts, params, body.priority, lora)))
 
     @api.post("/v1/messages")
     async def messages(self, body: MessagesRequest, request: Request) -> Any:
         """Anthropic's Messages API over the chat machinery (``deployments/anthropic.py``)."""
         chat = self._chat_of_messages(body, request)
+        lora = self._adapter(body.model)
         params = chat.sampling_params(chat.output_limit(), reasoning=self.reasoning is not None,
                                       tool_format=self.tool_parser.xgrammar_format)
-        fmt = MessagesFormat(ChatFormat(self.model_name, self.reasoning, None,
+        fmt = MessagesFormat(ChatFormat(self._name_for(lora), self.reasoning, None,
                                         self.tool_parser if chat.calls_tools else None,
                                         chat.tool_schemas()), body.shows_thinking)
         if body.stream:
-            return await self._streaming_response([chat.prompt()], params, fmt, chat)
-        return JSONResponse(fmt.full(await self._finals([chat.prompt()], params)))
+            return await self._streaming_response([chat.prompt()], params, fmt, chat, lora=lora)
+        return JSONResponse(fmt.full(await self._finals([chat.prompt()], params, lora=lora)))
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(self, body: CountTokensRequest, request: Request) -> JSONResponse:
@@ -329,7 +384,7 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
 
     def _chat_of_messages(self, body: MessagesRequest, request: Request) -> ChatCompletionRequest:
         self._authorize(request)
-        self._check_model(body.model)
+        self._adapter(body.model)
         self._require("generate", request)
         chat = body.to_chat()
         chat.check_supported()
@@ -339,14 +394,16 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
     async def _streaming_response(self, prompts: list[Any], params: SamplingParams | BeamSearchParams,
                                   fmt: StreamFormat, body: SamplingFields,
                                   wrap: Callable[[AsyncIterator[str]], AsyncIterator[str]]
-                                  | None = None) -> StreamingResponse:
+                                  | None = None, lora: LoRARequest | None = None
+                                  ) -> StreamingResponse:
         """Admit every prompt first, so a request the engine rejects gets an HTTP 400 instead
         of a stream that fails at once; then stream. The engine is given back when the body ends
         (or, if the client left before it began, when the response is done). ``wrap``: what
         the route does around the events (``responses`` stores its response)."""
         lease = await self._lease(prompts)
         try:
-            sink = await lease.router.add([EngineRequest(p, params, priority=body.priority)
+            sink = await lease.router.add([EngineRequest(p, params, priority=body.priority,
+                                                         lora_request=lora)
                                            for p in prompts], stream=True)
         except BaseException:
             lease.release()
@@ -392,20 +449,24 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
             yield fmt.done
 
     # ------------------------------------------------------------ handle API
-    async def generate(self, prompt: Any, sampling_params: Any = None
+    async def generate(self, prompt: Any, sampling_params: Any = None,
+                       lora_request: LoRARequest | None = None
                        ) -> RequestOutput | list[RequestOutput]:
         """Handle API: the final output (text, token_ids, finish_reason, usage); with ``n > 1``
-        or a BeamSearchParams, the list of the choices' (beams', best first) final outputs."""
-        outs = await self._finals([prompt], _params(sampling_params))
+        or a BeamSearchParams, the list of the choices' (beams', best first) final outputs.
+        ``lora_request``: the adapter to run through (the app must serve adapters)."""
+        outs = await self._finals([prompt], _params(sampling_params), lora=lora_request)
         return outs[0] if len(outs) == 1 else outs
 
-    async def generate_stream(self, prompt: Any, sampling_params: Any = None
+    async def generate_stream(self, prompt: Any, sampling_params: Any = None,
+                              lora_request: LoRARequest | None = None
                               ) -> AsyncIterator[RequestOutput]:
         """Handle API (``handle.options(stream=True)``): deltas (coalesced while the caller
         reads slower than the engine steps), then the final output."""
         lease = await self._lease([prompt])
         try:
-            sink = await lease.router.add([EngineRequest(prompt, _params(sampling_params))],
+            sink = await lease.router.add([EngineRequest(prompt, _params(sampling_params),
+                                                         lora_request=lora_request)],
                                           stream=True)
             deadline = time.monotonic() + self.timeout
             try:

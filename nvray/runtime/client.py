@@ -105,16 +105,19 @@ class EngineClient:
         return self.router.add(list(requests), stream, all_or_nothing)
 
     def generate(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
-                 priority: int = 0) -> RequestOutput | list[RequestOutput]:
-        """The final output (with ``n > 1``: the list of the ``n`` choices' outputs)."""
-        results = self.submit([EngineRequest(prompt, sampling_params, request_id, priority)]).results()
+                 priority: int = 0, lora_request: Any = None
+                 ) -> RequestOutput | list[RequestOutput]:
+        """The final output (with ``n > 1``: the list of the ``n`` choices' outputs);
+        ``lora_request``: a ``LoRARequest`` (the engine must have ``enable_lora``)."""
+        results = self.submit([EngineRequest(prompt, sampling_params, request_id, priority,
+                                             lora_request=lora_request)]).results()
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return results[0] if len(results) == 1 else results  # type: ignore[return-value]
 
-    def generate_many(self, prompts: Sequence[Any], sampling_params: Any = None
-                      ) -> list[RequestOutput | BaseException]:
+    def generate_many(self, prompts: Sequence[Any], sampling_params: Any = None,
+                      lora_request: Any = None) -> list[RequestOutput | BaseException]:
         """Final outputs of many prompts, in order (``n`` consecutive ones per prompt with
         ``n > 1``); a rejected or failed one gives its error. ``sampling_params``: one for all,
         or a list of one per prompt."""
@@ -122,15 +125,16 @@ class EngineClient:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        sink = self.submit([EngineRequest(p, sp) for p, sp in zip(prompts, sampling_params)],
-                           all_or_nothing=False)
+        sink = self.submit([EngineRequest(p, sp, lora_request=lora_request)
+                            for p, sp in zip(prompts, sampling_params)], all_or_nothing=False)
         return sink.results()
 
     def stream(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,
-               priority: int = 0) -> Iterator[RequestOutput]:
+               priority: int = 0, lora_request: Any = None) -> Iterator[RequestOutput]:
         """Deltas as the engine makes them (coalesced if read slowly), the final output last.
         Stopping the iteration early aborts the request."""
-        sink = self.submit([EngineRequest(prompt, sampling_params, request_id, priority)], stream=True)
+        sink = self.submit([EngineRequest(prompt, sampling_params, request_id, priority,
+                                          lora_request=lora_request)], stream=True)
         for _, out in sink.outputs():
             yield out
 

@@ -90,6 +90,7 @@ class EngineDriver:
                 "cuda_graphs": cfg.device == "cuda" and not cfg.enforce_eager,
                 "dtypes": lim.dtypes, "architecture": lim.architecture,
                 "parallelism": lim.parallelism,
+                "lora_targets": lim.lora_targets, "max_lora_rank": cfg.max_lora_rank,
                 "startup_s": engine.startup.get("total_s") if engine.startup else None}
 
     # ---------------------------------------------------------------- requests
