@@ -41,10 +41,11 @@ class LoRAAdapter:
     rank: int  # the largest r of its modules
     modules: tuple[str, ...]  # the checkpoint modules it adapts
     cache_salt: int  # the root of its prefix-cache hashes (no KV shared with the base or others)
+    version: int = 0  # its weights file's modification time (ns): rewritten files are new
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.name, self.path)
+    def key(self) -> tuple[str, str, int]:
+        return (self.name, self.path, self.version)
 
 
 def _fail(name: str, reason: str) -> ValueError:
@@ -134,8 +135,17 @@ def inspect_adapter(name: str, path: str, targets: dict[str, tuple[int, int]],
         if r > max_lora_rank:
             raise _fail(name, f"{module} has rank {r}, above max_lora_rank={max_lora_rank}")
         rank = max(rank, r)
-    salt = xxhash.xxh64_intdigest(f"lora\0{name}\0{path}".encode())
-    return LoRAAdapter(name, path, rank, tuple(sorted(shapes)), salt)
+    version = weights_version(path)
+    salt = xxhash.xxh64_intdigest(f"lora\0{name}\0{path}\0{version}".encode())
+    return LoRAAdapter(name, path, rank, tuple(sorted(shapes)), salt, version)
+
+
+def weights_version(path: str) -> int:
+    """The adapter's weights file's modification time (ns); -1 when it is gone."""
+    try:
+        return os.stat(os.path.join(path, WEIGHTS_FILE)).st_mtime_ns
+    except OSError:
+        return -1
 
 
 def load_adapter_weights(adapter: LoRAAdapter) -> dict[str, tuple[Any, Any]]:

@@ -65,7 +65,7 @@ class LoRAModel:
             self.layers.append((weights, names))
             for name, shard_id in zip(names, slice_ids(module)):
                 self._targets[name] = full_shape(module, shard_id)
-        self.cpu_cache: OrderedDict[tuple[str, str], list[Any]] = OrderedDict()
+        self.cpu_cache: OrderedDict[tuple[str, str, int], list[Any]] = OrderedDict()
         self.num_disk_loads = 0
 
     def targets(self) -> dict[str, tuple[int, int]]:
@@ -104,6 +104,3 @@ class LoRAModel:
             self.cpu_cache.popitem(last=False)
         return images
 
-    def forget(self, adapter_key: tuple[str, str]) -> None:
-        """Drop an unloaded adapter's tensors from host memory."""
-        self.cpu_cache.pop(adapter_key, None)

@@ -3,15 +3,17 @@
 ``resolve(lora_request)`` turns a request's ``LoRARequest`` into the checked ``LoRAAdapter`` the
 engine schedules by (``adapter.inspect_adapter``: config, tensor shapes against the ranks'
 ``targets``, rank against ``max_lora_rank``), or raises ``ValueError`` with the reason, so an
-adapter nvray cannot serve is refused when it is named, never mid-step. ``forget(name)`` drops
-a name (an unloaded adapter: the next request reads it afresh).
+adapter nvray cannot serve is refused when it is named, never mid-step. An adapter whose
+weights file changed since (a retrained adapter written over the old one) is checked again and
+is a new adapter: a new version in its key, new slots and images on the ranks, a new
+prefix-cache salt. ``forget(name)`` drops a name.
 """
 
 from __future__ import annotations
 
 import os
 
-from nvray.lora.adapter import LoRAAdapter, inspect_adapter
+from nvray.lora.adapter import LoRAAdapter, inspect_adapter, weights_version
 from nvray.lora.request import LoRARequest
 
 
@@ -36,7 +38,7 @@ class LoRARegistry:
                              "nvray can adapt")
         key = (request.lora_name, os.path.realpath(request.lora_path))
         adapter = self.adapters.get(key)
-        if adapter is None:
+        if adapter is None or adapter.version != weights_version(key[1]):
             adapter = inspect_adapter(request.lora_name, request.lora_path, self.targets,
                                       self.max_lora_rank)
             self.adapters[key] = adapter

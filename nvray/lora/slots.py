@@ -21,7 +21,7 @@ class LoRASlots:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.holds: list[LoRAAdapter | None] = [None] * num_slots
-        self.slot_of: dict[tuple[str, str], int] = {}
+        self.slot_of: dict[tuple[str, str, int], int] = {}
         self.users = [0] * num_slots
         self.idle: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
         self.loads: list[tuple[int, LoRAAdapter]] = []

@@ -145,3 +145,22 @@ def test_an_engine_without_enable_lora_refuses_adapters(adapters):
                          lora_request=_request(adapters, "ko"))
     finally:
         llm.shutdown()
+
+
+def test_an_adapter_rewritten_on_disk_is_served_anew(lora_llm, tiny_path, tmp_path):
+    """A retrained adapter written over the old one: its new weights, none of the old one's KV."""
+    path = write_adapter(tiny_path, str(tmp_path / "re"), 8, ATTENTION, seed=21)
+    prompt = random_prompts(1, 40, 40, seed=49)[0]
+    old = peft_greedy(tiny_path, path, prompt, 8)
+    first = lora_llm.generate([prompt], GREEDY, use_tqdm=False,
+                              lora_request=LoRARequest("re", 1, path))[0]
+    assert list(first.token_ids) == old
+    write_adapter(tiny_path, path, 8, ATTENTION, seed=22)
+    stat = os.stat(os.path.join(path, "adapter_model.safetensors"))
+    os.utime(os.path.join(path, "adapter_model.safetensors"),
+             ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse clock: still newer
+    peft_new = peft_greedy(tiny_path + "/", path, prompt, 8)  # another cache key: a fresh PEFT load
+    second = lora_llm.generate([prompt], GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("re", 1, path))[0]
+    assert peft_new != old and list(second.token_ids) == peft_new
+    assert second.num_cached_tokens == 0, "the old adapter's KV was served"
