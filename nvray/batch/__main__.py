@@ -57,6 +57,8 @@ class BatchPlan:
     max_engine_restarts: int = 1
     task: str = "generate"  # or "embed"
     dimensions: int | None = None  # embed: Matryoshka truncation
+    loras: dict[str, str] | None = None  # LoRA adapters by name (--lora-modules)
+    default_lora: str | None = None  # the adapter of rows without a 'lora' (--lora)
 
 
 @dataclass
@@ -158,6 +160,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="merged over the checkpoint's config.json keys, e.g. "
                         "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                         "\"original_max_position_embeddings\": 32768}}'")
+    p.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) rows may name in a 'lora' column "
+                        "(repeatable, or comma-separated)")
+    p.add_argument("--lora", default=None, metavar="NAME",
+                   help="the adapter of the rows that name none (default: the base model)")
+    p.add_argument("--max-loras", type=_positive_int, default=_ENGINE.max_loras,
+                   help="LoRA: adapters resident on the GPU at once")
+    p.add_argument("--max-lora-rank", type=_positive_int, default=_ENGINE.max_lora_rank)
     p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="speculative decoding, vLLM's keys, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
@@ -214,8 +224,30 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
               "dtype": args.dtype, "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides,
               "speculative_config": args.speculative_config}
+    if args.lora_modules:
+        kwargs.update(enable_lora=True, max_loras=args.max_loras,
+                      max_lora_rank=args.max_lora_rank)
     EngineConfig.from_kwargs(**kwargs)
     return kwargs
+
+
+def loras_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """``--lora-modules`` as name -> path (each a directory), and ``--lora`` among them."""
+    from nvray.lora.adapter import CONFIG_FILE  # noqa: PLC0415
+
+    loras = {}
+    for item in (i for arg in args.lora_modules or () for i in arg.split(",") if i):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+        if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+            raise ValueError(f"--lora-modules {name}={path}: no {CONFIG_FILE} there (a PEFT "
+                             "LoRA directory is expected)")
+        loras[name] = os.path.abspath(path)
+    if args.lora is not None and args.lora not in loras:
+        raise ValueError(f"--lora {args.lora!r} is not among --lora-modules "
+                         f"({sorted(loras) or 'none given'})")
+    return loras
 
 
 def build_plan(args: argparse.Namespace) -> BatchPlan:
@@ -227,14 +259,15 @@ def build_plan(args: argparse.Namespace) -> BatchPlan:
     if os.environ.get(_SUBMITTED_JOB_ENV) and not os.path.isabs(args.output):
         raise ValueError(f"--output {args.output!r}: give an absolute path in a submitted job "
                          "(its working directory is a temporary copy, deleted afterwards)")
-    spec = validate_input(args.input)
+    loras = loras_from_args(args)
+    spec = validate_input(args.input, frozenset(loras))
     output, output_format = check_output_path(args.output, spec.files)
     return BatchPlan(input=spec, output=output, output_format=output_format,
                      engine_kwargs=engine_kwargs, sampling_params=sampling,
                      concurrency=args.concurrency, batch_size=args.batch_size,
                      batches_per_engine=args.batches_per_engine,
                      max_engine_restarts=args.max_engine_restarts, task=args.task,
-                     dimensions=args.dimensions)
+                     dimensions=args.dimensions, loras=loras, default_lora=args.lora)
 
 
 # ------------------------------------------------------------------------------ running
@@ -269,7 +302,9 @@ def build_dataset(plan: BatchPlan) -> Any:
         num_cpus=0, fn_constructor_kwargs={"engine_kwargs": plan.engine_kwargs,
                                            "sampling_params": plan.sampling_params,
                                            "max_engine_restarts": plan.max_engine_restarts,
-                                           "dimensions": plan.dimensions})
+                                           "dimensions": plan.dimensions,
+                                           "loras": plan.loras,
+                                           "default_lora": plan.default_lora})
 
 
 def connect(plan: BatchPlan) -> None:

@@ -8,14 +8,16 @@ Contract:
   exactly one of ``prompt`` (a string) or ``messages`` (a non-empty list of ``{role, content}``
   string pairs); it may have a ``response_format`` (OpenAI's: ``text``, ``json_object`` or
   ``json_schema``; an object, or its JSON text) for its own output, in place of the job's
-  ``--json-schema``. Other columns are ignored.
+  ``--json-schema``, and a ``lora`` (the name of an adapter the job declares with
+  ``--lora-modules``, in place of the job's ``--lora``). Other columns are ignored.
 - ``validate_input`` makes one plain pass over the input, before anything runs on Ray, and
   raises ``ValueError`` naming the file and the row (``line N`` for JSON Lines, 1-based;
   ``row N`` for Parquet, 1-based) of the first problem: bad JSON, a row that is not an object,
   a missing or ill-typed ``id``, ``prompt`` or ``messages``, a duplicate id, a
-  ``response_format`` that is malformed or asks for what cannot be enforced (the field named).
+  ``response_format`` that is malformed or asks for what cannot be enforced (the field named),
+  a ``lora`` the job does not declare.
 - ``input_schema`` is the schema rows are read with (see ``nvray.batch.read``): ``id``,
-  ``prompt``, ``messages``, ``response_format`` (JSON text); absent ones are null.
+  ``prompt``, ``messages``, ``response_format`` (JSON text), ``lora``; absent ones are null.
 - An output is one JSON Lines (``.jsonl``/``.json``) or Parquet (``.parquet``) file with the
   columns of ``output_schema``; ``OutputWriter`` writes it to a temporary file next to the
   target and renames it into place only when the whole job succeeded.
@@ -110,8 +112,9 @@ def _check_messages(messages: Any, where: str) -> None:
                              f"and 'content', got {m!r}")
 
 
-def check_row(row: Any, where: str) -> Any:
-    """Check one row; returns its id. ``where`` names the row in error messages."""
+def check_row(row: Any, where: str, loras: frozenset[str] = frozenset()) -> Any:
+    """Check one row; returns its id. ``where`` names the row in error messages; ``loras``:
+    the adapter names the job declares."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if row.get("id") is None:
@@ -129,6 +132,10 @@ def check_row(row: Any, where: str) -> Any:
         _check_messages(messages, where)
     if row.get("response_format") is not None:
         row_constraint(row["response_format"], where)
+    lora = row.get("lora")
+    if lora is not None and (not isinstance(lora, str) or lora not in loras):
+        raise ValueError(f"{where}: row {row['id']!r} names LoRA adapter {lora!r}, which "
+                         f"--lora-modules does not declare (declared: {sorted(loras) or 'none'})")
     return row["id"]
 
 
@@ -184,8 +191,9 @@ def _parquet_rows(path: str) -> Iterator[tuple[int, Any]]:
             yield n, row
 
 
-def validate_input(path: str) -> InputSpec:
-    """One pass over the input: every row checked, ids unique and of one kind."""
+def validate_input(path: str, loras: frozenset[str] = frozenset()) -> InputSpec:
+    """One pass over the input: every row checked (``loras``: the adapter names declared),
+    ids unique and of one kind."""
     fmt, files = find_input_files(path)
     rows, unit = (_jsonl_rows, "line") if fmt == JSONL else (_parquet_rows, "row")
     first_seen: dict[Any, tuple[int, int]] = {}  # id -> (file index, row number)
@@ -193,7 +201,7 @@ def validate_input(path: str) -> InputSpec:
     for i, file in enumerate(files):
         for n, row in rows(file):
             where = f"{file}: {unit} {n}"
-            rid = check_row(row, where)
+            rid = check_row(row, where, loras)
             if kind is None:
                 kind = type(rid)
             elif type(rid) is not kind:
@@ -212,13 +220,13 @@ def validate_input(path: str) -> InputSpec:
 
 
 # ------------------------------------------------------------------------------ reading
-INPUT_COLUMNS = ("id", "prompt", "messages", "response_format")
+INPUT_COLUMNS = ("id", "prompt", "messages", "response_format", "lora")
 
 
 def input_schema(id_type: pa.DataType) -> pa.Schema:
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     return pa.schema([("id", id_type), ("prompt", pa.string()), ("messages", pa.list_(message)),
-                      ("response_format", pa.string())])
+                      ("response_format", pa.string()), ("lora", pa.string())])
 
 
 # ------------------------------------------------------------------------------ writing

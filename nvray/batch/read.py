@@ -2,7 +2,7 @@
 
 Contract: ``read_dataset(spec, rows_per_block)`` gives a dataset whose rows have exactly
 ``nvray.batch.io.input_schema`` (``id``, ``prompt``, ``messages``, ``response_format`` as JSON
-text; absent ones null), in input order, in blocks of about ``rows_per_block`` rows so that
+text, ``lora``; absent ones null), in input order, in blocks of about ``rows_per_block`` rows so that
 every engine of a pool gets work. JSON Lines are parsed by ``json`` row by row (a
 ``response_format`` holds a free-form schema, which no Arrow type fits).
 Every task it runs asks for a fraction of a CPU: on a small host the engines' placement groups
@@ -44,7 +44,9 @@ def normalize_rows(table: pa.Table, id_type: pa.DataType) -> pa.Table:
         messages = pa.nulls(n, schema.field("messages").type)
     formats = _json_text(table["response_format"]) if "response_format" in table.column_names \
         else pa.nulls(n, pa.string())
-    return pa.Table.from_arrays([table["id"].cast(id_type), prompt, messages, formats],
+    lora = table["lora"].cast(pa.string()) if "lora" in table.column_names \
+        else pa.nulls(n, pa.string())
+    return pa.Table.from_arrays([table["id"].cast(id_type), prompt, messages, formats, lora],
                                 schema=schema)
 
 
@@ -66,7 +68,8 @@ class JsonlRowsDatasource(FileBasedDatasource):
         lines = (line for line in f.read_buffer().to_pybytes().splitlines() if line.strip())
         while chunk := list(itertools.islice(lines, 8192)):
             rows = [json.loads(line) for line in chunk]
-            columns = {c: [row.get(c) for row in rows] for c in ("id", "prompt", "messages")}
+            columns = {c: [row.get(c) for row in rows]
+                       for c in ("id", "prompt", "messages", "lora")}
             formats = [row.get("response_format") for row in rows]
             columns["response_format"] = pa.array(
                 [v if v is None or isinstance(v, str) else json.dumps(v) for v in formats],

@@ -28,6 +28,7 @@ import ray
 
 from nvray.batch.io import output_schema, row_constraint
 from nvray.config import EngineConfig
+from nvray.lora.request import LoRARequest
 from nvray.pooling import to_embedding
 from nvray.runtime import EngineDeadError, start_engine
 from nvray.sampling_params import SamplingParams
@@ -85,7 +86,8 @@ class GenerateBatch:
     def __init__(self, engine_kwargs: dict[str, Any], sampling_params: dict[str, Any],
                  max_engine_restarts: int = 1,
                  engine_factory: Callable[[EngineConfig], Any] = start_engine,
-                 dimensions: int | None = None) -> None:
+                 dimensions: int | None = None, loras: dict[str, str] | None = None,
+                 default_lora: str | None = None) -> None:
         self.config = EngineConfig.from_kwargs(**engine_kwargs)
         checked = SamplingParams.coerce(sampling_params)
         if checked.n != 1:
@@ -95,13 +97,16 @@ class GenerateBatch:
         self.sampling_params = sampling_params
         self.restarts_left = max_engine_restarts
         self.engine_factory = engine_factory
+        self.loras = {name: LoRARequest(name, 0, path) for name, path in (loras or {}).items()}
+        self.default_lora = default_lora
         self.lock = threading.Lock()  # Ray Data may run two batches at once in this actor
         self.client: Any = engine_factory(self.config)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         prompts = [row_prompt(r) for r in rows]
-        results = self.generate(prompts, [self.row_params(r) for r in rows])
+        results = self.generate(prompts, [self.row_params(r) for r in rows],
+                                [self.row_lora(r) for r in rows])
         if self.embeds:
             out = [embedding_row(r["id"], res, self.dimensions)
                    for r, res in zip(rows, results, strict=True)]
@@ -122,27 +127,37 @@ class GenerateBatch:
         params = {k: v for k, v in self.sampling_params.items() if k != "structured_outputs"}
         return SamplingParams.from_dict({**params, "structured_outputs": constraint})
 
-    def generate(self, prompts: list[Any], params: list[Any] | None = None) -> list[Any]:
+    def row_lora(self, row: dict[str, Any]) -> LoRARequest | None:
+        """The row's adapter (its ``lora``, else the job's ``--lora``; checked before the job
+        started), None for the base model."""
+        name = row.get("lora") or self.default_lora
+        return self.loras[name] if name else None
+
+    def generate(self, prompts: list[Any], params: list[Any] | None = None,
+                 loras: list[LoRARequest | None] | None = None) -> list[Any]:
         """One RequestOutput or exception per prompt (``params``: one per prompt, the job's if
-        None; an exception there is that row's result); engine failures retried on a new
-        engine."""
+        None; an exception there is that row's result; ``loras``: each prompt's adapter);
+        engine failures retried on a new engine."""
         params = params or [self.sampling_params] * len(prompts)
+        loras = loras or [None] * len(prompts)
         results: list[Any] = [p if isinstance(p, BaseException) else None for p in params]
         client = self.client
-        self._run(client, prompts, params, results, [i for i, r in enumerate(results) if r is None])
+        self._run(client, prompts, params, loras, results,
+                  [i for i, r in enumerate(results) if r is None])
         failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)
                   and is_engine_failure(r)]
         if failed and self._replace_engine(client):
-            self._run(self.client, prompts, params, results, failed)
+            self._run(self.client, prompts, params, loras, results, failed)
         return results
 
     @staticmethod
-    def _run(client: Any, prompts: list[Any], params: list[Any], results: list[Any],
-             which: list[int]) -> None:
+    def _run(client: Any, prompts: list[Any], params: list[Any], loras: list[Any],
+             results: list[Any], which: list[int]) -> None:
         """Rows ``which`` go to the engine at once; their finals (over its output channel)
         land in ``results``."""
         try:
-            outs = client.generate_many([prompts[i] for i in which], [params[i] for i in which])
+            outs = client.generate_many([prompts[i] for i in which], [params[i] for i in which],
+                                        [loras[i] for i in which])
         except Exception as e:  # noqa: BLE001 - the engine failed as a whole: every row's error
             outs = [e] * len(which)
         for i, out in zip(which, outs, strict=True):

@@ -119,14 +119,18 @@ class EngineClient:
     def generate_many(self, prompts: Sequence[Any], sampling_params: Any = None,
                       lora_request: Any = None) -> list[RequestOutput | BaseException]:
         """Final outputs of many prompts, in order (``n`` consecutive ones per prompt with
-        ``n > 1``); a rejected or failed one gives its error. ``sampling_params``: one for all,
-        or a list of one per prompt."""
+        ``n > 1``); a rejected or failed one gives its error. ``sampling_params`` and
+        ``lora_request``: one for all, or a list of one per prompt."""
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        sink = self.submit([EngineRequest(p, sp, lora_request=lora_request)
-                            for p, sp in zip(prompts, sampling_params)], all_or_nothing=False)
+        if not isinstance(lora_request, list):
+            lora_request = [lora_request] * len(prompts)
+        if len(sampling_params) != len(prompts) or len(lora_request) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling_params and {len(lora_request)} "
+                             f"lora_request for {len(prompts)} prompts")
+        sink = self.submit([EngineRequest(p, sp, lora_request=lora)
+                            for p, sp, lora in zip(prompts, sampling_params, lora_request)],
+                           all_or_nothing=False)
         return sink.results()
 
     def stream(self, prompt: Any, sampling_params: Any = None, request_id: str | None = None,

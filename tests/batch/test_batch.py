@@ -376,11 +376,12 @@ class FakeEngine:
     def __init__(self, dead: bool) -> None:
         self.dead, self.shut_down = dead, False
 
-    def generate_many(self, prompts: list[Any], params: list[Any]) -> list[Any]:
+    def generate_many(self, prompts: list[Any], params: list[Any],
+                      lora_request: list[Any] | None = None) -> list[Any]:
         from nvray.outputs import RequestOutput
         from nvray.runtime import EngineDeadError
 
-        self.params = params
+        self.params, self.loras = params, lora_request
 
         def result(prompt: Any) -> Any:
             if self.dead:
@@ -461,13 +462,14 @@ def test_parquet_rows_are_normalized_to_the_input_schema():
     assert out.schema == input_schema(pa.int64())
     assert out.to_pylist() == [
         {"id": 3, "prompt": None, "messages": [{"role": "user", "content": "hi"}],
-         "response_format": None},
-        {"id": 4, "prompt": None, "messages": None, "response_format": None}]
+         "response_format": None, "lora": None},
+        {"id": 4, "prompt": None, "messages": None, "response_format": None, "lora": None}]
     only_prompts = pa.table({"id": pa.array([1], pa.int32()),
                              "prompt": pa.array(["p"], pa.large_string()),
                              "response_format": pa.array(['{"type": "text"}'], pa.large_string())})
     assert normalize_rows(only_prompts, pa.int64()).to_pylist() == [
-        {"id": 1, "prompt": "p", "messages": None, "response_format": '{"type": "text"}'}]
+        {"id": 1, "prompt": "p", "messages": None, "response_format": '{"type": "text"}',
+         "lora": None}]
     as_struct = pa.Table.from_pylist([{"id": 1, "prompt": "p",
                                        "response_format": {"type": "json_object"}}])
     assert json.loads(normalize_rows(as_struct, pa.int64())["response_format"][0].as_py()) == {
@@ -592,3 +594,43 @@ def test_an_embedding_job_writes_transformers_vectors(ray_head, tmp_path):
         torch.testing.assert_close(torch.tensor(row["embedding"]), hf / hf.norm(),
                                    atol=1e-4, rtol=1e-3)
     assert written[2]["embedding"] is None and "max_model_len" in written[2]["error"]
+
+
+def test_a_lora_job_runs_each_row_through_its_adapter(ray_head, tmp_path, tiny_path):
+    """``--lora-modules`` declares adapters (written by PEFT), ``--lora`` is the job's; a row's
+    ``lora`` column picks another; each row's greedy text is PEFT's for its adapter."""
+    from transformers import AutoTokenizer
+
+    from lora_adapters import ATTENTION, MLP, peft_greedy, write_adapter
+
+    paths = {"a": write_adapter(tiny_path, str(tmp_path / "a"), 8, ATTENTION + MLP, seed=41),
+             "b": write_adapter(tiny_path, str(tmp_path / "b"), 4, MLP, seed=42, std=0.3)}
+    rows = [{"id": "r0", "prompt": GOOD_ROWS[0]["prompt"]},
+            {"id": "r1", "prompt": GOOD_ROWS[1]["prompt"], "lora": "b"},
+            {"id": "r2", "prompt": GOOD_ROWS[3]["prompt"], "lora": "a"}]
+    src, out = write_jsonl(tmp_path / "lora.jsonl", rows), tmp_path / "lora-out.jsonl"
+    proc = submit_batch_job(ray_head, "--input", str(src), "--output", str(out),
+                            "--lora-modules", f"a={paths['a']},b={paths['b']}", "--lora", "a",
+                            "--max-tokens", "6", "--ignore-eos", "--temperature", "0",
+                            "--max-model-len", str(MAX_MODEL_LEN))
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    for row, adapter in zip(read_output(out), ["a", "b", "a"]):
+        prompt = next(r["prompt"] for r in rows if r["id"] == row["id"])
+        ids = tok(prompt)["input_ids"]
+        assert row["error"] is None, row
+        want = tok.decode(peft_greedy(tiny_path, paths[adapter], ids, 6), skip_special_tokens=True)
+        assert row["text"] == want, row["id"]
+
+
+def test_a_row_naming_an_undeclared_adapter_fails_before_ray(tmp_path, tiny_path):
+    from lora_adapters import write_adapter
+
+    path = write_adapter(tiny_path, str(tmp_path / "a"), 4, ["q_proj"], seed=43)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt": "hi", "lora": "zz"}])
+    proc = run_batch(["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+                      "--lora-modules", f"a={path}"], timeout=120)
+    assert proc.returncode == 2 and "'zz'" in proc.stderr and "line 1" in proc.stderr, proc.stderr
+    proc = run_batch(["--input", str(src), "--output", str(tmp_path / "o.jsonl"),
+                      "--lora-modules", f"a={path}", "--lora", "b"], timeout=120)
+    assert proc.returncode == 2 and "--lora 'b'" in proc.stderr, proc.stderr
