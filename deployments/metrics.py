@@ -81,6 +81,21 @@ def _speculative_lines(prefix: str, healthy: list[tuple[dict[str, str], dict[str
     return lines
 
 
+def _lora_lines(prefix: str, healthy: list[tuple[dict[str, str], dict[str, Any]]]) -> list[str]:
+    """Multi-LoRA engines: the adapters in their GPU slots and the loads into them."""
+    serving = [(labels, stats["lora"]) for labels, stats in healthy if "lora" in stats]
+    full = f"{prefix}_lora_loads_total"
+    lines = [f"# HELP {full} LoRA adapters loaded into a GPU slot (swaps)",
+             f"# TYPE {full} counter"]
+    lines += [f"{full}{_fmt_labels(labels)} {lora['num_loads']}" for labels, lora in serving]
+    full = f"{prefix}_lora_resident"
+    lines += [f"# HELP {full} 1 for each LoRA adapter held in a GPU slot",
+              f"# TYPE {full} gauge"]
+    lines += [f"{full}{_fmt_labels({**labels, 'adapter': name})} 1"
+              for labels, lora in serving for name in sorted(lora["resident"])]
+    return lines
+
+
 def render_metrics(stats_by_engine: dict[str | None, dict[str, Any]], model: str,
                    routing: dict[str, int] | None = None, prefix: str = "nvray") -> str:
     """Each engine's stats (labelled ``engine="<id>"`` unless the key is None: the replica's
@@ -109,6 +124,7 @@ def render_metrics(stats_by_engine: dict[str | None, dict[str, Any]], model: str
         lines += [f"{full}{_fmt_labels(labels)} {stats[key]}" for labels, stats in healthy
                   if key in stats]
     lines += _speculative_lines(prefix, healthy)
+    lines += _lora_lines(prefix, healthy)
     full = f"{prefix}_startup_total_seconds"
     lines += [f"# HELP {full} The engine's whole start-up, seconds", f"# TYPE {full} gauge"]
     lines += [f"{full}{_fmt_labels(labels)} {stats['startup']['total_s']}"

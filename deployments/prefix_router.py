@@ -7,6 +7,10 @@ the ingress replica, which leases an engine replica for each HTTP or handle requ
 ``lease(routing_key)`` (``deployments/engines.py``), so HTTP and handle requests are routed
 alike. The routing key is the prompt's text (chat messages joined in order), so a
 conversation's next turn, which resends the history, starts with the key of the turn before.
+A request for a LoRA adapter has the adapter's name as its key's whole first block: the
+replicas that served the adapter (and so hold it in a slot and its requests' KV, which only
+its own requests can reuse) hold that block, and prefix affinity is *adapter affinity*, load
+permitting; a hot adapter spreads to a second replica as a hot prefix does.
 
 The app's routers share one table (``deployments/prefix_index.py``, a small actor per app, since
 Serve's proxy spreads a conversation's turns over the ingress replicas): which replicas took a
@@ -44,6 +48,7 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
+import xxhash
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deployments.prefix_index import get_or_create_index
@@ -57,9 +62,12 @@ _PROBE_TIMEOUT_S = 0.5  # a replica asked for its load answers within this, else
 _MAX_DECIDED = 10_000  # request ids remembered so that a retried routing counts once
 
 
-def routing_key(prompt: Any) -> str:
+def routing_key(prompt: Any, adapter: str | None = None) -> str:
     """The text a prompt is routed by: a string as is, token ids as digits, chat messages as
-    their roles and contents in order (a longer conversation extends a shorter one's key)."""
+    their roles and contents in order (a longer conversation extends a shorter one's key);
+    after its ``adapter``'s block for a LoRA request."""
+    if adapter is not None:
+        return adapter_block(adapter) + routing_key(prompt)
     if isinstance(prompt, str):
         return prompt
     if is_chat(prompt):
@@ -68,6 +76,14 @@ def routing_key(prompt: Any) -> str:
     if isinstance(prompt, list):
         return ",".join(str(t) for t in prompt)
     return ""
+
+
+def adapter_block(name: str) -> str:
+    """A whole first block of the key that names the adapter (its hash if the name is long)."""
+    tag = f"\x1dlora\x1f{name}"
+    if len(tag) > BLOCK_CHARS:
+        tag = f"\x1dlora\x1f{xxhash.xxh64_hexdigest(name)}"
+    return tag.ljust(BLOCK_CHARS, "\x1d")
 
 
 def _content_text(content: Any) -> str:

@@ -208,9 +208,11 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
                 "vocab_size": info.get("vocab_size"), "dtypes": info.get("dtypes"),
                 "architecture": info.get("architecture"), "parallelism": info.get("parallelism")}
 
-    async def _lease(self, prompts: list[Any]) -> Lease:
-        """An engine for these prompts (routed by the first one's prefix, with routing on)."""
-        return await self.engines.lease(routing_key(prompts[0]), self.timeout)
+    async def _lease(self, prompts: list[Any], lora: LoRARequest | None = None) -> Lease:
+        """An engine for these prompts (routed by their adapter and the first one's prefix,
+        with routing on)."""
+        key = routing_key(prompts[0], lora.lora_name if lora is not None else None)
+        return await self.engines.lease(key, self.timeout)
 
     async def _ask_driver(self, call: Any, param: str) -> Any:
         """A driver call's result; a ValueError it raises is a 400 naming ``param`` (unless it
@@ -228,7 +230,7 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
                       priority: int = 0, lora: LoRARequest | None = None
                       ) -> list[RequestOutput]:
         """Final outputs of ``prompts`` (all admitted or none: a rejected one raises)."""
-        lease = await self._lease(prompts)
+        lease = await self._lease(prompts, lora)
         try:
             sink = await lease.router.add([EngineRequest(p, params, priority=priority,
                                                          lora_request=lora)
@@ -400,7 +402,7 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
         of a stream that fails at once; then stream. The engine is given back when the body ends
         (or, if the client left before it began, when the response is done). ``wrap``: what
         the route does around the events (``responses`` stores its response)."""
-        lease = await self._lease(prompts)
+        lease = await self._lease(prompts, lora)
         try:
             sink = await lease.router.add([EngineRequest(p, params, priority=body.priority,
                                                          lora_request=lora)
@@ -463,7 +465,7 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
                               ) -> AsyncIterator[RequestOutput]:
         """Handle API (``handle.options(stream=True)``): deltas (coalesced while the caller
         reads slower than the engine steps), then the final output."""
-        lease = await self._lease([prompt])
+        lease = await self._lease([prompt], lora_request)
         try:
             sink = await lease.router.add([EngineRequest(prompt, _params(sampling_params),
                                                          lora_request=lora_request)],

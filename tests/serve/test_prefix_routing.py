@@ -4,7 +4,9 @@ request) and one with Serve's default router in front of the same engines. Conve
 prefix cache more through the prefix router than through the default one, in the same test;
 its decisions show in ``/metrics``; a skewed load (one hot prompt, many at once) still reaches
 both engines; handle calls are routed too; and a request cancelled while its engine's output
-channel was opened for it ends no other request.
+channel was opened for it ends no other request. The apps serve LoRA adapters from a
+``lora_path``: requests for one adapter land on the engine that loaded it (adapter affinity,
+from the engines' ``nvray_lora_*`` metrics), and a burst of them spreads to both.
 """
 
 from __future__ import annotations
@@ -28,16 +30,22 @@ HOT_CLIENTS = 16
 IMBALANCE = 4  # ongoing requests above the least-loaded engine that affinity may add
 
 
-def app_args(prefix_routing: bool) -> dict:
+def app_args(prefix_routing: bool, lora_path: str) -> dict:
     return {"max_model_len": MAX_MODEL_LEN, "min_replicas": 2, "max_replicas": 2,
-            "prefix_routing": prefix_routing, "prefix_routing_max_imbalance": IMBALANCE}
+            "prefix_routing": prefix_routing, "prefix_routing_max_imbalance": IMBALANCE,
+            "lora_path": lora_path}
 
 
 @pytest.fixture(scope="module")
-def apps(serve_http):
+def apps(serve_http, tmp_path_factory, tiny_path):
     """``/on``: prefix-routed; ``/off``: Serve's default router (both 2 engine replicas)."""
-    serve.run(build_app(app_args(True)), name="prefix-on", route_prefix="/on")
-    serve.run(build_app(app_args(False)), name="prefix-off", route_prefix="/off")
+    from lora_adapters import ATTENTION, write_adapter
+
+    loras = tmp_path_factory.mktemp("routed-loras")
+    for seed, name in enumerate(("ad-a", "ad-b")):
+        write_adapter(tiny_path, str(loras / name), 4, ATTENTION, seed=seed + 61)
+    serve.run(build_app(app_args(True, str(loras))), name="prefix-on", route_prefix="/on")
+    serve.run(build_app(app_args(False, str(loras))), name="prefix-off", route_prefix="/off")
     yield {"on": f"{serve_http}/on", "off": f"{serve_http}/off"}
     serve.delete("prefix-on")
     serve.delete("prefix-off")
@@ -160,6 +168,33 @@ def test_a_hot_prompt_still_reaches_both_engines(apps):
     assert len(took) == 2 and min(took.values()) > 0, took  # both engines took some
     assert sum(took.values()) == HOT_CLIENTS
     assert routed(apps["on"])["load"] > load_before
+
+
+def _changes(url: str, name: str, before: dict[str, float], **labels: str) -> dict[str, float]:
+    after = counter(url, name, reads=16, **labels)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def test_requests_for_an_adapter_go_where_it_is_loaded_and_a_burst_spreads(apps):
+    url = apps["on"]
+    loads = counter(url, "nvray_lora_loads_total", reads=16)
+    for i in range(6):  # different prompts: only the adapter's block is shared
+        body = {"model": "ad-a", "prompt": f"{i} question number {i * 37} on topic {i * i}",
+                "max_tokens": 4, "temperature": 0}
+        r = requests.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["model"] == "ad-a", r.text
+    loaded = _changes(url, "nvray_lora_loads_total", loads)
+    assert sum(loaded.values()) == 1, loaded  # one engine loaded it, once
+    assert len(counter(url, "nvray_lora_resident", reads=16, adapter="ad-a")) == 1
+    body = {"model": "ad-b", "prompt": "a hot adapter's many requests at once",
+            "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    threads = [threading.Thread(target=stream_until_cut, args=(url, body, None))
+               for _ in range(HOT_CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert len(counter(url, "nvray_lora_resident", reads=16, adapter="ad-b")) == 2
 
 
 def test_handle_calls_are_routed_by_prefix(apps):
