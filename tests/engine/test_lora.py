@@ -164,3 +164,50 @@ def test_an_adapter_rewritten_on_disk_is_served_anew(lora_llm, tiny_path, tmp_pa
                                lora_request=LoRARequest("re", 1, path))[0]
     assert peft_new != old and list(second.token_ids) == peft_new
     assert second.num_cached_tokens == 0, "the old adapter's KV was served"
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("llama3", ATTENTION + MLP),  # GQA, llama3 rope scaling
+    ("gemma3", ATTENTION + MLP),  # windowed layers, gelu MLP
+    ("qwen3-moe-mixed", ATTENTION),  # attention only: experts are not adapted (see below)
+])
+def test_other_families_serve_pefts_adapters(family, targets, family_path, tmp_path):
+    """PEFT's greedy tokens and log-probabilities (a random Gemma saturates on one token: its
+    log-probabilities show the adapter)."""
+    path = family_path(family)
+    lora = write_adapter(path, str(tmp_path / "a"), 8, targets, seed=51, std=0.4)
+    prompts = random_prompts(2, 10, 30, seed=53)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    llm = tiny_engine_of(path)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False,
+                            lora_request=[LoRARequest("a", 1, lora), None])
+    finally:
+        llm.shutdown()
+    for out, prompt, adapter in zip(outs, prompts, (lora, None)):
+        assert list(out.token_ids) == peft_greedy(path, adapter, prompt, 6)
+        logits = peft_logits(path, adapter, prompt + list(out.token_ids))
+        for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            want = logits[len(prompt) - 1 + i].log_softmax(-1)[token].item()
+            assert math.isclose(entry.logprob, want, abs_tol=1e-3), (adapter, i)
+    base = peft_logits(path, None, prompts[0] + list(outs[0].token_ids))
+    first = base[len(prompts[0]) - 1].log_softmax(-1)[outs[0].token_ids[0]].item()
+    assert abs(outs[0].logprobs[0].logprob - first) > 1e-2, "the adapter changed nothing"
+
+
+def test_an_adapter_of_moe_experts_is_refused_naming_them(family_path, tmp_path):
+    path = family_path("qwen3-moe-mixed")
+    lora = write_adapter(path, str(tmp_path / "e"), 4, MLP, seed=55)
+    llm = tiny_engine_of(path)
+    try:
+        with pytest.raises(ValueError, match=r"mlp\.experts'.*no adaptable projection"):
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("e", 1, lora))
+    finally:
+        llm.shutdown()
+
+
+def tiny_engine_of(path: str):
+    from nvray import LLM
+
+    return LLM(path, runtime="inprocess", max_model_len=256, kvcache_block_size=8,
+               enable_lora=True)
