@@ -3,13 +3,14 @@
 Contract
 --------
 The tokens of a step that use an adapter are grouped by slot in ``rows`` (int32: their rows in
-the step's tensors) and cut into tiles of at most ``TILE_ROWS`` rows of one slot: ``tiles``
-(int32 ``[3, num_tiles]``, ``nvray/lora/batch.py``) holds each tile's slot (-1: none), first
-entry in ``rows`` and row count. Base tokens appear nowhere. A step of T rows launches
-``num_tiles`` = ``cdiv(T, TILE_ROWS) + num_slots`` programs along the rows (what any mix of slots
-can need); a CUDA graph captured for T rows serves every mix, its tiles read at each replay.
+the step's tensors) and cut into tiles of at most ``tile_rows`` (a power of two >= 16) rows of
+one slot: ``tiles`` (int32 ``[3, num_tiles]``, ``nvray/lora/batch.py``) holds each tile's slot
+(-1: none), first entry in ``rows`` and row count. Base tokens appear nowhere. A step of T rows
+launches ``num_tiles`` = ``cdiv(T, tile_rows) + num_slots`` programs along the rows (what any
+mix of slots can need); a CUDA graph captured for T rows serves every mix, its tiles read at
+each replay.
 
-``lora_shrink(x, a, h, rows, tiles)``
+``lora_shrink(x, a, h, rows, tiles, tile_rows=16)``
 
 * ``x``: ``[T, K]`` activations (rows may be strided, last dim contiguous); ``a``:
   ``[num_slots, N, K]`` the slots' stacked A matrices (N = slices x max rank); ``h``:
@@ -17,7 +18,7 @@ can need); a CUDA graph captured for T rows serves every mix, its tiles read at 
   a decode step's few rows split K, so that enough programs run), written at the grouped rows
   only: ``h.sum(0)[t] = x[t] @ a[slot(t)].T``.
 
-``lora_expand(h, b, y, rows, tiles, h_col, y_col, width)``
+``lora_expand(h, b, y, rows, tiles, h_col, y_col, width, tile_rows=16)``
 
 * ``b``: ``[num_slots, OUT, R]`` the slots' B matrices (scaling folded in); adds, at the grouped
   rows, ``h.sum(0)[t, h_col : h_col + R] @ b[slot(t), y_col : y_col + width].T`` (the partial
@@ -28,8 +29,8 @@ can need); a CUDA graph captured for T rows serves every mix, its tiles read at 
 Products accumulate in float32; float32 weights multiply in IEEE float32 (no TF32), 16-bit ones
 on the tensor cores (``h`` rounded to B's dtype first). Grids: ``(num_tiles, cdiv(N, BLOCK_N) x
 splits)`` and ``(num_tiles, cdiv(width, BLOCK_N))``; a program whose tile has no slot returns
-at once. ``lora_shrink_ref`` / ``lora_expand_ref`` are the pure-torch references
-(``nvray/lora/ops.py``, the CPU path).
+at once. ``lora_shrink_ref`` / ``lora_expand_ref`` are the pure-torch references, tile by
+tile (the engine's CPU path is ``nvray/lora/ops.py``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.lora.batch import TILE_ROWS
-
-from nvray.lora.ops import expand_torch, shrink_torch
-
 __all__ = ["lora_shrink", "lora_expand", "lora_shrink_ref", "lora_expand_ref", "shrink_splits"]
-
-lora_shrink_ref = shrink_torch
-lora_expand_ref = expand_torch
 
 _BLOCK_N = 64  # shrink: columns of h a program computes
 _BLOCK_OUT = 128  # expand: output columns a program adds to
@@ -53,11 +47,11 @@ _BLOCK_K = 64
 _TARGET_PROGRAMS = 512  # split K until a step's row tiles make about this many shrink programs
 
 
-def shrink_splits(num_rows: int, k: int) -> int:
+def shrink_splits(num_rows: int, k: int, tile_rows: int = 16) -> int:
     """How many parts ``lora_shrink`` splits the input features into for ``num_rows`` rows:
     a decode step has few row tiles, and its K (the hidden size, up to the MLP's width) would
     run as one long loop per program; a prefill step has many."""
-    row_tiles = triton.cdiv(max(num_rows, 1), TILE_ROWS)
+    row_tiles = triton.cdiv(max(num_rows, 1), tile_rows)
     return max(1, min(triton.cdiv(k, 4 * _BLOCK_K), _TARGET_PROGRAMS // row_tiles))
 
 
@@ -139,7 +133,7 @@ def _check_meta(rows: torch.Tensor, tiles: torch.Tensor) -> None:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
-                tiles: torch.Tensor) -> None:
+                tiles: torch.Tensor, tile_rows: int = 16) -> None:
     if x.dim() != 2 or a.dim() != 3 or h.dim() != 3 or x.stride(1) != 1:
         raise ValueError("x [T, K] (last dim contiguous), a [slots, N, K], h [splits, T, N] "
                          "expected")
@@ -157,12 +151,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.T
     grid = (tiles.shape[1], n_tiles * splits)
     _shrink_kernel[grid](x, a, h, rows, tiles, k, n, k_per_split, n_tiles, tiles.stride(0),
                          x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-                         BLOCK_M=TILE_ROWS, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+                         BLOCK_M=tile_rows, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
                          PRECISION=_precision(a.dtype))
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-                tiles: torch.Tensor, h_col: int, y_col: int, width: int) -> None:
+                tiles: torch.Tensor, h_col: int, y_col: int, width: int,
+                tile_rows: int = 16) -> None:
     if h.dim() != 3 or b.dim() != 3 or y.dim() != 2 or y.stride(1) != 1 or not b.is_contiguous():
         raise ValueError("h [splits, T, N], b [slots, OUT, R] (contiguous), y [T, OUT] expected")
     _, out, r = b.shape
@@ -176,6 +171,28 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.T
     grid = (tiles.shape[1], triton.cdiv(width, _BLOCK_OUT))
     _expand_kernel[grid](h, b, y, rows, tiles, r, width, h.shape[0], h_col, y_col,
                          tiles.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-                         y.stride(0), BLOCK_M=TILE_ROWS, BLOCK_N=_BLOCK_OUT,
+                         y.stride(0), BLOCK_M=tile_rows, BLOCK_N=_BLOCK_OUT,
                          BLOCK_R=max(16, triton.next_power_of_2(r)),
                          PRECISION=_precision(b.dtype))
+
+
+def _tiles(rows: torch.Tensor, tiles: torch.Tensor):
+    for slot, start, n in zip(*tiles.tolist()):
+        if slot >= 0:
+            yield slot, rows[start:start + n].long()
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
+                    tiles: torch.Tensor, tile_rows: int = 16) -> None:
+    h[1:] = 0
+    for slot, idx in _tiles(rows, tiles):
+        h[0, idx] = x[idx].float() @ a[slot].float().T
+
+
+def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
+                    tiles: torch.Tensor, h_col: int, y_col: int, width: int,
+                    tile_rows: int = 16) -> None:
+    r = b.shape[2]
+    for slot, idx in _tiles(rows, tiles):
+        part = h[:, idx, h_col:h_col + r].sum(0) @ b[slot, y_col:y_col + width].float().T
+        y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float() + part).to(y.dtype)

@@ -4,20 +4,18 @@
 (``batch``: the step's token -> slot map, ``batch.py``; ``weights``: the projection's slots,
 ``weights.py``), slice by slice for a fused projection, in place, and returns ``y``. On CUDA
 tensors it runs the Triton shrink/expand kernels (``kernels/lora.py``, which CUDA graphs
-capture); elsewhere ``shrink_torch`` / ``expand_torch``, which are also the kernels' references.
+capture); elsewhere ``shrink_torch`` / ``expand_torch`` (a slot's rows at once).
 On the CPU a step without adapter tokens skips it all; on the GPU the kernels always run (and
 return at once without adapter tokens), so CUDA graphs hold them and read each replay's counts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
-if TYPE_CHECKING:
-    from nvray.lora.batch import LoRABatch
-    from nvray.lora.weights import LoRAWeights
+from nvray.lora.batch import TILE_ROWS, LoRABatch
 
 _triton: Any = None  # kernels.lora, imported on the first CUDA call
 
@@ -52,20 +50,23 @@ def expand_torch(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.
         y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float() + delta).to(y.dtype)
 
 
-def add_lora(x: torch.Tensor, y: torch.Tensor, weights: "LoRAWeights", batch: "LoRABatch"
-             ) -> torch.Tensor:
+def add_lora(x: torch.Tensor, y: torch.Tensor, weights: Any, batch: LoRABatch) -> torch.Tensor:
+    """``weights``: a projection's ``LoRAWeights`` (its ``a``, ``b`` and ``slices``)."""
     if not batch.launches:
         return y
     global _triton
     if x.is_cuda and _triton is None:
         import kernels.lora as _triton  # noqa: PLC0415
-    shrink, expand = ((_triton.lora_shrink, _triton.lora_expand) if x.is_cuda
-                      else (shrink_torch, expand_torch))
     rows, tiles = batch.rows, batch.tiles_for(x.shape[0])
-    splits = _triton.shrink_splits(x.shape[0], x.shape[1]) if x.is_cuda else 1
+    splits = _triton.shrink_splits(x.shape[0], x.shape[1], TILE_ROWS) if x.is_cuda else 1
     h = torch.empty(splits, x.shape[0], weights.a.shape[1], dtype=torch.float32,
                     device=x.device)
-    shrink(x, weights.a, h, rows, tiles)
+    if x.is_cuda:
+        _triton.lora_shrink(x, weights.a, h, rows, tiles, TILE_ROWS)
+        for h_col, y_col, width in weights.slices:
+            _triton.lora_expand(h, weights.b, y, rows, tiles, h_col, y_col, width, TILE_ROWS)
+        return y
+    shrink_torch(x, weights.a, h, rows, tiles)
     for h_col, y_col, width in weights.slices:
-        expand(h, weights.b, y, rows, tiles, h_col, y_col, width)
+        expand_torch(h, weights.b, y, rows, tiles, h_col, y_col, width)
     return y

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kernel_device import kernel_device  # noqa: E402
-from kernels.lora import lora_expand, lora_shrink  # noqa: E402
+from kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref  # noqa: E402
 from nvray.lora.batch import LoRABatch  # noqa: E402
 from nvray.lora.ops import expand_torch, shrink_torch  # noqa: E402
 
@@ -60,7 +60,8 @@ def _run(fns, x, a, b, y, batch, widths, splits=1):
         col += width
 
 
-PATHS = {"triton": (lora_shrink, lora_expand), "torch": (shrink_torch, expand_torch)}
+PATHS = {"triton": (lora_shrink, lora_expand), "ref": (lora_shrink_ref, lora_expand_ref),
+         "torch": (shrink_torch, expand_torch)}
 
 
 @pytest.mark.parametrize("path", PATHS)
