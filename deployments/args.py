@@ -206,8 +206,9 @@ class AppArgs(BaseModel):
             "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
             "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides", "speculative_config",
             "max_loras", "max_lora_rank", "max_cpu_loras")}
-        return EngineConfig.from_kwargs(self.model, **fields, enable_lora=self.serves_loras(),
-                                        **self.engine_options)
+        options = dict(self.engine_options)
+        enable_lora = self.serves_loras() or bool(options.pop("enable_lora", False))
+        return EngineConfig.from_kwargs(self.model, **fields, enable_lora=enable_lora, **options)
 
     def serves_loras(self) -> bool:
         return bool(self.enable_lora or self.lora_modules or self.lora_path

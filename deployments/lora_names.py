@@ -32,7 +32,7 @@ def parse_lora_modules(value: Any) -> dict[str, str]:
     if value is None:
         return {}
     if isinstance(value, dict):
-        return {str(k): str(v) for k, v in value.items()}
+        return {str(k): os.path.abspath(str(v)) for k, v in value.items()}
     modules = {}
     for item in value:
         if isinstance(item, str) and "=" in item:
@@ -42,7 +42,7 @@ def parse_lora_modules(value: Any) -> dict[str, str]:
         else:
             raise ValueError(f"lora_modules entry {item!r}: expected 'name=path' or "
                              "{'name': ..., 'path': ...}")
-        modules[str(name)] = str(path)
+        modules[str(name)] = os.path.abspath(str(path))
     return modules
 
 
@@ -55,17 +55,15 @@ class LoRANames:
     def __init__(self, base: str, modules: dict[str, str], lora_path: str | None) -> None:
         self.base = base
         self.modules = dict(modules)
-        self.lora_path = lora_path
+        self.lora_path = os.path.abspath(lora_path) if lora_path else None
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the base model); a 404 for an unknown name."""
         if model is None or model == self.base:
             return None
         name = model
-        if ":" in model:
-            base, _, name = model.partition(":")
-            if base != self.base:
-                raise _not_found(model, f" (the base model here is '{self.base}')")
+        if model.startswith(self.base + ":"):
+            name = model[len(self.base) + 1:]
         path = self.modules.get(name) or self._found_on_disk(name)
         if path is None:
             raise _not_found(model)
@@ -89,6 +87,7 @@ class LoRANames:
                               "lora_name")
         if name in self.modules:
             raise OpenAIError(400, f"the LoRA adapter '{name}' is already loaded", "lora_name")
+        path = os.path.abspath(path)  # the engine's working directory is not this one's
         try:
             inspect_adapter(name, path, info.get("lora_targets") or {},
                             info.get("max_lora_rank", 0))

@@ -59,8 +59,8 @@ beam forked from another takes its parent's state).
 
 Multi-LoRA (``nvray/lora``): a ``SeqStep``'s ``lora_slot`` is the GPU slot of the adapter its
 tokens run through (-1: the base model); a step's ``lora_loads`` (slot, ``LoRAAdapter``) put
-adapters into slots before it runs (the engine never reloads a slot that a sequence of a step
-in flight uses).
+adapters into slots before it runs. A slot no running sequence uses may be reloaded while a step
+that used it is still in flight: the ranks queue the load on the step's stream, after it.
 
 ``Executor`` is what runs steps for the engine: the in-process runner
 (``nvray/worker/executor.py``) or the Ray rank group (``nvray/runtime/ray_executor.py``).

@@ -212,6 +212,8 @@ class LLMEngine:
                     outputs.append(self._finish(state, "error"))
         for request_id in list(self.beams.groups):
             outputs += self._count(self.beams.abort(request_id, "error", message))
+        if self.lora_slots is not None:  # a failed step may have left a load half done
+            self.lora_slots.reset()
         return outputs
 
     def _count(self, finals: list[RequestOutput]) -> list[RequestOutput]:

@@ -58,8 +58,13 @@ def read_adapter_config(name: str, path: str) -> dict[str, Any]:
     file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(file):
         raise _fail(name, f"no {CONFIG_FILE} in {path!r} (a PEFT LoRA directory is expected)")
-    with open(file) as f:
-        cfg = json.load(f)
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _fail(name, f"{file} cannot be read as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise _fail(name, f"{file} holds a {type(cfg).__name__}, not a JSON object")
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     refusals = [
         (peft_type != "LORA", f"peft_type {peft_type!r} is not LoRA"),
@@ -90,13 +95,33 @@ def scaling_of(cfg: dict[str, Any], module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
 
 
+def _check_scaling(name: str, cfg: dict[str, Any], module: str, rank: int) -> None:
+    """The scaling the ranks will compute, computed now: a bad alpha or pattern is refused."""
+    try:
+        scale = scaling_of(cfg, module, rank)
+    except (ValueError, TypeError, ZeroDivisionError, re.error) as e:
+        raise _fail(name, f"{module}: its scaling (lora_alpha / r) cannot be computed: "
+                          f"{e}") from None
+    if not math.isfinite(scale):
+        raise _fail(name, f"{module}: its scaling {scale} is not finite")
+
+
 def _tensor_shapes(name: str, path: str) -> dict[str, dict[str, tuple[int, ...]]]:
     """module -> {"A": shape, "B": shape}, from the safetensors header."""
-    from safetensors import safe_open  # noqa: PLC0415
-
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
         raise _fail(name, f"no {WEIGHTS_FILE} in {path!r}")
+    try:
+        return _shapes_in(name, file)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated file, an LFS pointer, no permission
+        raise _fail(name, f"{file} is not a readable safetensors file: {e}") from None
+
+
+def _shapes_in(name: str, file: str) -> dict[str, dict[str, tuple[int, ...]]]:
+    from safetensors import safe_open  # noqa: PLC0415
+
     shapes: dict[str, dict[str, tuple[int, ...]]] = {}
     with safe_open(file, framework="pt") as f:
         for key in f.keys():
@@ -118,7 +143,7 @@ def inspect_adapter(name: str, path: str, targets: dict[str, tuple[int, int]],
     if not os.path.isdir(path):
         raise _fail(name, f"{path!r} is not a directory")
     path = os.path.realpath(path)
-    read_adapter_config(name, path)
+    cfg = read_adapter_config(name, path)
     shapes, rank = _tensor_shapes(name, path), 0
     for module, ab in sorted(shapes.items()):
         if set(ab) != {"A", "B"}:
@@ -134,6 +159,9 @@ def inspect_adapter(name: str, path: str, targets: dict[str, tuple[int, int]],
                               f"model's projection ({in_features} -> {out_features} features)")
         if r > max_lora_rank:
             raise _fail(name, f"{module} has rank {r}, above max_lora_rank={max_lora_rank}")
+        if r < 1:
+            raise _fail(name, f"{module} has rank {r}")
+        _check_scaling(name, cfg, module, r)
         rank = max(rank, r)
     version = weights_version(path)
     salt = xxhash.xxh64_intdigest(f"lora\0{name}\0{path}\0{version}".encode())
@@ -153,6 +181,9 @@ def load_adapter_weights(adapter: LoRAAdapter) -> dict[str, tuple[Any, Any]]:
     import torch  # noqa: PLC0415
     from safetensors.torch import load_file  # noqa: PLC0415
 
+    if weights_version(adapter.path) != adapter.version:
+        raise RuntimeError(f"LoRA adapter {adapter.name!r}: {adapter.path} changed on disk (or "
+                           "went) after it was checked; its files must stay while it is in use")
     cfg = read_adapter_config(adapter.name, adapter.path)
     tensors = load_file(os.path.join(adapter.path, WEIGHTS_FILE))
     parts: dict[str, dict[str, Any]] = {}

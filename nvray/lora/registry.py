@@ -6,7 +6,7 @@ engine schedules by (``adapter.inspect_adapter``: config, tensor shapes against 
 adapter nvray cannot serve is refused when it is named, never mid-step. An adapter whose
 weights file changed since (a retrained adapter written over the old one) is checked again and
 is a new adapter: a new version in its key, new slots and images on the ranks, a new
-prefix-cache salt. ``forget(name)`` drops a name.
+prefix-cache salt.
 """
 
 from __future__ import annotations
@@ -43,7 +43,3 @@ class LoRARegistry:
                                       self.max_lora_rank)
             self.adapters[key] = adapter
         return adapter
-
-    def forget(self, name: str) -> None:
-        for key in [k for k in self.adapters if k[0] == name]:
-            del self.adapters[key]

@@ -6,7 +6,8 @@ least recently used slot that no running sequence uses, whose adapter is then lo
 ``take_loads()`` hands the step the (slot, adapter) pairs to load first); a sequence that stops
 running (finished, preempted) calls ``release(seq)``. A slot is reloaded only when no running
 sequence uses it, and a step in flight still reads the old adapter: the ranks run the load
-after it, in stream order. ``num_loads`` counts the loads (swaps) since start.
+after it, in stream order. ``num_loads`` counts the loads (swaps) since start. ``reset()``
+(the engine failed its requests) forgets what the slots hold.
 """
 
 from __future__ import annotations
@@ -56,13 +57,12 @@ class LoRASlots:
         if self.users[slot] == 0:
             self.idle[slot] = None  # most recently used
 
-    def evict(self, name: str) -> None:
-        """Forget an unloaded adapter's slot (the slot is idle: no sequence of it runs)."""
-        for slot, adapter in enumerate(self.holds):
-            if adapter is not None and adapter.name == name and self.users[slot] == 0:
-                del self.slot_of[adapter.key]
-                self.holds[slot] = None
-                self.idle.move_to_end(slot, last=False)
+    def reset(self) -> None:
+        """Forget what every slot holds (a failed step may have left a load half done): each
+        adapter is loaded again on its next use. Call with no sequence running."""
+        loads = self.num_loads
+        self.__init__(self.num_slots)  # type: ignore[misc]
+        self.num_loads = loads
 
     def take_loads(self) -> list[tuple[int, LoRAAdapter]]:
         loads, self.loads = self.loads, []

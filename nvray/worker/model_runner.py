@@ -151,6 +151,9 @@ class ModelRunner:
         c = self.config
         if not c.enable_lora:
             return None
+        if self.quant_config is not None:
+            raise ValueError("enable_lora needs an unquantized model: this checkpoint's linear "
+                             "layers are FP8 (LoRA on FP8 layers is not supported)")
         capacity = max(c.max_num_batched_tokens, self.inputs.graph_capacity)
         return LoRAModel(self.model, c.max_loras, c.max_lora_rank, c.cpu_loras, capacity,
                          self.device)

@@ -123,7 +123,14 @@ def test_adapters_nvray_cannot_serve_are_refused_with_the_reason(lora_llm, adapt
     wide = write_adapter(tiny_path, str(tmp_path / "wide"), 32, ["q_proj"], seed=5)
     head = write_adapter(tiny_path, str(tmp_path / "head"), 4, ["q_proj", "lm_head"], seed=6)
     dora = _copy_with_config(adapters["ko"], str(tmp_path / "dora"), use_dora=True)
+    alpha = _copy_with_config(adapters["ko"], str(tmp_path / "alpha"), lora_alpha="sixteen")
+    cut = _copy_with_config(adapters["ko"], str(tmp_path / "cut"))
+    weights = os.path.join(cut, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
     cases = {"wide": (wide, "above max_lora_rank=16"),
+             "alpha": (alpha, "scaling .* cannot be computed"),
+             "cut": (cut, "not a readable safetensors file"),
              "head": (head, "lm_head"),
              "dora": (dora, "DoRA"),
              "missing": (str(tmp_path / "nowhere"), "is not a directory")}

@@ -71,7 +71,7 @@ class _Replica:
     def __init__(self, gate: AdmissionGate, sink: _Sink) -> None:
         self.gate, self.sink = gate, sink
 
-    async def _lease(self, prompts: list) -> Lease:
+    async def _lease(self, prompts: list, lora: object = None) -> Lease:
         ticket = await self.gate.enter(timeout_s=5)
         return Lease(router=_Router(self.sink), _release=ticket.release)
 
