@@ -123,6 +123,7 @@ class LLMEngine:
         self.new_grammars: list[GrammarSpec] = []  # for the ranks to compile ahead
         self.grammars_done: list[int] = []  # constrained sequences that finished
         self.requests: dict[str, list[RequestState]] = {}  # request_id -> its choices
+        self.failed_choices: list[RequestOutput] = []  # ended while scheduling, for step()
         self.plans: dict[int, SeqPlan] = {}  # seq_id -> its plan
         self.beams = BeamSearcher(self.scheduler, tokenizer, self.plans)
         self.num_prompt_tokens = 0
@@ -232,6 +233,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        outputs = self._step()
+        if self.failed_choices:  # failed while scheduling (an adapter changed on disk)
+            outputs, self.failed_choices = self.failed_choices + outputs, []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.pipeline_depth > 1:
             return self._pipelined_step()
         start = time.perf_counter()
@@ -305,7 +312,17 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.plans, draft)
         out = self.scheduler.schedule()
+        for seq in self.scheduler.take_stale_adapters():
+            self._fail_choice(seq, f"LoRA adapter {seq.lora.name!r}: its files in "
+                                   f"{seq.lora.path} changed or went after it was checked")
         return None if out.is_empty else self.launch_scheduled(out)
+
+    def _fail_choice(self, seq: Sequence, message: str) -> None:
+        """End one waiting choice with an error; its output goes out with the step's."""
+        for state in self.requests.get(seq.request_id, ()):
+            if state.seq is seq and state.finish_reason is None:
+                state.error = message
+                self.failed_choices.append(self._finish(state, "error"))
 
     def launch_scheduled(self, out: SchedulerOutput) -> LaunchedStep:
         """Build the step input of a scheduled step and account for it as launched (KV and

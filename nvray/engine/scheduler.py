@@ -13,7 +13,9 @@ A long prompt therefore never stalls running decodes.
 Multi-LoRA (``lora_slots``: ``nvray/lora/slots.py``): a waiting sequence whose adapter has no
 GPU slot, while every slot serves running sequences, waits (the sequences behind it may go); a
 sequence holds its adapter's slot while it runs and gives it back when it finishes or is
-preempted.
+preempted. A sequence whose adapter must be loaded while its files changed since they were
+checked (rewritten or gone) is not admitted: it waits in ``take_stale_adapters()`` for the
+engine to fail it, so no step loads files other than those checked.
 
 With overlapped steps a running sequence whose last planned token is its ``max_tokens``-th is
 not scheduled again: the step sampling that token is in flight, and its result finishes it;
@@ -47,6 +49,7 @@ from typing import Callable
 
 from nvray.engine.block_manager import NO_PREFIX, BlockManager
 from nvray.engine.sequence import Sequence, SequenceStatus
+from nvray.lora.adapter import weights_version
 from nvray.lora.slots import LoRASlots
 
 
@@ -76,6 +79,7 @@ class Scheduler:
         self.clock = clock
         self.pipeline_depth = pipeline_depth
         self.lora_slots = lora_slots
+        self.stale_adapters: list[Sequence] = []  # to fail: their adapter changed on disk
         self.step_seqs = max_num_seqs  # sequences one step may take (its share, pipelined)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -103,7 +107,21 @@ class Scheduler:
             self.lora_slots.release(seq)  # type: ignore[union-attr]
 
     def _admits_adapter(self, seq: Sequence) -> bool:
-        return seq.lora is None or self.lora_slots.can_admit(seq.lora)  # type: ignore[union-attr]
+        lora, slots = seq.lora, self.lora_slots
+        if lora is None:
+            return True
+        if not slots.can_admit(lora):  # type: ignore[union-attr]
+            return False
+        if not slots.is_resident(lora) and weights_version(lora.path) != lora.version:  # type: ignore[union-attr]
+            if seq not in self.stale_adapters:
+                self.stale_adapters.append(seq)
+            return False
+        return True
+
+    def take_stale_adapters(self) -> list[Sequence]:
+        """Waiting sequences whose adapter's files changed since they were checked."""
+        stale, self.stale_adapters = self.stale_adapters, []
+        return stale
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

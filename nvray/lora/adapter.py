@@ -181,7 +181,7 @@ def load_adapter_weights(adapter: LoRAAdapter) -> dict[str, tuple[Any, Any]]:
     import torch  # noqa: PLC0415
     from safetensors.torch import load_file  # noqa: PLC0415
 
-    if weights_version(adapter.path) != adapter.version:
+    if weights_version(adapter.path) != adapter.version:  # the scheduler checked just before
         raise RuntimeError(f"LoRA adapter {adapter.name!r}: {adapter.path} changed on disk (or "
                            "went) after it was checked; its files must stay while it is in use")
     cfg = read_adapter_config(adapter.name, adapter.path)

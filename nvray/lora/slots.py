@@ -31,6 +31,10 @@ class LoRASlots:
     def can_admit(self, adapter: LoRAAdapter) -> bool:
         return adapter.key in self.slot_of or bool(self.idle)
 
+    def is_resident(self, adapter: LoRAAdapter) -> bool:
+        """Whether a slot holds ``adapter`` (admitting a sequence of it loads nothing)."""
+        return adapter.key in self.slot_of
+
     def acquire(self, seq: Any) -> None:
         adapter: LoRAAdapter = seq.lora
         slot = self.slot_of.get(adapter.key)

@@ -218,3 +218,29 @@ def tiny_engine_of(path: str):
 
     return LLM(path, runtime="inprocess", max_model_len=256, kvcache_block_size=8,
                enable_lora=True)
+
+
+def test_an_adapter_changed_on_disk_while_its_request_waits_fails_that_request_only(
+        lora_llm, tiny_path, tmp_path):
+    """Checked when added, rewritten before it got a slot: the request ends with an error
+    naming the adapter (no step loads files other than those checked), the base request beside
+    it runs, and the next request for the adapter is checked afresh and served."""
+    path = write_adapter(tiny_path, str(tmp_path / "moving"), 4, ATTENTION, seed=57)
+    engine = lora_llm.engine
+    prompt = random_prompts(1, 12, 12, seed=59)[0]
+    engine.add_request("moving-1", prompt, GREEDY, lora_request=LoRARequest("moving", 1, path))
+    engine.add_request("base-1", prompt, GREEDY)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    stat = os.stat(weights)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten since
+    finals = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["moving-1"].finish_reason == "error"
+    assert "'moving'" in finals["moving-1"].error and "changed" in finals["moving-1"].error
+    assert list(finals["base-1"].token_ids) == peft_greedy(tiny_path, None, prompt, 8)
+    again = lora_llm.generate([prompt], GREEDY, use_tqdm=False,
+                              lora_request=LoRARequest("moving", 1, path))[0]
+    assert list(again.token_ids) == peft_greedy(tiny_path, path + "/", prompt, 8)
