@@ -18,18 +18,20 @@ each replay.
   a decode step's few rows split K, so that enough programs run), written at the grouped rows
   only: ``h.sum(0)[t] = x[t] @ a[slot(t)].T``.
 
-``lora_expand(h, b, y, rows, tiles, h_col, y_col, width, tile_rows=16)``
+``lora_expand(h, b, y, rows, tiles, slices, tile_rows=16)``
 
-* ``b``: ``[num_slots, OUT, R]`` the slots' B matrices (scaling folded in); adds, at the grouped
-  rows, ``h.sum(0)[t, h_col : h_col + R] @ b[slot(t), y_col : y_col + width].T`` (the partial
-  sums added in a fixed order: deterministic) to ``y[t, y_col : y_col + width]`` (``y``:
-  ``[T, OUT]``, x's dtype, in place), rounding once. A fused projection (q/k/v, gate/up) calls
-  it once per slice.
+* ``b``: ``[num_slots, OUT, R]`` the slots' B matrices (scaling folded in); ``slices``: the
+  ``(h_col, y_col, width)`` of each part of a fused projection (q/k/v, gate/up; one for the
+  others), all in one launch (three a launch). For each slice it adds, at the grouped rows,
+  ``h.sum(0)[t, h_col : h_col + R] @ b[slot(t), y_col : y_col + width].T`` (the partial sums
+  added in a fixed order, once a program: deterministic) to ``y[t, y_col : y_col + width]``
+  (``y``: ``[T, OUT]``, x's dtype, in place), rounding once.
 
 Products accumulate in float32; float32 weights multiply in IEEE float32 (no TF32), 16-bit ones
 on the tensor cores (``h`` rounded to B's dtype first). Grids: ``(num_tiles, cdiv(N, BLOCK_N) x
-splits)`` and ``(num_tiles, cdiv(width, BLOCK_N))``; a program whose tile has no slot returns
-at once. ``lora_shrink_ref`` / ``lora_expand_ref`` are the pure-torch references, tile by
+splits)`` and ``(num_tiles, sum of cdiv(width, chunks x BLOCK_OUT) over the slices)``, an
+expand program adding ``chunks`` column blocks of one slice (more for a wide step, so that h is
+summed fewer times); a program whose tile has no slot returns at once. ``lora_shrink_ref`` / ``lora_expand_ref`` are the pure-torch references, tile by
 tile (the engine's CPU path is ``nvray/lora/ops.py``).
 """
 
@@ -39,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lora_shrink", "lora_expand", "lora_shrink_ref", "lora_expand_ref", "shrink_splits"]
+__all__ = ["lora_shrink", "lora_expand", "lora_shrink_ref", "lora_expand_ref", "shrink_splits",
+           "expand_chunks"]
 
 _BLOCK_N = 64  # shrink: columns of h a program computes
 _BLOCK_OUT = 128  # expand: output columns a program adds to
@@ -93,30 +96,38 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, rows_ptr, tiles_ptr, K, N, k_per_split, 
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, rows_ptr, tiles_ptr, R, width, splits, h_col, y_col,
+def _expand_kernel(h_ptr, b_ptr, y_ptr, rows_ptr, tiles_ptr, R, splits,
+                   h0, y0, w0, nb0, h1, y1, w1, nb1, h2, y2, w2,
                    stride_t, stride_hs, stride_h, stride_bs, stride_bo, stride_y,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr,
+                   BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     slot = tl.load(tiles_ptr + pid_t)
     if slot < 0:
         return
     rows, valid = _tile_rows(rows_ptr, tiles_ptr, stride_t, pid_t, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in0, in1 = pid_n < nb0, pid_n < nb0 + nb1  # the slice of this program's columns
+    h_col = tl.where(in0, h0, tl.where(in1, h1, h2))
+    y_col = tl.where(in0, y0, tl.where(in1, y1, y2))
+    width = tl.where(in0, w0, tl.where(in1, w1, w2))
+    block = tl.where(in0, pid_n, tl.where(in1, pid_n - nb0, pid_n - nb0 - nb1))
     offs_r = tl.arange(0, BLOCK_R)
-    n_ok = offs_n < width
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + (y_col + offs_n)[None, :] * stride_bo
-                + offs_r[:, None], mask=n_ok[None, :] & (offs_r < R)[:, None], other=0.0)
     h_tile = h_ptr + rows[:, None] * stride_h + h_col + offs_r[None, :]
     h_mask = valid[:, None] & (offs_r < R)[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for split in range(0, splits):  # the shrink's partial sums, in a fixed order
         h += tl.load(h_tile + split * stride_hs, mask=h_mask, other=0.0)
-    delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
-    out = y_ptr + rows[:, None] * stride_y + y_col + offs_n[None, :]
-    mask = valid[:, None] & n_ok[None, :]
-    y = tl.load(out, mask=mask, other=0.0)
-    tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    for chunk in tl.static_range(CHUNKS):
+        offs_n = (block * CHUNKS + chunk) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < width
+        b = tl.load(b_base + (y_col + offs_n)[None, :] * stride_bo + offs_r[:, None],
+                    mask=n_ok[None, :] & (offs_r < R)[:, None], other=0.0)
+        delta = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
+        out = y_ptr + rows[:, None] * stride_y + y_col + offs_n[None, :]
+        mask = valid[:, None] & n_ok[None, :]
+        y = tl.load(out, mask=mask, other=0.0)
+        tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -155,25 +166,52 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.T
                          PRECISION=_precision(a.dtype))
 
 
+def expand_chunks(num_tiles: int, widths: list[int]) -> int:
+    """Column blocks an expand program adds: more for a wide step (a prefill, a wide decode
+    batch over a wide projection), so that fewer programs each sum h's partial sums, while
+    enough programs run to fill the GPU."""
+    chunks = 1
+    while chunks < 4 and num_tiles * sum(
+            triton.cdiv(w, 2 * chunks * _BLOCK_OUT) for w in widths) >= _TARGET_PROGRAMS * 2:
+        chunks *= 2
+    return chunks
+
+
 def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-                tiles: torch.Tensor, h_col: int, y_col: int, width: int,
-                tile_rows: int = 16) -> None:
+                tiles: torch.Tensor, slices: list[tuple[int, int, int]],
+                tile_rows: int = 16, chunks: int | None = None) -> None:
+    """``chunks``: column blocks a program adds (None: ``expand_chunks``'s choice)."""
     if h.dim() != 3 or b.dim() != 3 or y.dim() != 2 or y.stride(1) != 1 or not b.is_contiguous():
         raise ValueError("h [splits, T, N], b [slots, OUT, R] (contiguous), y [T, OUT] expected")
     _, out, r = b.shape
-    if (y.shape[0] != h.shape[1] or y_col + width > min(out, y.shape[1])
-            or h_col + r > h.shape[2] or not h.is_contiguous()):
-        raise ValueError(f"shapes do not fit: h {tuple(h.shape)}, b {tuple(b.shape)}, "
-                         f"y {tuple(y.shape)}, h_col {h_col}, y_col {y_col}, width {width}")
+    for h_col, y_col, width in slices:
+        if (y.shape[0] != h.shape[1] or y_col + width > min(out, y.shape[1])
+                or h_col + r > h.shape[2] or not h.is_contiguous()):
+            raise ValueError(f"shapes do not fit: h {tuple(h.shape)}, b {tuple(b.shape)}, "
+                             f"y {tuple(y.shape)}, slice (h_col {h_col}, y_col {y_col}, "
+                             f"width {width})")
     _check_meta(rows, tiles)
-    if y.shape[0] == 0 or width == 0:
+    if y.shape[0] == 0:
         return
-    grid = (tiles.shape[1], triton.cdiv(width, _BLOCK_OUT))
-    _expand_kernel[grid](h, b, y, rows, tiles, r, width, h.shape[0], h_col, y_col,
-                         tiles.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-                         y.stride(0), BLOCK_M=tile_rows, BLOCK_N=_BLOCK_OUT,
-                         BLOCK_R=max(16, triton.next_power_of_2(r)),
-                         PRECISION=_precision(b.dtype))
+    for first in range(0, len(slices), 3):
+        _expand_launch(h, b, y, rows, tiles, list(slices[first:first + 3]), tile_rows, chunks)
+
+
+def _expand_launch(h, b, y, rows, tiles, slices, tile_rows, chunks):
+    """One launch over up to three slices."""
+    chunks = chunks or expand_chunks(tiles.shape[1], [w for _, _, w in slices])
+    blocks = [triton.cdiv(w, chunks * _BLOCK_OUT) for _, _, w in slices]
+    padded = slices + [(0, 0, 0)] * (3 - len(slices))
+    blocks += [0] * (3 - len(blocks))
+    if sum(blocks) == 0:
+        return
+    (h0, y0, w0), (h1, y1, w1), (h2, y2, w2) = padded
+    r = b.shape[2]
+    _expand_kernel[(tiles.shape[1], sum(blocks))](
+        h, b, y, rows, tiles, r, h.shape[0], h0, y0, w0, blocks[0], h1, y1, w1, blocks[1],
+        h2, y2, w2, tiles.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+        y.stride(0), BLOCK_M=tile_rows, BLOCK_N=_BLOCK_OUT, CHUNKS=chunks,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), PRECISION=_precision(b.dtype))
 
 
 def _tiles(rows: torch.Tensor, tiles: torch.Tensor):
@@ -190,9 +228,11 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: tor
 
 
 def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-                    tiles: torch.Tensor, h_col: int, y_col: int, width: int,
-                    tile_rows: int = 16) -> None:
+                    tiles: torch.Tensor, slices: list[tuple[int, int, int]],
+                    tile_rows: int = 16, chunks: int | None = None) -> None:
     r = b.shape[2]
     for slot, idx in _tiles(rows, tiles):
-        part = h[:, idx, h_col:h_col + r].sum(0) @ b[slot, y_col:y_col + width].float().T
-        y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float() + part).to(y.dtype)
+        for h_col, y_col, width in slices:
+            part = h[:, idx, h_col:h_col + r].sum(0) @ b[slot, y_col:y_col + width].float().T
+            y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float()
+                                           + part).to(y.dtype)

@@ -25,7 +25,9 @@ this machine, and the load generator itself, used while it ran (``cores``, from 
 stream's chunks is not what limits streamed throughput.
 
 ``--workload multiturn`` runs multi-turn chats instead (``nvray/bench/multiturn.py``): prefix-
-cache hit rate and TTFT with and without prefix-aware routing.
+cache hit rate and TTFT with and without prefix-aware routing; ``--workload lora-mix`` an even
+and a skewed mix of LoRA adapters over two replicas, with and without adapter-aware routing
+(``nvray/bench/lora_mix.py``).
 
 ``--out results.json`` writes the figures, and a PNG chart next to it (throughput and latency
 against concurrency) when matplotlib is installed.
@@ -42,7 +44,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from nvray.bench import multiturn
+from nvray.bench import lora_mix, multiturn
 from nvray.bench.http_load import (APIS, LoadSpec, RequestRecord, auth_headers, percentiles,
                                    read_model_card, request_body, send, start_app)
 from nvray.bench.proc_cpu import SERVING_PROCESSES, cores_by_role, process_cpu_seconds
@@ -305,6 +307,8 @@ def parse_app_args(items: list[str]) -> dict[str, Any]:
 def run(args: Any) -> dict[str, Any]:
     if args.workload == "multiturn":
         return multiturn.run(args, parse_app_args(args.app_args or []))
+    if args.workload == "lora-mix":
+        return lora_mix.run(args, parse_app_args(args.app_args or []))
     apis = args.api.split(",")
     if any(api not in APIS for api in apis) or len(set(apis)) < len(apis):
         raise SystemExit(f"--api {args.api!r}: give one or more of {', '.join(APIS)}, "
@@ -324,10 +328,11 @@ def run(args: Any) -> dict[str, Any]:
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--workload", choices=("sweep", "multiturn"), default="sweep",
+    p.add_argument("--workload", choices=("sweep", "multiturn", "lora-mix"), default="sweep",
                    help="sweep: concurrency sweep (below); multiturn: chats resending their "
-                        "history (nvray/bench/multiturn.py), without --url against the app with "
-                        "and without prefix routing")
+                        "history (nvray/bench/multiturn.py); lora-mix: an even and a skewed mix "
+                        "of LoRA adapters over two replicas (nvray/bench/lora_mix.py); both "
+                        "without --url against the app with and without prefix routing")
     p.add_argument("--url", help="base URL of a running app (default: start one here)")
     p.add_argument("--app-args", nargs="*", metavar="KEY=VALUE",
                    help="arguments of the app to start (as serve run deployments:build_app takes)")
@@ -353,6 +358,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--conversations", type=int, default=64, help="multiturn: conversations")
     p.add_argument("--turns", type=int, default=6, help="multiturn: turns per conversation")
     p.add_argument("--parallel", type=int, default=16,
-                   help="multiturn: conversations in flight at once")
+                   help="multiturn: conversations in flight at once; lora-mix: requests")
+    p.add_argument("--adapters", type=int, default=8, help="lora-mix: adapters")
+    p.add_argument("--lora-rank", type=int, default=16, help="lora-mix: their rank")
+    p.add_argument("--max-loras", type=int, default=4, help="lora-mix: GPU slots a replica")
+    p.add_argument("--hot-share", type=float, default=0.5,
+                   help="lora-mix: the hot adapter's share of the skewed mix's requests")
     p.add_argument("--system-len", type=int, default=200,
                    help="multiturn: words of the system prompt all conversations share")

@@ -11,8 +11,8 @@ The delta a module adds is ``scaling * (x @ A.T) @ B.T``, ``scaling = alpha / r`
 checks them against the model's adaptable projections (``targets``: module name -> full
 (in, out) features, what the ranks report) and ``max_lora_rank``; anything nvray cannot serve is
 a ``ValueError`` naming the adapter and the reason, raised when a request names the adapter,
-never mid-step. ``load_adapter_weights`` reads the tensors (the ranks, when the adapter gets a
-GPU slot), with the scaling folded into B.
+never mid-step. ``read_adapter_weights`` reads the tensors and each module's scaling (the ranks,
+when the adapter gets a GPU slot).
 """
 
 from __future__ import annotations
@@ -176,9 +176,11 @@ def weights_version(path: str) -> int:
         return -1
 
 
-def load_adapter_weights(adapter: LoRAAdapter) -> dict[str, tuple[Any, Any]]:
-    """module -> (A [r, in], B [out, r] times the module's scaling), float32 on the CPU."""
-    import torch  # noqa: PLC0415
+def read_adapter_weights(adapter: LoRAAdapter, pin: bool = False
+                         ) -> dict[str, tuple[Any, Any, float]]:
+    """module -> (A [r, in], B [out, r], its scaling), as the file stores them, in host memory:
+    with ``pin``, views of one pinned buffer (one allocation for the whole adapter), so that the
+    copies to the GPU run asynchronously."""
     from safetensors.torch import load_file  # noqa: PLC0415
 
     if weights_version(adapter.path) != adapter.version:  # the scheduler checked just before
@@ -186,13 +188,27 @@ def load_adapter_weights(adapter: LoRAAdapter) -> dict[str, tuple[Any, Any]]:
                            "went) after it was checked; its files must stay while it is in use")
     cfg = read_adapter_config(adapter.name, adapter.path)
     tensors = load_file(os.path.join(adapter.path, WEIGHTS_FILE))
+    if pin:
+        tensors = _pinned(tensors)
     parts: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         assert m is not None, key  # inspect_adapter checked every name
-        parts.setdefault(m.group(1), {})[m.group(2)] = tensor.to(torch.float32)
-    weights = {}
-    for module, ab in parts.items():
-        a, b = ab["A"], ab["B"]
-        weights[module] = (a, b * scaling_of(cfg, module, a.shape[0]))
-    return weights
+        parts.setdefault(m.group(1), {})[m.group(2)] = tensor
+    return {module: (ab["A"], ab["B"], scaling_of(cfg, module, ab["A"].shape[0]))
+            for module, ab in parts.items()}
+
+
+def _pinned(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The tensors copied into one pinned host buffer, each a view of it (64-byte aligned)."""
+    import torch  # noqa: PLC0415
+
+    spans = {key: -(-t.nbytes // 64) * 64 for key, t in tensors.items()}
+    buffer = torch.empty(sum(spans.values()), dtype=torch.uint8, pin_memory=True)
+    views, offset = {}, 0
+    for key, t in tensors.items():
+        view = buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        views[key] = view
+        offset += spans[key]
+    return views

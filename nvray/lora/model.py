@@ -8,11 +8,12 @@ embeddings or the LM head). Each is known by the checkpoint names of the modules
 how PEFT names them; ``targets()`` lists them with their full (in, out) features, for the driver
 to check adapters against (``adapter.inspect_adapter``).
 
-``load(slot, adapter)`` puts an adapter into a slot: two copies per projection of its slot
-images (A and B as this rank holds them, zeros where the adapter leaves a module alone, pinned
-host memory), kept for an LRU of ``max_cpu_loras`` adapters and otherwise made from the
-adapter's files. The copies are queued on the step's stream, after the steps launched before
-(which may still read the slot's old adapter) and before the step that names it. ``batch`` is
+``load(slot, adapter)`` puts an adapter into a slot: its tensors as the file holds them (one
+pinned host buffer an adapter, kept for an LRU of ``max_cpu_loras`` adapters and otherwise read
+from the adapter's files) are copied to the device and there cut to this rank's shard, scaled
+and written into the slot (``LoRAWeights.write``): queued on the step's stream, after the steps
+launched before (which may still read the slot's old adapter) and before the step that names
+it. ``batch`` is
 the step's token -> slot map the projections read.
 """
 
@@ -26,7 +27,7 @@ from torch import nn
 
 from nvray.layers.linear import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
                                  QKVParallelLinear, RowParallelLinear)
-from nvray.lora.adapter import LoRAAdapter, load_adapter_weights
+from nvray.lora.adapter import LoRAAdapter, read_adapter_weights
 from nvray.lora.batch import LoRABatch
 from nvray.lora.weights import LoRAWeights, full_shape, slice_ids
 
@@ -65,7 +66,8 @@ class LoRAModel:
             self.layers.append((weights, names))
             for name, shard_id in zip(names, slice_ids(module)):
                 self._targets[name] = full_shape(module, shard_id)
-        self.cpu_cache: OrderedDict[tuple[str, str, int], list[Any]] = OrderedDict()
+        self.pin = device.type == "cuda"
+        self.cpu_cache: OrderedDict[tuple[str, str, int], dict[str, Any]] = OrderedDict()
         self.num_disk_loads = 0
 
     def targets(self) -> dict[str, tuple[int, int]]:
@@ -86,21 +88,19 @@ class LoRAModel:
         self.batch.prepare(slots, rows)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        for (layer, _), image in zip(self.layers, self._images(adapter)):
-            layer.write(slot, image)
+        weights = self._host_weights(adapter)
+        for layer, names in self.layers:
+            layer.write(slot, {part: weights[name] for part, name in enumerate(names)
+                               if name in weights})
 
-    def _images(self, adapter: LoRAAdapter) -> list[Any]:
-        """Each projection's slot image of ``adapter`` (``LoRAWeights.image``), from the LRU
-        or made from its files."""
-        images = self.cpu_cache.pop(adapter.key, None)
-        if images is None:
-            weights = load_adapter_weights(adapter)
+    def _host_weights(self, adapter: LoRAAdapter) -> dict[str, Any]:
+        """``adapter``'s tensors in host memory (``read_adapter_weights``), from the LRU or
+        read from its files."""
+        weights = self.cpu_cache.pop(adapter.key, None)
+        if weights is None:
+            weights = read_adapter_weights(adapter, pin=self.pin)
             self.num_disk_loads += 1
-            images = [layer.image({part: weights[name] for part, name in enumerate(names)
-                                   if name in weights})
-                      for layer, names in self.layers]
-        self.cpu_cache[adapter.key] = images
+        self.cpu_cache[adapter.key] = weights
         while len(self.cpu_cache) > self.max_cpu_loras:
             self.cpu_cache.popitem(last=False)
-        return images
-
+        return weights

@@ -2,8 +2,8 @@
 
 ``add_lora(x, y, weights, batch)`` adds every token's delta through its adapter's slot
 (``batch``: the step's token -> slot map, ``batch.py``; ``weights``: the projection's slots,
-``weights.py``), slice by slice for a fused projection, in place, and returns ``y``. On CUDA
-tensors it runs the Triton shrink/expand kernels (``kernels/lora.py``, which CUDA graphs
+``weights.py``), every slice of a fused projection in one expand, in place, and returns ``y``.
+On CUDA tensors it runs the Triton shrink/expand kernels (``kernels/lora.py``, which CUDA graphs
 capture); elsewhere ``shrink_torch`` / ``expand_torch`` (a slot's rows at once).
 On the CPU a step without adapter tokens skips it all; on the GPU the kernels always run (and
 return at once without adapter tokens), so CUDA graphs hold them and read each replay's counts.
@@ -41,13 +41,16 @@ def shrink_torch(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.
 
 
 def expand_torch(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-                 tiles: torch.Tensor, h_col: int, y_col: int, width: int) -> None:
-    """``y[t, y_col:+width] += h.sum(0)[t, h_col:+R] @ b[slot(t), y_col:+width].T``, rounded
-    once."""
+                 tiles: torch.Tensor, slices: list[tuple[int, int, int]]) -> None:
+    """For each ``(h_col, y_col, width)`` of ``slices``:
+    ``y[t, y_col:+width] += h.sum(0)[t, h_col:+R] @ b[slot(t), y_col:+width].T``, rounded once."""
     r = b.shape[2]
     for slot, idx in _groups(rows, tiles):
-        delta = h[:, idx, h_col:h_col + r].sum(0) @ b[slot, y_col:y_col + width].float().T
-        y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float() + delta).to(y.dtype)
+        hs = h[:, idx].sum(0)
+        for h_col, y_col, width in slices:
+            delta = hs[:, h_col:h_col + r] @ b[slot, y_col:y_col + width].float().T
+            y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float()
+                                           + delta).to(y.dtype)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, weights: Any, batch: LoRABatch) -> torch.Tensor:
@@ -63,10 +66,8 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, weights: Any, batch: LoRABatch) -
                     device=x.device)
     if x.is_cuda:
         _triton.lora_shrink(x, weights.a, h, rows, tiles, TILE_ROWS)
-        for h_col, y_col, width in weights.slices:
-            _triton.lora_expand(h, weights.b, y, rows, tiles, h_col, y_col, width, TILE_ROWS)
+        _triton.lora_expand(h, weights.b, y, rows, tiles, weights.slices, TILE_ROWS)
         return y
     shrink_torch(x, weights.a, h, rows, tiles)
-    for h_col, y_col, width in weights.slices:
-        expand_torch(h, weights.b, y, rows, tiles, h_col, y_col, width)
+    expand_torch(h, weights.b, y, rows, tiles, weights.slices)
     return y

@@ -78,36 +78,29 @@ class LoRAWeights:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return add_lora(x, y, self, self.batch)
 
-    def image(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One slot's A and B as this rank holds them, in host memory (pinned for a GPU):
-        ``parts`` maps a fused part to its full (unsharded) A [r, in] and scaled B [out, r];
-        the parts left out stay zero."""
-        pin = self.a.device.type == "cuda"
-        a_img = torch.zeros(self.a.shape[1:], dtype=self.a.dtype, pin_memory=pin)
-        b_img = torch.zeros(self.b.shape[1:], dtype=self.b.dtype, pin_memory=pin)
-        R = self.rank
-        for part, (a, b) in parts.items():
+    def write(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]
+              ) -> None:
+        """Put one adapter into ``slot``: ``parts`` maps a fused part to its full (unsharded)
+        A [r, in], B [out, r] and scaling, in host memory (pinned for a GPU); the parts left
+        out and the ranks past a part's are zero. Shaped on the slots' device, in stream order
+        (after the steps launched before, which may still read the slot's old adapter)."""
+        a_slot, b_slot = self.a[slot], self.b[slot]
+        a_slot.zero_()
+        b_slot.zero_()
+        R, device = self.rank, self.a.device
+        for part, (a, b, scaling) in parts.items():
+            a = a.to(device, non_blocking=True)
+            b = b.to(device, non_blocking=True).float() * scaling
             r = a.shape[0]
-            a_pad = torch.zeros(R, a.shape[1], dtype=self.a.dtype)
-            a_pad[:r] = a
-            b_pad = torch.zeros(b.shape[0], R, dtype=self.b.dtype)
-            b_pad[:, :r] = b
-            a_dst = a_img[part * R:(part + 1) * R]
+            a_dst = _Target(a_slot[part * R:part * R + r])
             if self.row_parallel:  # A split along its input features, as the weight is
-                self.layer.weight_loader(_Target(a_dst), a_pad)
-                b_img.copy_(b_pad)
+                self.layer.weight_loader(a_dst, a)
+                b_slot[:, :r].copy_(b)
                 continue
-            a_dst.copy_(a_pad)
+            a_dst.data.copy_(a)
             shard_id = self.shard_ids[part]
             args = () if shard_id is None else (shard_id,)
-            self.layer.weight_loader(_Target(b_img), b_pad, *args)
-        return a_img, b_img
-
-    def write(self, slot: int, image: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Copy a slot's ``image`` in (stream-ordered: after the steps launched before)."""
-        self.a[slot].copy_(image[0], non_blocking=True)
-        self.b[slot].copy_(image[1], non_blocking=True)
+            self.layer.weight_loader(_Target(b_slot[:, :r]), b, *args)
 
 
 class _Target:

@@ -4,7 +4,8 @@ environment (a developer's tool; the bench's ``--profile DIR`` sets it).
 ``NVRAY_PROFILE_DIR=DIR`` profiles the device work of steps ``[start, start + count)`` of every
 rank (``NVRAY_PROFILE_STEPS=start:count``, default ``200:20``: past start-up and the first
 prefills) with torch's profiler, CUDA activity only, and writes ``DIR/rank{r}.txt``: the
-kernels by total device time. Without the variable it does nothing but count.
+kernels by total device time (``rank{r}.2.txt`` and on for the later engines of one process,
+e.g. the bench's base and LoRA runs). Without the variable it does nothing but count.
 """
 
 from __future__ import annotations
@@ -46,8 +47,17 @@ class StepProfiler:
         self.profile.__exit__(None, None, None)
         table = self.profile.key_averages().table(sort_by="cuda_time_total", row_limit=30,
                                                   max_name_column_width=70)
-        path = Path(self.dir) / f"rank{self.rank}.txt"
+        path = _free_path(Path(self.dir), f"rank{self.rank}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"steps {self.start}..{self.stop - 1} of rank {self.rank}\n{table}\n")
         logger.warning("profile of steps %d..%d written to %s", self.start, self.stop - 1, path)
         self.profile = None
+
+
+def _free_path(folder: Path, stem: str) -> Path:
+    """``folder/stem.txt``, or ``stem.2.txt``, ``stem.3.txt``... if taken (never overwrites)."""
+    path, n = folder / f"{stem}.txt", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}.{n}.txt"
+    return path

@@ -244,3 +244,22 @@ def test_an_adapter_changed_on_disk_while_its_request_waits_fails_that_request_o
     again = lora_llm.generate([prompt], GREEDY, use_tqdm=False,
                               lora_request=LoRARequest("moving", 1, path))[0]
     assert list(again.token_ids) == peft_greedy(tiny_path, path + "/", prompt, 8)
+
+
+def test_the_mix_benchmarks_adapters_fit_the_engine_and_skew_as_asked(lora_llm, tiny_path,
+                                                                       tmp_path):
+    """``serve --workload lora-mix`` writes adapters from the checkpoint's config alone (the app
+    runs elsewhere): their projections must be the engine's own, or every request is refused."""
+    from nvray.bench.lora_mix import checkpoint_targets, pick_adapters, write_adapters
+
+    assert checkpoint_targets(tiny_path) == lora_llm.engine.limits.lora_targets
+    paths = write_adapters(tiny_path, str(tmp_path), 3, rank=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = lora_llm.generate(["mix"], params, use_tqdm=False,
+                            lora_request=LoRARequest("mix-2", 1, paths["mix-2"]))[0]
+    assert len(out.token_ids) == 4 and "mix-2" in lora_llm.stats()["lora"]["resident"]
+    names = list(paths)
+    skewed = pick_adapters("skewed", names, 2000, 0.5, seed=0)
+    assert 0.45 < skewed.count("mix-0") / 2000 < 0.55 and set(skewed) == set(names)
+    even = pick_adapters("even", names, 2000, 0.5, seed=0)
+    assert all(0.28 < even.count(n) / 2000 < 0.39 for n in names)

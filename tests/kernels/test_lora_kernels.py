@@ -49,15 +49,13 @@ def _per_token(x, a, b, y, slots, widths, rows=None):
     return want
 
 
-def _run(fns, x, a, b, y, batch, widths, splits=1):
+def _run(fns, x, a, b, y, batch, widths, splits=1, **expand_options):
     shrink, expand = fns
     h = torch.full((splits, x.shape[0], a.shape[1]), float("nan"), device=x.device)
     tiles = batch.tiles_for(x.shape[0])
     shrink(x, a, h, batch.rows, tiles)
-    col = 0
-    for j, width in enumerate(widths):
-        expand(h, b, y, batch.rows, tiles, j * RANK, col, width)
-        col += width
+    slices = [(j * RANK, sum(widths[:j]), width) for j, width in enumerate(widths)]
+    expand(h, b, y, batch.rows, tiles, slices, **expand_options)  # a fused projection: one call
 
 
 PATHS = {"triton": (lora_shrink, lora_expand), "ref": (lora_shrink_ref, lora_expand_ref),
@@ -67,7 +65,8 @@ PATHS = {"triton": (lora_shrink, lora_expand), "ref": (lora_shrink_ref, lora_exp
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_tokens,k,widths,splits", [
     (37, 64, [48, 16, 16], 1), (5, 40, [24], 1), (70, 96, [80, 80], 1),
-    (37, 300, [48, 16, 16], 3), (5, 520, [24], 2)])  # K split into partial sums
+    (37, 300, [48, 16, 16], 3), (5, 520, [24], 2),  # K split into partial sums
+    (21, 32, [16, 24, 8, 40], 1)])  # more slices than one expand launch takes
 def test_every_token_gets_its_own_slots_delta_and_base_tokens_none(path, num_tokens, k, widths,
                                                                    splits):
     dtype = torch.float32
@@ -79,6 +78,28 @@ def test_every_token_gets_its_own_slots_delta_and_base_tokens_none(path, num_tok
     assert batch.has_tokens
     _run(PATHS[path], x, a, b, y, batch, widths, splits)
     torch.testing.assert_close(y.float(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_an_expand_program_adding_several_column_blocks_stays_in_its_slice(chunks):
+    """Wide steps give each expand program several 128-column blocks of one slice: slices
+    whose widths are not multiples of that span must neither spill into the next slice nor
+    lose their last columns."""
+    widths = [300, 136, 72]
+    x, a, b, slots = _case(40, 64, widths, seed=11, dtype=torch.float32)
+    y = torch.randn(40, sum(widths), device=DEVICE)
+    want = _per_token(x, a, b, y, slots, widths)
+    batch = LoRABatch(SLOTS, 64, DEVICE)
+    batch.prepare(slots)
+    _run(PATHS["triton"], x, a, b, y, batch, widths, splits=2, chunks=chunks)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_wide_steps_give_expand_programs_more_columns():
+    from kernels.lora import expand_chunks
+
+    assert expand_chunks(24, [4096, 1024, 1024]) == 1  # an 8B decode step's q/k/v
+    assert expand_chunks(24, [12288, 12288]) > 1 and expand_chunks(1100, [1024]) > 1
 
 
 def test_a_decode_step_splits_the_input_features_and_a_prefill_does_not():
