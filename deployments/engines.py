@@ -90,6 +90,9 @@ class LocalEngine:
 
     def __init__(self, args: AppArgs, in_background: bool = False) -> None:
         self.engine_id = uuid.uuid4().hex[:12]
+        # several replicas behind Serve's router: each one's /metrics names its engine, so that
+        # scrapes landing on different replicas never mix two engines' counters in one series
+        self.metrics_id = self.engine_id if args.max_replicas > 1 else None
         self.gate = AdmissionGate(args.max_ongoing_requests, args.max_waiting())
         self.start_wait_s = args.request_timeout_s
         self.client: Any = None  # these three are set once the engine is up
@@ -152,7 +155,7 @@ class LocalEngine:
 
     async def stats_by_engine(self) -> dict[str | None, dict[str, Any]]:
         await self.ready()
-        return {None: await self.driver.stats.remote()}
+        return {self.metrics_id: await self.driver.stats.remote()}
 
     async def routing_counts(self) -> None:
         return None  # no router in front of this engine

@@ -14,8 +14,9 @@ adapter drawn from one of two mixes, on the same seed:
 Without ``--url`` the app runs twice, with nvray's prefix router (adapter affinity;
 ``prefix_routing=true``) and with Serve's default router, each deleted before the next starts.
 Per mix: output tok/s, TTFT p50/p90/p99, errors, the adapter loads into GPU slots over both
-engines (``nvray_lora_loads_total``) and the hot adapter's replicas at the end
-(``nvray_lora_resident``).
+engines and by engine (``nvray_lora_loads_total``, from several ``/metrics`` reads, as each
+reaches one replica; an engine not listed before a mix counts from zero) and the hot
+adapter's replicas at the end (``nvray_lora_resident``).
 """
 
 from __future__ import annotations
@@ -74,12 +75,23 @@ def pick_adapters(mix: str, names: list[str], num_requests: int, hot_share: floa
             for _ in range(num_requests)]
 
 
-async def metric_values(session: Any, spec: LoadSpec, name: str) -> dict[str, float]:
-    """``name``'s samples on the app's ``/metrics``: label text -> value."""
-    async with session.get(spec.url + "/metrics", headers=auth_headers(spec)) as resp:
-        text = await resp.text()
-    return {labels: float(v) for labels, v in
-            re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
+async def metric_values(session: Any, spec: LoadSpec, name: str, reads: int = 12
+                        ) -> dict[str, float]:
+    """``name``'s samples over the app's engines: label text -> value. Each ``/metrics`` read
+    reaches one replica of the app, which lists the engines it knows (labelled by engine), so
+    several reads are merged, a counter's largest reading kept."""
+    found: dict[str, float] = {}
+    for _ in range(reads):
+        async with session.get(spec.url + "/metrics", headers=auth_headers(spec)) as resp:
+            text = await resp.text()
+        for labels, value in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+            found[labels] = max(found.get(labels, 0.0), float(value))
+    return found
+
+
+def _engine_of(labels: str) -> str:
+    m = re.search(r'engine="([^"]*)"', labels)
+    return m.group(1) if m else ""
 
 
 async def run_mix(spec: LoadSpec, adapters: list[str], parallel: int, seed: int
@@ -117,9 +129,11 @@ async def run_mix(spec: LoadSpec, adapters: list[str], parallel: int, seed: int
             "output_tok_per_s": round(sum(r.output_tokens for r in ok) / wall, 1),
             "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
             "hot_adapter": hot, "hot_share": round(adapters.count(hot) / len(adapters), 3),
-            "lora_loads": sum(after.values()) - sum(before.values()),
-            "hot_adapter_replicas": sum(1 for labels in resident
-                                        if f'adapter="{hot}"' in labels)}
+            "lora_loads": sum(v - before.get(labels, 0.0) for labels, v in after.items()),
+            "lora_loads_by_engine": sorted(v - before.get(labels, 0.0)
+                                           for labels, v in after.items()),
+            "hot_adapter_replicas": len({_engine_of(labels) for labels in resident
+                                         if f'adapter="{hot}"' in labels})}
 
 
 def run(args: Any, app_args: dict[str, Any]) -> dict[str, Any]:

@@ -283,3 +283,12 @@ def test_responses_continue_through_either_ingress(apps):
         assert response.usage.input_tokens == counted, turn
         history.append({"role": "assistant", "content": response.output_text})
         previous = response.id
+
+
+def test_without_prefix_routing_each_replicas_engine_has_its_own_series(apps):
+    """Serve's proxy sends each /metrics read to one replica: with an engine label, two
+    replicas' counters are two series (never one series jumping between two engines)."""
+    healthy = counter(apps["off"], "nvray_engine_healthy", reads=16)
+    engines = {re.search(r'engine="([^"]+)"', labels).group(1) for labels in healthy
+               if 'engine="' in labels}
+    assert len(healthy) == 2 and len(engines) == 2, healthy
