@@ -83,7 +83,8 @@ class EngineConfig:
     num_gpus_per_rank: float = 1.0  # GPU share per rank actor: 0.5 lets two TP=1 engines share one
     step_timeout_s: float = 600.0  # a step taking longer means a hung rank: the engine fails
     # speculative decoding (nvray/speculative.py), vLLM's keys, e.g. {"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; None: off
+    # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or
+    # {"method": "draft_model", "model": "/ckpt/Qwen3-0.6B"}; None: off
     speculative_config: dict[str, Any] | None = None
     # multi-LoRA (nvray/lora): PEFT adapters named per request, batched in one step
     enable_lora: bool = False
@@ -95,7 +96,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self._validate_sizes()
         self._validate_choices()
-        SpeculativeConfig.of(self.speculative_config)
+        spec = SpeculativeConfig.of(self.speculative_config)
+        if spec is not None and spec.drafts_on_ranks:
+            _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
+                     self.pipeline_parallel_size,
+                     f"speculative method {spec.method!r} needs pipeline_parallel_size=1")
         if self.extra:
             raise ValueError(f"unknown engine option(s): {sorted(self.extra)}")
 

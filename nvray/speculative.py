@@ -1,7 +1,9 @@
 """Speculative decoding: propose a few tokens cheaply, verify them in one forward pass.
 
 ``SpeculativeConfig`` is the engine's ``speculative_config`` (vLLM's names): ``method``
-(``"ngram"``: prompt lookup), ``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
+(``"ngram"``: prompt lookup on the host; ``"draft_model"``: a small model with the target's
+vocabulary, ``model``, run on the target's ranks: ``nvray/worker/drafter.py``),
+``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (the n-gram lengths tried, longest first), ``disable_by_batch_size``: no
 drafts in a step while more sequences than this run (default 32: past that a verification
 step's k + 1 rows a sequence cost more than good drafts save on an 8B model, and such steps
@@ -18,7 +20,8 @@ the sampled tokens up to and including the first that differs from its draft
 (``accepted_run``): every kept token was drawn from the target's distribution given the tokens
 before it, so the output has exactly the distribution of decoding without speculation, and a
 greedy or seeded request the very same tokens. With a deterministic proposer (n-gram) this
-accepts draft ``d`` with probability p(d), what rejection sampling accepts it with.
+accepts draft ``d`` with probability p(d), what rejection sampling accepts it with; the draft
+model proposes its greedy tokens, so the same holds for it.
 
 ``NgramProposer.propose``: the longest suffix of the sequence (``prompt_lookup_max`` tokens down
 to ``prompt_lookup_min``) that occurred earlier in it; the drafts are the tokens that followed
@@ -28,7 +31,8 @@ for k = 4, not just the ``a b`` the text holds).
 
 What does not speculate (it decodes a token a step, in the same batch): sequences with a
 grammar, bad words, a ``min_tokens`` still to reach, beam searches, and models with recurrent
-layers (whose state cannot be rolled back). Log-probabilities are the target's at each kept
+layers (whose state cannot be rolled back); with a draft model, penalized requests too (the
+ranks' drafts are unknown to the host, which states each draft position's penalties). Log-probabilities are the target's at each kept
 token's position; penalties at a draft position count the drafts before it.
 """
 
@@ -39,7 +43,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+MODEL_METHODS = ("draft_model",)  # drafts proposed on the ranks (nvray/worker/drafter.py)
 _MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -56,6 +61,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 32
     adaptive: bool = True  # each sequence's drafts follow its acceptance (engine/speculation.py)
+    model: str | None = None  # draft_model: the drafter's checkpoint directory (or "tiny")
 
     @classmethod
     def of(cls, value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -73,6 +79,12 @@ class SpeculativeConfig:
 
     def validate(self) -> None:
         _require(self.method in METHODS, "method", self.method, f"must be one of {list(METHODS)}")
+        if self.method in MODEL_METHODS:
+            _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
+                     f"method {self.method!r} needs the drafter's checkpoint directory")
+        else:
+            _require(self.model is None, "model", self.model,
+                     f"method {self.method!r} takes no model")
         k = self.num_speculative_tokens
         _require(isinstance(k, int) and 1 <= k <= _MAX_SPECULATIVE_TOKENS,
                  "num_speculative_tokens", k, f"must be in [1, {_MAX_SPECULATIVE_TOKENS}]")
@@ -84,6 +96,11 @@ class SpeculativeConfig:
         batch = self.disable_by_batch_size
         _require(isinstance(batch, int) and batch >= 1, "disable_by_batch_size", batch,
                  "must be an int >= 1")
+
+    @property
+    def drafts_on_ranks(self) -> bool:
+        """Whether the ranks propose the drafts (a model), not the engine's host."""
+        return self.method in MODEL_METHODS
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -24,7 +24,15 @@ The ranks answer with one sampled token id per sequence that has a ``SampleSpec`
 Speculative decoding (``nvray/speculative.py``): a ``SeqStep`` whose last ``num_drafts`` tokens
 are drafts is sampled at each of its last ``num_drafts + 1`` positions, the j-th with the
 sequence's ``SampleSpec`` at ``step_index + j``: it answers ``num_drafts + 1`` ids, in
-position order (the engine keeps those its drafts confirm). A step the engine will draft from
+position order (the engine keeps those its drafts confirm). With a draft model on the ranks
+(``speculative_config`` method ``draft_model``: ``nvray/worker/drafter.py``) the drafts are
+placeholders ``-1 - row``: ``row`` counts the step's model drafts in order (each drafting
+sequence's, one after another), the drafter fills them on the device before the forward, and
+the answer's ``drafts`` lists them all, by row, so the engine learns what was verified. The
+drafter keeps its own cache (over the same blocks) and computes only what a ``SeqStep``'s
+``draft_tokens`` give it, from position ``draft_start``: the tokens it lacks up to the newest
+for a sequence with model drafts (then its last row proposes the first draft), or a chunk of
+them for a sequence catching up before it drafts. A step the engine will draft from
 (``answer_now``) is answered by the very call that hands it over, even to ranks that overlap
 steps (the engine hands it over with nothing in flight): the next step's drafts follow the
 tokens it keeps.
@@ -124,6 +132,8 @@ class SeqStep(NamedTuple):
     pool: tuple[int, ...] | None = None  # pool the chunk's last row (see the module docstring)
     num_drafts: int = 0  # speculation: the last this many token_ids are drafts (see above)
     lora_slot: int = -1  # multi-LoRA: its adapter's slot (see above)
+    draft_start: int = -1  # model drafts: the drafter computes draft_tokens from here on
+    draft_tokens: tuple[int, ...] = ()  # (see above)
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,7 @@ class StepInput:
         seqs = [(s.seq_id, s.token_ids, s.start_pos, s.block_table,
                  None if s.sample is None else tuple(s.sample),
                  None if s.score is None else tuple(s.score), s.table_start, s.state_slot,
-                 s.pool, s.num_drafts, s.lora_slot)
+                 s.pool, s.num_drafts, s.lora_slot, s.draft_start, s.draft_tokens)
                 for s in self.seqs]
         return _step_input_from_plain, (seqs, self.block_copies, self.released,
                                         self.adjusts_logits, self.samples_logprobs,
@@ -178,14 +188,14 @@ def _step_input_from_plain(seqs: list[tuple], block_copies: list[tuple[int, int]
     """What ``StepInput.__reduce__`` pickled, back as a StepInput of NamedTuples."""
     steps = []
     for (seq_id, token_ids, start, table, sample, score, table_start, state_slot, pool, drafts,
-         lora_slot) in seqs:
+         lora_slot, draft_start, draft_tokens) in seqs:
         if sample is not None:
             sample = _namedtuple_of(SampleSpec, sample)
         if score is not None:
             score = _namedtuple_of(PromptScore, score)
         steps.append(_namedtuple_of(SeqStep, (seq_id, token_ids, start, table, sample, score,
                                               table_start, state_slot, pool, drafts,
-                                              lora_slot)))
+                                              lora_slot, draft_start, draft_tokens)))
     return StepInput(steps, block_copies, released, adjusts_logits, samples_logprobs,
                      constrained, grammars or [], grammars_done or [], state_copies or [],
                      answer_now, lora_loads or [])
@@ -197,6 +207,7 @@ class StepOutput(NamedTuple):
     ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # see the module docstring for the order
     pooled: list[list[float]] | None = None  # one row per pooled sequence, in step order
+    drafts: list[int] | None = None  # model drafts, by placeholder row (see the docstring)
 
 
 def sample_specs(step: StepInput) -> list[SampleSpec]:

@@ -161,3 +161,23 @@ def test_serve_runs_chat_messages_and_responses_side_by_side(serve_http) -> None
         assert row["ttft_ms_p50"] > 0 and 0 < row["output_tokens"] <= 2 * 4
         assert row["ttft_vs_chat"] > 0 and row["tok_per_s_vs_chat"] > 0
     assert rows[0]["ttft_vs_chat"] == rows[0]["tok_per_s_vs_chat"] == 1.0
+
+
+def test_speculative_runs_every_drafter_with_the_plain_engines_tokens(tmp_path) -> None:
+    """``speculative --draft-model``: the tiny model, echoed, drafting for an echoed target:
+    every run gives the plain engine's tokens; echoed, the draft model is always right (21
+    tokens: the first, then four runs of k + 1 = 5)."""
+    out = tmp_path / "spec.json"
+    result = _bench("--model", "tiny", "--draft-model", "tiny", "--concurrency", "1,3",
+                    "--input-len", "12", "--output-len", "21", "--repeats", "1", "--out",
+                    str(out), cmd="speculative")
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    names = {run["drafter"] for run in runs}
+    assert names == {"draft_model_random_fixed", "draft_model_random_adaptive",
+                     "draft_model_random_policy", "draft_model_echo_fixed", "oracle",
+                     "never_right", "never_right_adaptive", "never_right_policy", "ngram"}
+    assert len(runs) == 2 * len(names)
+    assert all(run["same_tokens_share"] == 1.0 for run in runs), runs
+    echoed = [run for run in runs if run["drafter"] == "draft_model_echo_fixed"]
+    assert all(run["mean_acceptance_length"] == 5.0 for run in echoed), echoed

@@ -30,7 +30,8 @@ Subcommands:
   ``--max-num-batched-tokens 16384,32768`` compares prefill chunk budgets.
 - ``speculative``: speculative decoding's machinery: output tok/s at each concurrency without
   speculation and with an oracle drafter of set mean acceptance length, one never right and
-  the n-gram proposer, greedy (``nvray/bench/speculative.py``).
+  the n-gram proposer, greedy; ``--draft-model 0.6b`` adds a draft model on the rank
+  (``nvray/bench/speculative.py``).
 - ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
   over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
   ``throughput --all-reduce auto,nccl`` compares them in the engine; ``throughput --profile DIR``
@@ -203,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-echo", dest="echo", action="store_false",
                     help="keep the loaded weights (default: turn them into a network that "
                          "repeats its last token, whose tokens do not depend on the batch shape)")
+    sp.add_argument("--draft-model", default=None,
+                    help="also a draft model on the target's rank: a checkpoint directory or a "
+                         "Qwen3 shape (e.g. 0.6b), random, then echoed")
+    sp.add_argument("--no-host-drafters", dest="host_drafters", action="store_false",
+                    help="skip the oracle, never-right and n-gram runs")
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
@@ -316,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("speculative: concurrencies, lengths and --repeats must be >= 1")
         return bench_speculative(args.model, args.shape, concurrencies,
                                  args.num_speculative_tokens, args.mean_acceptance_length,
-                                 args.input_len, args.output_len, args.repeats, args.echo)
+                                 args.input_len, args.output_len, args.repeats, args.echo,
+                                 args.draft_model, args.host_drafters)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

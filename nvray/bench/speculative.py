@@ -26,6 +26,11 @@ loaded weights, in place, into a network that repeats its last token with a wide
 (attention's and the MLP's output projections zero, the LM head the embedding scaled, the final
 norm's weight one): the same shapes, so the same bytes and FLOPs a step, and the same tokens
 whatever the batch. The n-gram proposer is then always right after two generated tokens.
+
+``--draft-model`` (a checkpoint or a Qwen3 shape, e.g. ``0.6b`` for the 8B target) adds a
+draft model on the target's rank: with its random weights it is never right on the echo
+target (k fixed, adaptive, the default policy), then echoed itself it is always right (k fixed:
+the drafter's forwards at full acceptance); ``--no-host-drafters`` skips the runs above.
 """
 
 from __future__ import annotations
@@ -83,7 +88,12 @@ def _prompts(c: int, input_len: int, vocab: int) -> list[list[int]]:
 
 
 def echo_weights(llm: Any, margin: float = 50.0) -> None:
-    """Make the in-process engine's weights (its CUDA graphs read the same tensors) repeat the
+    """Make the in-process engine's target weights repeat the last token (``echo_model``)."""
+    echo_model(llm.engine.executor.runner.model, margin)
+
+
+def echo_model(model: Any, margin: float = 50.0) -> None:
+    """Make ``model``'s weights (CUDA graphs read the same tensors) repeat the
     last token: the residual stream stays the token's embedding e (every ``o_proj``,
     ``down_proj`` and MoE experts' ``w2`` zero; a shared expert's gate may be left, its
     ``down_proj`` is zero), the final norm's weight is one, and the LM head is the embedding
@@ -91,7 +101,6 @@ def echo_weights(llm: Any, margin: float = 50.0) -> None:
     while another's is about ``margin / sqrt(hidden)``."""
     import torch  # noqa: PLC0415
 
-    model = llm.engine.executor.runner.model
     params = dict(model.named_parameters())
     embed = params["model.embed_tokens.weight"]
     with torch.no_grad():
@@ -127,10 +136,74 @@ def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int
     return statistics.median(rates), [list(o.token_ids) for o in outs], counted
 
 
+def _run(llm: Any, c: int, name: str, prompts: list[list[int]], answers: list[list[int]],
+         plain: float, output_len: int, repeats: int) -> dict[str, Any]:
+    """One drafter at one concurrency: tok/s against plain decoding, acceptance, same tokens."""
+    rate, outs, counted = _timed(llm, prompts, _greedy(c, output_len), repeats)
+    same = sum(a == b for a, b in zip(outs, answers)) / c
+    drafts = counted.get("num_drafts", 0)
+    run = {"concurrency": c, "drafter": name, "tok_per_s": round(rate, 1),
+           "plain_tok_per_s": round(plain, 1), "ratio": round(rate / plain, 3),
+           "mean_acceptance_length": round(1 + counted["num_accepted_tokens"] / drafts, 3)
+           if drafts else None,
+           "same_tokens_share": round(same, 3)}
+    print(f"c={c} {name}: {rate:,.0f} tok/s = {run['ratio']}x plain, mean "
+          f"acceptance length {run['mean_acceptance_length']}", flush=True)
+    return run
+
+
+def _configs(config: SpeculativeConfig) -> dict[str, SpeculativeConfig]:
+    """k drafts whatever they earn; adaptive (the engine's); adaptive under the default
+    ``disable_by_batch_size`` (the policy a user of the defaults gets)."""
+    default_batch = SpeculativeConfig().disable_by_batch_size
+    return {"fixed": dataclasses.replace(config, adaptive=False), "adaptive": config,
+            "policy": dataclasses.replace(config, disable_by_batch_size=default_batch)}
+
+
+def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: int,
+                     workloads: dict[int, list[list[int]]], answers: dict[int, list[list[int]]],
+                     plain: dict[int, float], output_len: int, repeats: int,
+                     echo: bool) -> list[dict[str, Any]]:
+    """The draft model (``draft_model``: a checkpoint directory or a Qwen3 shape's name) on the
+    target's rank: first with its random weights (on the echo checkpoint: never right) at k
+    fixed, adaptive and under the default policy, then, with ``echo``, turned into an echo
+    network too (always right: what the drafter's own forwards cost at full acceptance)."""
+    import os  # noqa: PLC0415
+
+    from nvray import LLM  # noqa: PLC0415
+
+    path = (draft_model if os.path.isdir(draft_model) or draft_model == "tiny"
+            else default_checkpoint(draft_model))
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": path,
+                                         "num_speculative_tokens": k,
+                                         "disable_by_batch_size": max(workloads)}, **options)
+    runs = []
+    try:
+        if echo:
+            echo_weights(llm)
+        speculator = llm.engine.speculator
+        configs = _configs(speculator.config)
+        for c, prompts in workloads.items():
+            for name in ("fixed", "adaptive", "policy"):
+                speculator.config = configs[name]
+                runs.append(_run(llm, c, f"draft_model_random_{name}", prompts, answers[c],
+                                 plain[c], output_len, repeats))
+        if echo:
+            echo_model(llm.engine.executor.runner.drafter.model)
+            speculator.config = configs["fixed"]
+            for c, prompts in workloads.items():
+                runs.append(_run(llm, c, "draft_model_echo_fixed", prompts, answers[c],
+                                 plain[c], output_len, repeats))
+    finally:
+        llm.shutdown()
+    return runs
+
+
 def bench_speculative(model: str | None = None, shape: str = "0.6b",
                       concurrencies: tuple[int, ...] = (1, 8, 32, 128), k: int = 4,
                       mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
-                      repeats: int = 3, echo: bool = True) -> dict[str, Any]:
+                      repeats: int = 3, echo: bool = True, draft_model: str | None = None,
+                      host_drafters: bool = True) -> dict[str, Any]:
     from nvray import LLM  # noqa: PLC0415
 
     keep = keep_probability(mean_length, k)
@@ -150,40 +223,46 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
             print(f"c={c}: plain {plain[c]:,.0f} tok/s", flush=True)
     finally:
         plain_llm.shutdown()
+    runs = [] if not draft_model else draft_model_runs(
+        model, draft_model, options, k, workloads, answers, plain, output_len, repeats, echo)
+    if host_drafters:
+        runs += _host_drafter_runs(model, options, k, keep, workloads, answers, plain,
+                                   output_len, repeats, echo)
+    return {"model": model, "draft_model": draft_model, "k": k,
+            "target_mean_acceptance_length": mean_length,
+            "keep_probability": round(keep, 4), "input_len": input_len,
+            "output_len": output_len, "repeats": repeats, "echo": echo, "runs": runs}
+
+
+def _host_drafter_runs(model: str, options: dict[str, Any], k: int, keep: float,
+                       workloads: dict[int, list[list[int]]], answers: dict[int, list[list[int]]],
+                       plain: dict[int, float], output_len: int, repeats: int,
+                       echo: bool) -> list[dict[str, Any]]:
+    """The oracle, the never-right proposer (k fixed, adaptive, policy) and the n-gram
+    proposer, drafting on the engine's host."""
+    from nvray import LLM  # noqa: PLC0415
+
+    input_len = len(next(iter(workloads.values()))[0])
     spec_llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                              "disable_by_batch_size": max(concurrencies)},
+                                              "disable_by_batch_size": max(workloads)},
                    **options)
     if echo:
         echo_weights(spec_llm)
     runs = []
     try:
         speculator = spec_llm.engine.speculator
-        ngram, adaptive = speculator.proposer, speculator.config
-        fixed = dataclasses.replace(adaptive, adaptive=False)  # k drafts whatever they earn
-        default_batch = SpeculativeConfig().disable_by_batch_size
-        policy = dataclasses.replace(adaptive, disable_by_batch_size=default_batch)
+        vocab = spec_llm.engine.limits.vocab_size
+        ngram, configs = speculator.proposer, _configs(speculator.config)
         for c, prompts in workloads.items():
             recorded = [p + a for p, a in zip(prompts, answers[c])]
             never = OracleProposer(recorded, input_len, 0.0, vocab)
             for name, proposer, config in (
-                    ("oracle", OracleProposer(recorded, input_len, keep, vocab), fixed),
-                    ("never_right", never, fixed), ("never_right_adaptive", never, adaptive),
-                    ("never_right_policy", never, policy), ("ngram", ngram, adaptive)):
-                speculator.proposer, speculator.config = proposer, config
-                rate, outs, counted = _timed(spec_llm, prompts, _greedy(c, output_len), repeats)
-                same = sum(a == b for a, b in zip(outs, answers[c])) / c
-                drafts = counted.get("num_drafts", 0)
-                run = {"concurrency": c, "drafter": name, "tok_per_s": round(rate, 1),
-                       "plain_tok_per_s": round(plain[c], 1),
-                       "ratio": round(rate / plain[c], 3),
-                       "mean_acceptance_length": round(1 + counted["num_accepted_tokens"] / drafts, 3)
-                       if drafts else None,
-                       "same_tokens_share": round(same, 3)}
-                runs.append(run)
-                print(f"c={c} {name}: {rate:,.0f} tok/s = {run['ratio']}x plain, mean "
-                      f"acceptance length {run['mean_acceptance_length']}", flush=True)
+                    ("oracle", OracleProposer(recorded, input_len, keep, vocab), "fixed"),
+                    ("never_right", never, "fixed"), ("never_right_adaptive", never, "adaptive"),
+                    ("never_right_policy", never, "policy"), ("ngram", ngram, "adaptive")):
+                speculator.proposer, speculator.config = proposer, configs[config]
+                runs.append(_run(spec_llm, c, name, prompts, answers[c], plain[c], output_len,
+                                 repeats))
     finally:
         spec_llm.shutdown()
-    return {"model": model, "k": k, "target_mean_acceptance_length": mean_length,
-            "keep_probability": round(keep, 4), "input_len": input_len,
-            "output_len": output_len, "repeats": repeats, "echo": echo, "runs": runs}
+    return runs

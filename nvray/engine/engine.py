@@ -60,7 +60,7 @@ from nvray.lora.slots import LoRASlots
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.startup_phases import describe
-from nvray.step_protocol import Executor, StepInput, StepOutput
+from nvray.step_protocol import Executor, StepInput, StepOutput, placeholder_row
 from nvray.structured_outputs import GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ class LLMEngine:
         if spec is not None and limits.num_state_slots:
             raise ValueError("speculative_config: this model has recurrent (linear-attention) "
                              "layers, whose state cannot be rolled back to a rejected draft")
-        self.speculator = Speculator(spec, limits.max_model_len) if spec is not None else None
+        self.speculator = (Speculator(spec, limits.max_model_len, config.max_num_batched_tokens)
+                           if spec is not None else None)
         self.new_grammars: list[GrammarSpec] = []  # for the ranks to compile ahead
         self.grammars_done: list[int] = []  # constrained sequences that finished
         self.requests: dict[str, list[RequestState]] = {}  # request_id -> its choices
@@ -381,6 +382,8 @@ class LLMEngine:
              pooled_at, drafts) in launched.records:
             if seq.is_finished:  # finished or aborted since: this step's work for it is void
                 continue
+            if drafts and drafts[0] < 0:  # the ranks' drafter proposed them: what they were
+                drafts = tuple(result.drafts[placeholder_row(d)] for d in drafts)  # type: ignore[index]
             if drafts:  # its tokens first: how much of this KV holds is the verification's
                 logprobs = (result.logprobs[lp_row:lp_row + len(drafts) + 1]  # type: ignore[index]
                             if lp_row >= 0 else None)
@@ -451,6 +454,9 @@ class LLMEngine:
                 break
         if kept:  # its blocks still hold this KV: the computed part no longer counts rejects
             seq.num_computed_tokens -= rejected
+            if self.speculator.on_ranks:  # type: ignore[union-attr]
+                # the drafter fed itself every kept token but a last draft kept
+                seq.draft_len = seq.num_computed_tokens - (rejected == 0)
             self.block_manager.cache_full_blocks(seq, min(kv_end - rejected, len(seq.token_ids)))
         if state.finish_reason is not None:
             finished.append(state)

@@ -44,7 +44,7 @@ class Sequence:
                  "arrival_time", "priority", "finish_reason", "num_preemptions",
                  "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
                  "ranks_table_len", "state_slot", "state_save_at", "drafts", "draft_pace",
-                 "num_draft_tokens", "num_accepted_drafts", "lora", "lora_slot")
+                 "draft_len", "draft_feed", "num_draft_tokens", "num_accepted_drafts", "lora", "lora_slot")
 
     _counter = itertools.count()
 
@@ -76,6 +76,10 @@ class Sequence:
         self.state_save_at = -1  # where its state is kept for prefix caching (BlockManager)
         self.drafts: list[int] = []  # speculation: tokens proposed to follow (nvray/speculative.py)
         self.draft_pace: Any = None  # speculation: its DraftPace (nvray/engine/speculation.py)
+        # a draft model on the ranks (nvray/engine/speculation.py): the draft cache holds its
+        # tokens before draft_len; the next step feeds it draft_feed tokens from there
+        self.draft_len = 0
+        self.draft_feed = 0
         self.num_draft_tokens = 0  # speculation: drafts verified for it, and of them accepted
         self.num_accepted_drafts = 0
         self.lora: Any = None  # multi-LoRA: its LoRAAdapter (nvray/lora), None: the base model

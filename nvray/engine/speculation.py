@@ -16,6 +16,19 @@ target's: the ranks compute them at every verified position, and a kept token ta
 position's. Penalties at a draft position count the drafts before it as output (a token kept
 there follows them: ``step_protocol.sample_specs``).
 
+With a draft model (``SpeculativeConfig.drafts_on_ranks``) the engine decides how many drafts
+each sequence gets, not what they are: ``Sequence.drafts`` holds that many ``MODEL_DRAFT``
+marks, the step builder sends them as placeholders the ranks' drafter fills
+(``nvray/step_protocol.py``), and the step's answer says what they were. The draft model's
+cache is fed only in steps where a sequence drafts, with what it lacks of that sequence
+(``Sequence.draft_len``: its tokens before that are in the draft cache; 0 again after a
+preemption): steps without drafts (large batches, pauses, overlapped steps) cost the draft
+model nothing, and a sequence that drafts again first feeds the tokens it missed (its whole
+prompt the first time: prefix-cache hits are the target's only), up to ``feed_budget`` tokens a
+step. Penalized requests do
+not speculate there (a draft position's penalties count the drafts before it, which the host
+does not know).
+
 With ``adaptive`` (the default), a sequence's ``DraftPace`` sets how many drafts it proposes:
 the runs it verifies cost a forward pass over every draft, so a sequence whose drafts fail
 proposes fewer and, failing on, pauses; one whose drafts hold proposes up to k.
@@ -31,6 +44,7 @@ from nvray.speculative import NgramProposer, SpecCounters, SpeculativeConfig, ac
 
 
 _MAX_PAUSE = 32  # steps a sequence whose drafts keep failing waits before it drafts again
+MODEL_DRAFT = -1  # a draft the ranks' drafter proposes (see the module docstring)
 
 
 class DraftPace:
@@ -59,10 +73,15 @@ class DraftPace:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 feed_budget: int = 1 << 30) -> None:
+        """``feed_budget``: most tokens a step feeds the draft model (``max_num_batched_tokens``:
+        what the start-up's memory profile covers)."""
         self.config = config
+        self.feed_budget = feed_budget
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config)
+        self.on_ranks = config.drafts_on_ranks
         self.max_model_len = max_model_len
         self.counters = SpecCounters(self.k)
 
@@ -86,9 +105,27 @@ class Speculator:
         if len(running) > self.config.disable_by_batch_size:
             for seq in running:
                 seq.drafts = []
+                seq.draft_feed = 0
             return
         for seq in running:
             seq.drafts = self._drafts(seq, plans[seq.seq_id], draft)
+        if self.on_ranks:
+            self._feed(running)
+
+    def _feed(self, running: Sequence_[Sequence]) -> None:
+        """What each drafting sequence feeds the draft model: the tokens its cache lacks up to
+        the newest, within ``feed_budget`` a step; a sequence that does not fit feeds what
+        does, and drafts once it has caught up."""
+        budget = self.feed_budget
+        for seq in running:
+            seq.draft_feed = 0
+            if not seq.drafts:
+                continue
+            need = len(seq.token_ids) - seq.draft_len  # through its newest token
+            if need > budget:
+                seq.drafts = []
+            seq.draft_feed = min(need, budget)
+            budget -= seq.draft_feed
 
     def _drafts(self, seq: Sequence, plan: SeqPlan, draft: bool) -> list[int]:
         num_tokens = len(seq.token_ids)
@@ -102,14 +139,16 @@ class Speculator:
         room = min(allowed, self.max_model_len - num_tokens - 1)
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - num_output - 1)
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        if room <= 0:
+            return []
+        return [MODEL_DRAFT] * room if self.on_ranks else self.proposer.propose(seq.token_ids, room)
 
-    @staticmethod
-    def _may_speculate(seq: Sequence, plan: SeqPlan) -> bool:
+    def _may_speculate(self, seq: Sequence, plan: SeqPlan) -> bool:
         """Whether this sequence's request allows drafts now (see the module docstring)."""
         params = seq.params
         return (params.speculate and plan.grammar is None and not plan.bad_words
-                and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens)
+                and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens
+                and not (self.on_ranks and params.has_penalties))
 
     def _pace(self, seq: Sequence) -> DraftPace:
         if seq.draft_pace is None:

@@ -2,7 +2,8 @@
 
 ``build_step_input`` turns a ``SchedulerOutput`` and each sequence's ``SeqPlan`` (what shapes
 its steps, fixed at admission: ``sequence.py``) into the rank input: the tokens each sequence
-computes (with a placeholder for a token still being sampled on the device), the block-table
+computes (with a placeholder for a token still being sampled on the device, or for a draft the
+ranks' drafter proposes), the block-table
 entries the ranks lack (``Sequence.ranks_table_len``), each sequence's recurrent-state slot and adapter slot, and
 each sampling row's ``SampleSpec``.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 from nvray.engine.scheduler import SchedulerOutput
 from nvray.engine.sequence import SeqPlan, Sequence
+from nvray.engine.speculation import MODEL_DRAFT
 from nvray.step_protocol import (Penalties, PromptScore, SampleSpec, SeqStep, StepInput,
                                  placeholder_id)
 from nvray.structured_outputs import GrammarSpec
@@ -80,14 +82,24 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
     step must be launched: the sequences count the entries sent as held by the ranks (and the
     grammars sent as held by rank 0)."""
     steps, adjusts, logprobs, constrained = [], False, False, False
+    model_drafts = 0  # placeholder rows of the ranks' drafts so far
     for seq, num_new in out.scheduled:
         start = seq.num_computed_tokens
         end = start + num_new
         token_ids = seq.token_ids[start:end]
         num_tokens = len(seq.token_ids) + seq.num_pending
         num_drafts = max(end - num_tokens, 0)  # speculation: drafts follow the known tokens
-        if num_drafts:
+        if num_drafts and seq.drafts[0] == MODEL_DRAFT:  # the ranks' drafter fills them
+            token_ids += [placeholder_id(model_drafts + j) for j in range(num_drafts)]
+            model_drafts += num_drafts
+        elif num_drafts:
             token_ids += seq.drafts[:num_drafts]
+        draft_start, draft_tokens = -1, ()
+        if seq.draft_feed:  # the draft model's cache catches up (speculation.py)
+            draft_start, draft_tokens = seq.draft_len, tuple(
+                seq.token_ids[seq.draft_len:seq.draft_len + seq.draft_feed])
+            seq.draft_len += seq.draft_feed
+            seq.draft_feed = 0
         elif len(token_ids) < num_new:  # the newest token is being sampled on the device
             assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
             token_ids.append(placeholder_id(seq.pending_row))
@@ -105,7 +117,8 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
         table, held = seq.block_table, seq.ranks_table_len
         seq.ranks_table_len = len(table)
         steps.append(SeqStep(seq.seq_id, token_ids, start, table[held:] if held else table, sample,
-                             score, held, seq.state_slot, pool, num_drafts, seq.lora_slot))
+                             score, held, seq.state_slot, pool, num_drafts, seq.lora_slot,
+                             draft_start, draft_tokens))
     return StepInput(steps, block_copies or [], released or [], adjusts, logprobs, constrained,
                      grammars or [], grammars_done or [], state_copies or [],
                      lora_loads=lora_loads or [])

@@ -33,7 +33,8 @@ step's copy (an event: free on rank 0, which synchronizes on the sampled tokens 
 Overlapped steps: a placeholder id (negative: ``nvray/step_protocol.py``) stands for a token the
 previous step is still sampling on the device; the builder sends where each one goes and which
 row of that step's sampled ids fills it, and fills them on the device after the copy, so the
-token never travels to the host and back before the next step can start.
+token never travels to the host and back before the next step can start. A draft model's drafts
+are placeholders too (every draft of the sequence), filled the same way from the drafter's ids.
 """
 
 from __future__ import annotations
@@ -122,15 +123,18 @@ class _HostLists(NamedTuple):
 class InputBuilder:
     def __init__(self, block_size: int, max_model_len: int, max_num_seqs: int,
                  graph_capacity: int, device: torch.device, num_groups: int = 1,
-                 has_state: bool = False) -> None:
+                 has_state: bool = False, tables: DeviceBlockTables | None = None) -> None:
+        """``tables``: another builder's (a draft model's builder shares the target's: the same
+        blocks; syncing a step's changes twice changes nothing)."""
         self.block_size = block_size
         self.num_groups = num_groups
         self.has_state = has_state
         self.max_positions = -(-max_model_len // block_size) * block_size  # the tables' reach
         self.device = device
         self.cuda = device.type == "cuda"
-        self.tables = DeviceBlockTables(2 * max_num_seqs + 3, -(-max_model_len // block_size),
-                                        device, num_groups)  # + its padding row
+        self.tables = tables or DeviceBlockTables(2 * max_num_seqs + 3,
+                                                  -(-max_model_len // block_size), device,
+                                                  num_groups)  # + its padding row
         self.graph_capacity = _aligned(graph_capacity)
         self.static_fields = SHARED_FIELDS + num_groups + has_state
         self.static = torch.zeros(self.static_fields * self.graph_capacity, dtype=torch.int32,
@@ -152,7 +156,8 @@ class InputBuilder:
     def prepare(self, step: StepInput, shapes: GraphShapes = GraphShapes(),
                 prev_sampled: torch.Tensor | None = None) -> StepBatch:
         """``shapes``: the captured graphs' (none: eager only); ``prev_sampled``: the previous
-        step's sampled ids on the device (int32), which fill the placeholders."""
+        step's sampled ids on the device (int32), or the drafter's, which fill the
+        placeholders."""
         if self.copy_done is not None:
             self.copy_done.synchronize()  # the host buffer is free again
         lists = self._collect(step)
@@ -209,10 +214,11 @@ class InputBuilder:
             h.rows.append(row)
             h.state.append(s.state_slot)
             h.ids.extend(s.token_ids)
-            if s.token_ids[-1] < 0:  # a placeholder: always the last token of its sequence
-                h.fill_dst.append(len(h.ids) - 1)
-                h.fill_src.append(placeholder_row(s.token_ids[-1]))
-                h.ids[-1] = 0
+            if s.token_ids[-1] < 0:  # placeholders: the last token, or every draft
+                for at in range(len(h.ids) - (s.num_drafts or 1), len(h.ids)):
+                    h.fill_dst.append(at)
+                    h.fill_src.append(placeholder_row(h.ids[at]))
+                    h.ids[at] = 0
             if n == 1 and groups == 1:  # the decode token of a one-group model: the hot path
                 h.pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)

@@ -50,6 +50,7 @@ from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capaci
                                      prefill_graph_sizes, verify_graph_sizes)
 from nvray.grammar import grammar_compiler
 from nvray.worker.device_lists import to_device
+from nvray.worker.drafter import Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.inputs import GraphShapes, InputBuilder
@@ -120,11 +121,14 @@ class ModelRunner:
         if self.use_torch_compile:
             enable_torch_compile(self.model)
             self.fused_sampler = use_triton_kernels(self.model)
-        self.graph_shapes = self._graph_shapes() if self._graphs_wanted() else GraphShapes()
+        graphs_wanted = self._graphs_wanted()
+        self.graph_shapes = self._graph_shapes() if graphs_wanted else GraphShapes()
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    graph_capacity(self.graph_shapes), self.device,
                                    self.kv_layout.num_groups, has_state=bool(self.state_layers))
         self.stage_input = self._stage_input_buffer()
+        self.drafter = self._drafter(graphs_wanted)  # reads this rank's block tables
+        self.step_drafts: torch.Tensor | None = None  # the drafter's ids for the step running
         self.lora = self._lora_model()
         self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
@@ -144,6 +148,22 @@ class ModelRunner:
         vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
                                           config.max_num_seqs, self.device)
+
+    def _drafter(self, graphs: bool) -> Drafter | None:
+        """The draft model on this rank (``speculative_config`` method ``draft_model``)."""
+        spec = self.config.speculative
+        if spec is None or not spec.drafts_on_ranks:
+            return None
+        if self.kv_layout.num_groups > 1:
+            raise ValueError(f"speculative_config method {spec.method!r} needs a target whose "
+                             "layers all attend fully: this model has sliding-window layers")
+        return Drafter(spec, self.config, self.hf_config.vocab_size, self.device, self.dtype,
+                       self.kv_dtype, self.max_model_len, self.backend, self.inputs.tables,
+                       graphs)
+
+    def reset_tables(self) -> None:
+        """Forget every sequence's block table (after start-up's made-up steps)."""
+        self.inputs.tables.reset()  # the drafter's too: the same
 
     def _lora_model(self) -> LoRAModel | None:
         """Adapter slots on every adaptable projection (``enable_lora``), before the memory
@@ -244,9 +264,12 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         """A physical block: ``slots_per_block`` layers' KV of ``block_size`` tokens
-        (``nvray/kv_layout.py``; one layer's worth per slot)."""
+        (``nvray/kv_layout.py``; one layer's worth per slot), and the draft model's (its cache
+        has a twin of every block: ``drafter.py``)."""
         per_token = max(2 * layer.num_kv_heads * layer.head_dim for layer in self.attention_layers)
-        return self.kv_layout.slots_per_block * self.block_size * per_token * self.kv_dtype.itemsize
+        drafter = self.drafter.kv_block_bytes if self.drafter is not None else 0  # its twin block
+        return (self.kv_layout.slots_per_block * self.block_size * per_token
+                * self.kv_dtype.itemsize + drafter)
 
     @property
     def state_slot_bytes(self) -> int:
@@ -267,6 +290,8 @@ class ModelRunner:
                           self.max_model_len)
 
     def _release_graphs(self) -> None:
+        if self.drafter is not None:
+            self.drafter.release_graphs()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -294,6 +319,8 @@ class ModelRunner:
                 f"and {shape}")
             layer.k_cache, layer.v_cache = pools[slot]
         self.kv_caches = [cache for pool in pools.values() for cache in pool]
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         self.state_caches = [t for layer in self.state_layers for t in layer.state_tensors()]
 
     def close(self) -> None:
@@ -302,6 +329,9 @@ class ModelRunner:
         and, on the GPU, empties the allocator's cache."""
         self.allocate_kv_cache(0)
         use_p2p_all_reduce(None)  # its buffer goes with the process group
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
         self.model = None  # type: ignore[assignment]
         self.attention_layers = []
         if self.device.type == "cuda":
@@ -321,9 +351,12 @@ class ModelRunner:
             self.copy_states(step.state_copies)
         if self.lora is not None:
             self.lora.begin_step(step)
-        graphs = self.graphs
+        graphs, fill = self.graphs, self.last_sampled
+        if self.drafter is not None:  # its drafts fill the step's draft placeholders
+            self.step_drafts = self.drafter.run(step)
+            fill = self.step_drafts if self.step_drafts is not None else fill
         batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
-                                    self.last_sampled)
+                                    fill)
         if self.lora is not None:
             self.lora.prepare_step(step, graphs.shapes.verify_q if batch.verify_bs else 0)  # type: ignore[union-attr]
         if self.stage_input is not None:  # the previous stage's activations, rows as computed
@@ -369,7 +402,11 @@ class ModelRunner:
         """Run ``step`` and return its sampled ids and log-probabilities (rank 0; empty
         elsewhere)."""
         self.profiler.step()
-        return self._sample(self._forward_step(step), share_ids=False).result()
+        out = self._sample(self._forward_step(step), share_ids=False).result()
+        drafts, self.step_drafts = self.step_drafts, None
+        if drafts is not None and self.samples:  # what the drafter proposed, for the engine
+            out = out._replace(drafts=drafts.tolist())
+        return out
 
     @torch.inference_mode()
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:

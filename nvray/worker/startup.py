@@ -86,7 +86,7 @@ def compile_kernels_ahead(runner: ModelRunner, threads: int) -> None:
         compile_ahead(lambda: warmup(runner), lambda: rehearse_startup(runner), threads)
     finally:
         runner.allocate_kv_cache(0)
-        runner.inputs.tables.reset()
+        runner.reset_tables()
         free_cached_memory()
 
 
@@ -158,9 +158,10 @@ def warmup(runner: ModelRunner) -> None:
         drafts = max(0, min(n - 1, extra_rows))  # rows sampled before the last one
         extra_rows -= drafts
         seqs.append(SeqStep(-1 - i, [0] * n, 0, [0] * (-(-n // block_size) * groups),
-                            _WARMUP_SAMPLE, num_drafts=drafts))
+                            _WARMUP_SAMPLE, num_drafts=drafts, draft_start=0,
+                            draft_tokens=(0,) * n))  # a draft model's feed, as large
     runner.execute(StepInput(seqs))
-    runner.inputs.tables.reset()
+    runner.reset_tables()
 
 
 def prepare_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
@@ -183,6 +184,8 @@ def capture_graphs(runner: ModelRunner) -> None:
     before = measure_used(runner.device)
     runner.graphs = runner.new_graphs()
     seconds = runner.graphs.capture()
+    if runner.drafter is not None:  # the draft model's, in the same pool
+        runner.drafter.capture_graphs(runner.graphs.pool)
     runner.graph_memory = measure_used(runner.device) - before
     estimate = runner.memory_report.cuda_graphs if runner.memory_report else 0
     decode, prefill, verify = runner.graph_sizes, runner.prefill_sizes, runner.graph_shapes.verify
@@ -224,8 +227,9 @@ def warm_kernel_steps(runner: ModelRunner) -> None:
                 continue
             table = [0] * (-(-context // block_size) * runner.kv_layout.num_groups)
             seqs = [SeqStep(-1 - i, [0] * query_len, context - query_len, table,
-                            spec._replace(temperature=spec.temperature * (1 - i)))
+                            spec._replace(temperature=spec.temperature * (1 - i)),
+                            draft_start=context - query_len, draft_tokens=(0,) * query_len)
                     for i in range(1 + (query_len == 33))]  # and one step of 2 rows
             runner.execute(StepInput(seqs))
-    runner.inputs.tables.reset()
+    runner.reset_tables()
     runner.grammar_masks.warm(runner.hf_config.vocab_size, (runner.dtype, torch.float32))

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from nvray import LLM, SamplingParams
+from nvray.models.tiny import resolve_model
 from nvray.speculative import NgramProposer, SpeculativeConfig, accepted_run
 from drafters import Recorded
-from oracle import random_prompts
+from oracle import hf_greedy, random_prompts
 from stepping import assert_clean, mixed_workload, run_steps, with_stop_rules
 
 K = 3
@@ -381,3 +382,93 @@ def test_inter_token_latency_counts_a_gap_per_step_not_per_token():
         llm.shutdown()
     assert decode_steps <= 40 // (K + 1) + 2  # runs of k + 1 tokens
     assert gaps == decode_steps  # one gap per step after the first token's
+
+
+# ------------------------------------------------------------------ draft model (on the ranks)
+def _draft_engine(drafter: str, **kwargs):  # noqa: ANN001, ANN202
+    options = {"max_model_len": 256, "max_num_batched_tokens": 64, "num_kvcache_blocks": 24,
+               "kvcache_block_size": 16, "overlap_scheduling": False, **kwargs}
+    spec = {"method": "draft_model", "model": drafter, "num_speculative_tokens": K,
+            "disable_by_batch_size": 64, "adaptive": False, **options.pop("spec", {})}
+    return LLM("tiny", runtime="inprocess", speculative_config=spec, **options).engine
+
+
+def test_the_target_as_its_own_draft_model_drafts_what_it_then_decodes(engines):
+    """The tiny model drafting for itself, with overlapped steps above 4 running sequences (no
+    draft model work there) and drafts below: the plain engine's tokens through the mixed
+    workload, and every greedy request's drafts accepted — each drafting sequence feeds the
+    draft cache what it lacks (its prompt in chunks of max_num_batched_tokens, the tokens of
+    steps without drafts, the last draft of a run accepted whole) at the right positions."""
+    engine = _draft_engine("tiny", overlap_scheduling=True, spec={"disable_by_batch_size": 4})
+    spec, plain, counted = _run_both(engine, engines[1])
+    _assert_same_answers(spec, plain)
+    greedy = [outs[-1] for rid, outs in spec.items()
+              if rid in ("g0", "g1", "prefix", "late", "stop_id", "stop_str", "min")]
+    assert sum(o.num_draft_tokens for o in greedy) > 40
+    for out in greedy:
+        assert out.num_accepted_draft_tokens == out.num_draft_tokens, out.request_id
+    assert counted["num_accepted_tokens"] > 2 * counted["num_drafts"], counted
+
+
+def test_a_preempted_sequence_feeds_the_draft_model_again_from_its_new_blocks():
+    """Without prefix caching a preempted sequence comes back in other blocks, whose draft cache
+    holds another sequence's: it feeds the draft model its tokens again (the tiny model
+    drafting for itself: every drafts still accepted, the tokens HF's)."""
+    prompts = random_prompts(6, 30, 60, seed=21)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    llm = LLM("tiny", runtime="inprocess", max_model_len=256, num_kvcache_blocks=16,
+              kvcache_block_size=16, enable_prefix_caching=False, overlap_scheduling=False,
+              speculative_config={"method": "draft_model", "model": "tiny",
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    try:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0, "the workload must preempt"
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(resolve_model("tiny"), prompt, 60)
+        assert out.num_accepted_draft_tokens == out.num_draft_tokens > 30, out.request_id
+
+
+def test_a_draft_model_of_another_family_whose_drafts_fail_keeps_the_tokens(engines,
+                                                                           family_path):
+    """A random Llama-shaped drafter with the target's vocabulary: its drafts are (nearly)
+    all wrong, every rejected draft's KV dropped in both caches, and the output is the plain
+    engine's; no block is left held."""
+    engine = _draft_engine(family_path("llama3"))
+    spec, plain, counted = _run_both(engine, engines[1])
+    _assert_same_answers(spec, plain)
+    assert counted["num_accepted_tokens"] < counted["num_draft_tokens"] // 4, counted
+
+
+def test_a_draft_model_skips_penalized_requests_and_is_refused_by_name(family_path, tmp_path):
+    prompts = random_prompts(2, 10, 20, seed=13)
+    penalized = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                               presence_penalty=1.0)
+    llm = LLM("tiny", runtime="inprocess", max_model_len=64,
+              speculative_config={"method": "draft_model", "model": "tiny"})
+    try:
+        outs = llm.generate(prompts, penalized, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    plain = LLM("tiny", runtime="inprocess", max_model_len=64)
+    try:
+        expected = plain.generate(prompts, penalized, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert all(o.num_draft_tokens == 0 for o in outs)
+    from nvray.models.tiny import build_checkpoint
+
+    other_vocab = build_checkpoint(str(tmp_path / "other"), vocab_size=640)
+    with pytest.raises(ValueError, match="vocabulary has 640 tokens, the target's"):
+        LLM("tiny", runtime="inprocess",
+            speculative_config={"method": "draft_model", "model": other_vocab})
+    with pytest.raises(ValueError, match="needs the drafter's checkpoint directory"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="needs full attention in every layer"):
+        LLM("tiny", runtime="inprocess",
+            speculative_config={"method": "draft_model", "model": family_path("gemma3")})
+    with pytest.raises(ValueError, match="needs pipeline_parallel_size=1"):
+        LLM("tiny", pipeline_parallel_size=2,
+            speculative_config={"method": "draft_model", "model": "tiny"})

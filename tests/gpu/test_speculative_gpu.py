@@ -2,7 +2,8 @@
 steps replay the verification graphs: k + 1 rows a sequence, padded where a sequence drafts
 fewer), a drafter that is always right and one that is always wrong, with fixed and adaptive
 draft counts, against the same engine settings without speculation: greedy and seeded tokens
-equal."""
+equal. A draft model on the rank (the tiny model drafting for itself, and another random
+checkpoint that is never right), its mirror and draft forwards replaying its own graphs."""
 
 from __future__ import annotations
 
@@ -43,5 +44,40 @@ def test_speculation_on_the_gpu_keeps_the_tokens(batch, adaptive):
         assert runner.num_verify_replays > 0, "no verification step replayed a graph"
         counters = spec.engine.speculator.counters
         assert counters.num_accepted_tokens > 0 and counters.num_draft_tokens > counters.num_accepted_tokens
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.parametrize("drafter", ["self", "other"])
+def test_a_draft_model_on_the_gpu_keeps_the_tokens(drafter, tmp_path):
+    from nvray.models.tiny import build_checkpoint
+
+    prompts = random_prompts(6, 10, 40, seed=14)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+              for i in range(6)]
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    plain = LLM("tiny", **options)
+    try:
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    model = "tiny" if drafter == "self" else build_checkpoint(str(tmp_path / "drafter"), seed=5)
+    spec = LLM("tiny", speculative_config={"method": "draft_model", "model": model,
+                                           "num_speculative_tokens": 4,
+                                           "disable_by_batch_size": 8, "adaptive": False},
+               **options)
+    try:
+        got = spec.generate(prompts, params, use_tqdm=False)
+        runner = spec.engine.executor.runner
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert runner.num_verify_replays > 0 and runner.drafter.num_graph_replays > 0
+        greedy = got[1::2]
+        drafted = sum(o.num_draft_tokens for o in greedy)
+        accepted = sum(o.num_accepted_draft_tokens for o in greedy)
+        if drafter == "self":  # its drafts are the target's own greedy tokens
+            assert drafted > 50 and accepted >= 0.9 * drafted, (accepted, drafted)
+        else:
+            assert drafted > 50 and accepted < drafted // 4, (accepted, drafted)
     finally:
         spec.shutdown()

@@ -108,6 +108,26 @@ def test_tp2_speculation_gives_tp1s_tokens(ray_cluster, tiny_path):
     assert spec["num_accepted_tokens"] > greedy_accepted  # seeded drafts accepted too
 
 
+def test_tp2_draft_model_shards_the_drafter_and_gives_hfs_tokens(ray_cluster, tiny_path):
+    """A draft model on Ray ranks at TP=2 (the tiny model drafting for itself, sharded as the
+    target is; rank 0 picks the drafts, both ranks feed them): greedy equal to HF, and the
+    drafts, which are the target's own greedy tokens, accepted."""
+    prompts = random_prompts(3, 6, 12, seed=36)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM("tiny", tensor_parallel_size=2, max_model_len=128,
+              speculative_config={"method": "draft_model", "model": "tiny",
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    try:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        spec = llm.stats()["speculative"]
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny_path, prompt, 24)
+    assert spec["method"] == "draft_model" and spec["num_draft_tokens"] > 30
+    assert spec["num_accepted_tokens"] == spec["num_draft_tokens"], spec
+
+
 def test_tp2_shards_the_heads_of_a_hybrid_model(ray_cluster, family_path):
     """Qwen3.5-MoE at TP=2: each rank holds half the linear-attention key and value heads (and
     their state), half the gated attention heads, half of each expert and of the shared

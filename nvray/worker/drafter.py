@@ -1,0 +1,213 @@
+"""Drafter: speculative decoding's draft model (``speculative_config`` method ``draft_model``),
+run on the target's ranks, in the same call as the step that verifies its drafts.
+
+What it holds: a small model with the target's vocabulary (any family nvray serves, without
+windowed or recurrent layers), sharded over the target's tensor-parallel ranks as the target
+is, and its own paged KV cache with as many blocks as the target's: block ``b`` of the target's
+cache has its twin here, so it reads the target's block tables (the same ``DeviceBlockTables``)
+and forks and preemption need nothing of their own.
+
+``run(step)``, before the target's forward of ``step``, only where some ``SeqStep`` feeds it
+(``draft_tokens``: the engine sends what the draft cache lacks, ``nvray/engine/speculation.py``;
+steps without drafts cost the draft model nothing):
+1. one forward over every fed sequence's ``draft_tokens`` from ``draft_start``; a sequence with
+   model drafts (placeholders, ``nvray/step_protocol.py``) is fed through its newest token,
+   whose row proposes its first draft;
+2. one decode forward per further draft position, over the sequences that draft that far, each
+   feeding its previous draft.
+Drafts are the draft model's greedy tokens (rank 0 picks them, every rank gets them). It
+returns the drafts as one device tensor indexed by the placeholders' rows (None when the step
+has no model drafts); the target's input builder fills the placeholders from it. What the
+draft cache holds only ever changes which drafts are proposed, never which tokens are kept.
+
+CUDA graphs (``cuda_graph.py``): decode graphs and graphs of two rows a sequence (a drafting
+sequence feeds its newest token, and the last draft of a run kept whole) up to
+``disable_by_batch_size`` sequences, and one-sequence prefill graphs; other forwards run
+eagerly. They share the target's graph memory pool: graphs run one after another and keep
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nvray.config import EngineConfig
+from nvray.layers.tp import broadcast_from_first
+from nvray.model_config import load_model_config
+from nvray.models.tiny import resolve_model
+from nvray.quantization import quant_config_for
+from nvray.speculative import SpeculativeConfig
+from nvray.step_protocol import SampleSpec, SeqStep, StepInput, placeholder_id
+from nvray.worker.block_tables import DeviceBlockTables
+from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
+                                     prefill_graph_sizes)
+from nvray.worker.device_lists import to_device
+from nvray.worker.inputs import GraphShapes, InputBuilder
+from nvray.worker.setup import build_model, enable_torch_compile, use_triton_kernels
+
+_GREEDY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, step_index=0)
+
+
+def has_model_drafts(s: SeqStep) -> bool:
+    """Whether the ranks' drafter fills this sequence's drafts (placeholders)."""
+    return s.num_drafts > 0 and s.token_ids[-1] < 0
+
+
+class Drafter:
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab: int,
+                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 max_model_len: int, backend: Any, tables: DeviceBlockTables,
+                 graphs: bool) -> None:
+        path = resolve_model(spec.model)  # type: ignore[arg-type]
+        self.hf_config = load_model_config(path)
+        vocab = self.hf_config.vocab_size
+        if vocab != target_vocab:
+            raise ValueError(f"speculative_config model={spec.model!r}: its vocabulary has {vocab} "
+                             f"tokens, the target's {target_vocab}: a draft model must share the "
+                             "target's tokenizer and vocabulary")
+        self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype
+        self.block_size, self.max_model_len = config.kvcache_block_size, max_model_len
+        self.model = build_model(self.hf_config, path, dtype, device, config.seed,
+                                 quant_config_for(self.hf_config, None), config.load_format)
+        self.layers = self.model.attention_layers()
+        if any(layer.sliding_window for layer in self.layers) or (
+                hasattr(self.model, "state_layers") and self.model.state_layers()):
+            raise ValueError(f"speculative_config model={spec.model!r}: a draft model needs "
+                             "full attention in every layer (no sliding windows, no recurrent "
+                             "layers)")
+        for layer in self.layers:
+            layer.backend, layer.kv_group = backend, 0
+        if device.type == "cuda":
+            enable_torch_compile(self.model)
+            use_triton_kernels(self.model)
+        drafting = min(config.max_num_seqs, spec.disable_by_batch_size)
+        sizes = tuple(graph_batch_sizes(drafting))
+        self.shapes = (GraphShapes(sizes, tuple(prefill_graph_sizes(
+            config.max_prefill_graph_tokens)), sizes, 2) if graphs else GraphShapes())
+        self.inputs = InputBuilder(self.block_size, max_model_len, config.max_num_seqs,
+                                   graph_capacity(self.shapes), device, tables=tables)
+        self.drafts = torch.zeros(drafting * spec.num_speculative_tokens, dtype=torch.int32,
+                                  device=device)
+        self.graphs: StepGraphs | None = None
+        self.num_graph_replays = 0  # draft forwards that replayed a graph
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ----------------------------------------------------------------- memory
+    @property
+    def kv_block_bytes(self) -> int:
+        """The draft cache's share of one block: every layer's K and V of ``block_size`` tokens."""
+        per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in self.layers)
+        return self.block_size * per_token * self.kv_dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """A zeroed draft cache of ``num_blocks`` blocks (0: none); graphs over the old one go."""
+        self.release_graphs()
+        self.kv_caches = []
+        for layer in self.layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)  # free the old cache first
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.kv_caches += [layer.k_cache, layer.v_cache]
+
+    def capture_graphs(self, pool: Any) -> None:
+        """Capture the drafter's graphs into ``pool`` (the target's; None: a pool of their own)."""
+        if not self.shapes.decode:
+            return
+        hidden = self.hf_config.hidden_size
+        self.graphs = StepGraphs(self.model, self.inputs, self.shapes, (hidden,), self.dtype,
+                                 self.max_model_len)
+        self.graphs.pool = pool
+        self.graphs.capture()
+
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+    def close(self) -> None:
+        self.allocate_kv_cache(0)
+        self.model = None  # type: ignore[assignment]
+        self.layers = []
+
+    # -------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor | None:
+        """Feed the draft cache and propose ``step``'s model drafts (see the module docstring);
+        None when nothing is fed or drafted."""
+        if step.block_copies:
+            self._copy_blocks(step.block_copies)
+        fed = [self._fed(s) for s in step.seqs if s.draft_tokens]
+        if not fed:
+            return None
+        ids = self._forward(StepInput(fed, released=step.released), None)
+        drafting = [s for s in step.seqs if has_model_drafts(s)]
+        if not drafting:
+            return None
+        first_rows, row = [], 0
+        for s in drafting:
+            first_rows.append(row)
+            row += s.num_drafts
+        self._keep(ids, first_rows)
+        held = self.inputs.tables.held
+        active = list(range(len(drafting)))
+        for j in range(1, max(s.num_drafts for s in drafting)):
+            row_of = {i: r for r, i in enumerate(active)}  # rows of the previous pass's ids
+            active = [i for i in active if drafting[i].num_drafts > j]
+            passes = [SeqStep(drafting[i].seq_id, [placeholder_id(row_of[i])],
+                              drafting[i].start_pos + j, [], _GREEDY,
+                              table_start=len(held[drafting[i].seq_id])) for i in active]
+            ids = self._forward(StepInput(passes), ids)
+            self._keep(ids, [first_rows[i] + j for i in active])
+        return self.drafts[:row]
+
+    @staticmethod
+    def _fed(s: SeqStep) -> SeqStep:
+        """What ``s`` feeds the draft model: its ``draft_tokens``, the last row sampled where it
+        drafts (then they end with its newest token); the block-table changes of the step
+        (the target's builder applies them again)."""
+        if has_model_drafts(s):
+            assert s.draft_start + len(s.draft_tokens) == s.start_pos + 1, (
+                "a drafting sequence feeds the draft model through its newest token")
+        return SeqStep(s.seq_id, list(s.draft_tokens), s.draft_start, s.block_table,
+                       _GREEDY if has_model_drafts(s) else None, table_start=s.table_start)
+
+    def _forward(self, step: StepInput, prev: torch.Tensor | None) -> torch.Tensor:
+        """Run one draft forward; the greedy token of each sampled row, on every rank."""
+        graphs = self.graphs
+        batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
+                                    prev)
+        if batch.graph_bs:
+            hidden = graphs.replay(batch.graph_bs)  # type: ignore[union-attr]
+            self.num_graph_replays += 1
+        elif batch.prefill_q:
+            hidden = graphs.replay_prefill(batch.prefill_q)  # type: ignore[union-attr]
+            self.num_graph_replays += 1
+        elif batch.verify_bs:
+            hidden = graphs.replay_verify(batch.verify_bs)  # type: ignore[union-attr]
+            self.num_graph_replays += 1
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        n = batch.num_samples
+        ids = torch.empty(n, dtype=torch.int32, device=self.device)
+        if not n:
+            return ids
+        rows = hidden[:n] if batch.sample_idx is None else hidden[batch.sample_idx[:n]]
+        logits = self.model.compute_logits(rows)
+        if logits is not None:  # rank 0
+            ids = logits.argmax(-1).to(torch.int32)
+        return broadcast_from_first(ids)
+
+    def _keep(self, ids: torch.Tensor, rows: list[int]) -> None:
+        """Write a pass's drafts at their placeholder rows."""
+        self.drafts.index_copy_(0, to_device(rows, self.device), ids)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write, as the target's cache does it (``ModelRunner.copy_blocks``)."""
+        src = to_device([c[0] for c in copies], self.device)
+        dst = to_device([c[1] for c in copies], self.device)
+        for cache in self.kv_caches:
+            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+            raw.index_copy_(0, dst, raw.index_select(0, src))
