@@ -110,9 +110,10 @@ class Scheduler:
         lora, slots = seq.lora, self.lora_slots
         if lora is None:
             return True
-        if not slots.can_admit(lora):  # type: ignore[union-attr]
+        assert slots is not None, "a request with an adapter reached an engine without LoRA"
+        if not slots.can_admit(lora):
             return False
-        if not slots.is_resident(lora) and weights_version(lora.path) != lora.version:  # type: ignore[union-attr]
+        if not slots.is_resident(lora) and weights_version(lora.path) != lora.version:
             if seq not in self.stale_adapters:
                 self.stale_adapters.append(seq)
             return False

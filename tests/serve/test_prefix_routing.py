@@ -186,15 +186,24 @@ def test_requests_for_an_adapter_go_where_it_is_loaded_and_a_burst_spreads(apps)
     loaded = _changes(url, "nvray_lora_loads_total", loads)
     assert sum(loaded.values()) == 1, loaded  # one engine loaded it, once
     assert len(counter(url, "nvray_lora_resident", reads=16, adapter="ad-a")) == 1
+    # a burst all in flight at once (each stream holds its connection after its first event
+    # until every one has started): the engine that loaded the adapter runs past the
+    # imbalance bound, so the burst spreads and the other engine loads it too
     body = {"model": "ad-b", "prompt": "a hot adapter's many requests at once",
-            "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-    threads = [threading.Thread(target=stream_until_cut, args=(url, body, None))
-               for _ in range(HOT_CLIENTS)]
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    hold, started = threading.Event(), [threading.Event() for _ in range(HOT_CLIENTS)]
+    threads = [threading.Thread(target=stream_until_cut, args=(url, body, 1, hold, event))
+               for event in started]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout=180)
-    assert len(counter(url, "nvray_lora_resident", reads=16, adapter="ad-b")) == 2
+    try:
+        assert all(event.wait(timeout=120) for event in started), "a stream never started"
+        resident = counter(url, "nvray_lora_resident", reads=16, adapter="ad-b")
+    finally:
+        hold.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert len(resident) == 2, resident
 
 
 def test_handle_calls_are_routed_by_prefix(apps):
