@@ -9,8 +9,10 @@ none. ``Speculator.emitted`` turns a verified step's sampled ids into the
 tokens the sequence keeps and counts them.
 
 A sequence may speculate unless its tokens depend on more than the target's distribution at
-each position given the tokens before it, as the ranks sample it: a grammar, bad words,
-``min_tokens`` not yet reached; beam search opts out. Drafts never run past ``max_tokens`` or
+each position given the tokens before it, as the ranks sample it: bad words, ``min_tokens``
+not yet reached; beam search opts out. A grammar's sequence speculates with drafts known on
+the host (n-gram): rank 0 masks each draft position for the drafts before it
+(``nvray/worker/grammar_masks.py``). Drafts never run past ``max_tokens`` or
 ``max_model_len``. A request with ``speculate=False`` opts out. Log-probabilities are the
 target's: the ranks compute them at every verified position, and a kept token takes its
 position's. Penalties at a draft position count the drafts before it as output (a token kept
@@ -25,9 +27,9 @@ cache is fed only in steps where a sequence drafts, with what it lacks of that s
 preemption): steps without drafts (large batches, pauses, overlapped steps) cost the draft
 model nothing, and a sequence that drafts again first feeds the tokens it missed (its whole
 prompt the first time: prefix-cache hits are the target's only), up to ``feed_budget`` tokens a
-step. Penalized requests do
-not speculate there (a draft position's penalties count the drafts before it, which the host
-does not know).
+step. Penalized and grammar
+requests do not speculate there (a draft position's penalties and mask follow the drafts
+before it, which the host and rank 0's matchers do not know).
 
 With ``adaptive`` (the default), a sequence's ``DraftPace`` sets how many drafts it proposes:
 the runs it verifies cost a forward pass over every draft, so a sequence whose drafts fail
@@ -114,9 +116,10 @@ class Speculator:
 
     def _feed(self, running: Sequence_[Sequence]) -> None:
         """What each drafting sequence feeds the draft model: the tokens its cache lacks up to
-        the newest, within ``feed_budget`` a step; a sequence that does not fit feeds what
-        does, and drafts once it has caught up."""
-        budget = self.feed_budget
+        the newest, within ``feed_budget`` a step. Sequences whose feed fits go first; a
+        sequence that does not fit feeds a part of what it lacks from what is left, drafting
+        nothing this step, and drafts once it has caught up."""
+        budget, behind = self.feed_budget, []
         for seq in running:
             seq.draft_feed = 0
             if not seq.drafts:
@@ -124,7 +127,12 @@ class Speculator:
             need = len(seq.token_ids) - seq.draft_len  # through its newest token
             if need > budget:
                 seq.drafts = []
-            seq.draft_feed = min(need, budget)
+                behind.append(seq)
+            else:
+                seq.draft_feed = need
+                budget -= need
+        for seq in behind:
+            seq.draft_feed = min(len(seq.token_ids) - seq.draft_len, budget)
             budget -= seq.draft_feed
 
     def _drafts(self, seq: Sequence, plan: SeqPlan, draft: bool) -> list[int]:
@@ -146,9 +154,9 @@ class Speculator:
     def _may_speculate(self, seq: Sequence, plan: SeqPlan) -> bool:
         """Whether this sequence's request allows drafts now (see the module docstring)."""
         params = seq.params
-        return (params.speculate and plan.grammar is None and not plan.bad_words
+        return (params.speculate and not plan.bad_words
                 and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens
-                and not (self.on_ranks and params.has_penalties))
+                and not (self.on_ranks and (params.has_penalties or plan.grammar is not None)))
 
     def _pace(self, seq: Sequence) -> DraftPace:
         if seq.draft_pace is None:

@@ -94,15 +94,16 @@ def build_step_input(out: SchedulerOutput, plans: dict[int, SeqPlan],
             model_drafts += num_drafts
         elif num_drafts:
             token_ids += seq.drafts[:num_drafts]
-        draft_start, draft_tokens = -1, ()
-        if seq.draft_feed:  # the draft model's cache catches up (speculation.py)
-            draft_start, draft_tokens = seq.draft_len, tuple(
-                seq.token_ids[seq.draft_len:seq.draft_len + seq.draft_feed])
-            seq.draft_len += seq.draft_feed
-            seq.draft_feed = 0
         elif len(token_ids) < num_new:  # the newest token is being sampled on the device
             assert num_new - len(token_ids) == 1 == seq.num_pending, "one pending token at most"
             token_ids.append(placeholder_id(seq.pending_row))
+        draft_start, draft_tokens = -1, ()
+        if seq.draft_feed and start == len(seq.token_ids) - 1:  # it computes its newest token:
+            # the draft model's cache catches up within the blocks it holds (speculation.py)
+            draft_start, draft_tokens = seq.draft_len, tuple(
+                seq.token_ids[seq.draft_len:seq.draft_len + seq.draft_feed])
+            seq.draft_len += seq.draft_feed
+        seq.draft_feed = 0
         plan, params = plans[seq.seq_id], seq.params
         sample = None
         if end == num_tokens + num_drafts and params.max_tokens:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from nvray.config import EngineConfig
+from nvray.layers.rotary import rope_max_positions
 from nvray.layers.tp import broadcast_from_first
 from nvray.model_config import load_model_config
 from nvray.models.tiny import resolve_model
@@ -77,6 +78,11 @@ class Drafter:
             raise ValueError(f"speculative_config model={spec.model!r}: a draft model needs "
                              "full attention in every layer (no sliding windows, no recurrent "
                              "layers)")
+        reach = rope_max_positions(self.hf_config, getattr(self.hf_config, "layer_types", None))
+        if reach < max_model_len:
+            raise ValueError(f"speculative_config model={spec.model!r}: its positions reach "
+                             f"{reach} tokens, fewer than max_model_len={max_model_len}: lower "
+                             "max_model_len or choose a drafter that reaches as far")
         for layer in self.layers:
             layer.backend, layer.kv_group = backend, 0
         if device.type == "cuda":
@@ -111,6 +117,11 @@ class Drafter:
             layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             self.kv_caches += [layer.k_cache, layer.v_cache]
+
+    @property
+    def num_graphs(self) -> int:
+        shapes = self.shapes
+        return len(shapes.decode) + len(shapes.prefill) + len(shapes.verify)
 
     def capture_graphs(self, pool: Any) -> None:
         """Capture the drafter's graphs into ``pool`` (the target's; None: a pool of their own)."""

@@ -19,6 +19,11 @@ penalties and before sampling. A batch without constrained rows pays a flag chec
 one fill is in flight and every matcher is touched by one thread at a time (``mask`` and
 ``clear`` wait for the filler first).
 
+Speculative decoding: a constrained sequence with drafts (known on the host: the n-gram
+proposer) samples a row per draft more; ``mask`` walks its matcher through the drafts to mask
+each row for the tokens before it, then rolls it back, and the filler has it accept the run its
+drafts verified.
+
 The grammar's stop tokens are the EOS ids: EOS is allowed only where the grammar may end, and
 a complete grammar allows only EOS. JSON rows also lose the tokens with raw control characters
 (``GrammarCompiler.json_safe_bitmask``). A token a matcher cannot accept (the engine dropped a
@@ -37,6 +42,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from nvray.speculative import accepted_run
 from nvray.step_protocol import StepInput
 from nvray.worker.device_lists import to_device
 from nvray.worker.sampled_ids import SampledIds
@@ -61,6 +67,7 @@ class FilledMasks(NamedTuple):
 
 
 _NOTHING_FILLED = FilledMasks({}, 0, [])
+Constrained = tuple[int, int, tuple[int, ...]]  # (seq_id, its first sampled row, its drafts)
 
 
 class MaskBuffers:
@@ -135,11 +142,12 @@ class GrammarMasks:
             self.json_rows.discard(seq_id)
 
     # ------------------------------------------------------------------ launch
-    def mask(self, step: StepInput, logits: torch.Tensor) -> list[tuple[int, int]]:
+    def mask(self, step: StepInput, logits: torch.Tensor) -> list[Constrained]:
         """-inf, in place, for every token the grammar forbids in each constrained row of
-        ``logits`` (the step's sampling rows); returns those rows as (seq_id, row)."""
+        ``logits`` (the step's sampling rows); returns the constrained sequences as (seq_id,
+        first row, drafts: what its matcher is to accept after sampling)."""
         filled = self._collect()
-        rows, sources, unfilled, row = [], [], [], 0
+        rows, sources, unfilled, drafting, row = [], [], [], [], 0
         for seq in step.seqs:
             spec = seq.sample
             if spec is None:
@@ -147,21 +155,61 @@ class GrammarMasks:
             if spec.grammar is not None:
                 self._start_matcher(seq.seq_id, spec.grammar)
             matcher = self.matchers.get(seq.seq_id)
-            if seq.seq_id in filled.rows:
-                rows.append((seq.seq_id, row))
+            drafts = tuple(seq.token_ids[len(seq.token_ids) - seq.num_drafts:])
+            if matcher is not None and drafts and not matcher.is_terminated():
+                drafting.append((seq.seq_id, row, drafts))
+            elif seq.seq_id in filled.rows:
+                rows.append((seq.seq_id, row, ()))
                 sources.append(filled.rows[seq.seq_id])
             elif matcher is not None and not matcher.is_terminated():
-                unfilled.append((seq.seq_id, row))
+                unfilled.append((seq.seq_id, row, ()))
             row += 1 + seq.num_drafts  # a speculating sequence samples a row per draft more
+        logit_rows = [r for _, r, _ in rows]
         if unfilled:
-            sources += self._fill_at_launch([s for s, _ in unfilled], filled.count,
+            sources += self._fill_at_launch([s for s, _, _ in unfilled], filled.count,
                                             logits.shape[1])
             rows += unfilled
+            logit_rows += [r for _, r, _ in unfilled]
+        if drafting:
+            first = filled.count + len(unfilled)
+            more_rows, more_sources = self._fill_drafted(drafting, first, logits.shape[1])
+            rows += drafting
+            logit_rows += more_rows
+            sources += more_sources
         if filled.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(filled.copied)
-        if rows:
-            self._apply(logits, [r for _, r in rows], sources)
+        if logit_rows:
+            self._apply(logits, logit_rows, sources)
         return rows
+
+    def _fill_drafted(self, drafting: list[Constrained], first: int, vocab_size: int
+                      ) -> tuple[list[int], list[int]]:
+        """The masks of speculating sequences' rows, on this thread: a sequence's row j is
+        masked for its matcher after accepting drafts 1..j (each matcher rolled back after).
+        Rows after a draft the grammar refuses, or after one that ends it, are left unmasked:
+        the row before cannot sample that draft, so no token of theirs is kept. Returns the
+        logits rows masked and their buffer rows."""
+        start = time.perf_counter()
+        buffers = self._buffers(first + sum(1 + len(d) for _, _, d in drafting), vocab_size)
+        logit_rows, sources, at = [], [], first
+        for seq_id, row, drafts in drafting:
+            matcher, accepted = self.matchers[seq_id], 0
+            json_safe = seq_id in self.json_rows
+            for j in range(len(drafts) + 1):
+                self._fill([matcher], buffers.host[at:at + 1], [0] if json_safe else [])
+                logit_rows.append(row + j)
+                sources.append(at)
+                at += 1
+                if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                    break
+                accepted += 1
+                if matcher.is_terminated():
+                    break
+            if accepted:
+                matcher.rollback(accepted)
+        buffers.copy(first, at, side_stream=False)
+        self.host_seconds["fill_at_launch"] += time.perf_counter() - start
+        return logit_rows, sources
 
     def _start_matcher(self, seq_id: int, grammar: Any) -> None:
         self.matchers[seq_id] = self.compiler.matcher(self.compiler.compile(grammar))
@@ -206,42 +254,47 @@ class GrammarMasks:
             self._kernel(logits, masks, index, index)
 
     # ---------------------------------------------------------------- the filler
-    def advance(self, sampled: SampledIds, rows: list[tuple[int, int]]) -> None:
+    def advance(self, sampled: SampledIds, rows: list[Constrained]) -> None:
         """The launch's sampled ids: the filler has its constrained rows' matchers accept them
-        and fills their next masks, while the caller goes on."""
+        (a speculating sequence's: its verified run) and fills their next masks, while the
+        caller goes on."""
         if not rows:
             return
         self._collect()  # one fill at a time (normally ``mask`` took it already)
-        jobs = [(seq_id, row, self.matchers[seq_id], seq_id in self.json_rows)
-                for seq_id, row in rows if seq_id in self.matchers]
+        jobs = [(seq_id, row, self.matchers[seq_id], seq_id in self.json_rows, drafts)
+                for seq_id, row, drafts in rows if seq_id in self.matchers]
         self._buffers(len(jobs))
         self.filling = self._filler.submit(self._accept_and_fill, sampled, jobs)
 
-    def _accept_and_fill(self, sampled: SampledIds, jobs: list[tuple[int, int, Any, bool]]
+    def _accept_and_fill(self, sampled: SampledIds, jobs: list[tuple[int, int, Any, bool,
+                                                                       tuple[int, ...]]]
                          ) -> FilledMasks:
-        """On the filler thread: wait for the ids, accept each job's token, fill the masks of
-        the matchers still open into host rows 0, 1, ..."""
+        """On the filler thread: wait for the ids, accept each job's token (a speculating
+        job's run: ``nvray/speculative.py``'s ``accepted_run``), fill the masks of the
+        matchers still open into host rows 0, 1, ..."""
         if sampled.event is not None:
             sampled.event.synchronize()  # also: the device has read the rows of the last fill
         start = time.perf_counter()
         ids = sampled.host.tolist()  # type: ignore[union-attr]
-        matchers = [m for _, _, m, _ in jobs]
-        tokens = [ids[row] for _, row, _, _ in jobs]
-        if len(jobs) >= _PARALLEL_ROWS:
-            accepted = self.compiler.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        matchers = [m for _, _, m, _, _ in jobs]
+        runs = [accepted_run(d, ids[row:row + len(d) + 1]) if d else [ids[row]]
+                for _, row, _, _, d in jobs]
+        if len(jobs) >= _PARALLEL_ROWS and all(len(run) == 1 for run in runs):
+            accepted = self.compiler.xgr.BatchGrammarMatcher.batch_accept_token(
+                matchers, [run[0] for run in runs])
         else:
-            accepted = [m.accept_token(t) for m, t in zip(matchers, tokens)]
+            accepted = [all(m.accept_token(t) for t in run) for m, run in zip(matchers, runs)]
         refused, open_jobs = [], []
-        for job, token, ok in zip(jobs, tokens, accepted):
+        for job, run, ok in zip(jobs, runs, accepted):
             if not ok:
-                logger.debug("sequence %d: token %d is outside its grammar", job[0], token)
+                logger.debug("sequence %d: a token of %s is outside its grammar", job[0], run)
                 refused.append(job[0])
             elif not job[2].is_terminated():
                 open_jobs.append(job)
         mid = time.perf_counter()
         self.host_seconds["accept"] += mid - start
         buffers, count = self.buffers, len(open_jobs)
-        self._fill([m for _, _, m, _ in open_jobs], buffers.host[:count],  # type: ignore[union-attr]
+        self._fill([m for _, _, m, _, _ in open_jobs], buffers.host[:count],  # type: ignore[union-attr]
                    [i for i, job in enumerate(open_jobs) if job[3]])
         copied = buffers.copy(0, count, side_stream=True)  # type: ignore[union-attr]
         self.host_seconds["fill"] += time.perf_counter() - mid

@@ -146,15 +146,16 @@ class ModelRunner:
         self.profiler = StepProfiler(  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         vocab_size = self.hf_config.vocab_size
-        self.grammar_masks = GrammarMasks(lambda: grammar_compiler(model_path, vocab_size),
-                                          config.max_num_seqs, self.device)
+        self.grammar_masks = GrammarMasks(  # a step's sampled rows (drafts' too), twice over
+            lambda: grammar_compiler(model_path, vocab_size), config.max_sampled_rows,
+            self.device)
 
     def _drafter(self, graphs: bool) -> Drafter | None:
         """The draft model on this rank (``speculative_config`` method ``draft_model``)."""
         spec = self.config.speculative
         if spec is None or not spec.drafts_on_ranks:
             return None
-        if self.kv_layout.num_groups > 1:
+        if any(self.kv_layout.group_windows):
             raise ValueError(f"speculative_config method {spec.method!r} needs a target whose "
                              "layers all attend fully: this model has sliding-window layers")
         return Drafter(spec, self.config, self.hf_config.vocab_size, self.device, self.dtype,

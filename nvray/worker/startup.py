@@ -122,8 +122,10 @@ def profile_memory(runner: ModelRunner) -> GpuMemoryReport:
                   for size in shapes.verify[-1:]]
         trials += [shapes._replace(decode=(size,), prefill=(), verify=())
                    for size in trial_graph_sizes(runner)]
+        # a draft model's graphs share the pool; each is costed as the smallest trial's
+        drafter = runner.drafter.num_graphs if runner.drafter is not None else 0
         graphs = graph_memory_estimate(capture_one, trials, len(shapes.decode)
-                                       + len(shapes.prefill) + len(shapes.verify), dev)
+                                       + len(shapes.prefill) + len(shapes.verify) + drafter, dev)
     runner.allocate_kv_cache(0)  # drops the trial graphs too
     free_cached_memory()
     free, total = torch.cuda.mem_get_info(dev)
@@ -186,6 +188,7 @@ def capture_graphs(runner: ModelRunner) -> None:
     seconds = runner.graphs.capture()
     if runner.drafter is not None:  # the draft model's, in the same pool
         runner.drafter.capture_graphs(runner.graphs.pool)
+        logger.info("captured %d CUDA graphs of the draft model", runner.drafter.num_graphs)
     runner.graph_memory = measure_used(runner.device) - before
     estimate = runner.memory_report.cuda_graphs if runner.memory_report else 0
     decode, prefill, verify = runner.graph_sizes, runner.prefill_sizes, runner.graph_shapes.verify

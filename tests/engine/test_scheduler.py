@@ -436,3 +436,24 @@ def test_drafts_that_do_not_fit_are_dropped_instead_of_preempting():
     run_step(sched2)
     d.drafts = [1, 2, 3]  # drafts that fit stay
     assert [(s.request_id, n) for s, n in sched2.schedule().scheduled] == [("d", 4)]
+
+
+def test_a_sequence_preempted_with_a_draft_feed_feeds_nothing_stale_when_it_returns():
+    """A draft model's feed (the tokens its cache lacks) is set before the schedule; when that
+    schedule preempts the sequence, the feed goes with its blocks: back with a first chunk
+    shorter than the old feed, its step feeds the drafter nothing beyond its blocks."""
+    from nvray.engine.sequence import SeqPlan
+    from nvray.engine.step_builder import build_step_input
+
+    sched, (a, b, c) = three_running("fcfs", (0, 0, 0))
+    c.draft_len, c.draft_feed = 0, 9  # its whole text, as Speculator._feed would set it
+    out = sched.schedule()
+    assert out.preempted == [c] and c.draft_feed == 0 and c.draft_len == 0
+    sched.finish_many([a, b], lambda s: "stop")
+    small = make(num_blocks=6, block_size=4, max_num_batched_tokens=4)
+    small.block_manager, small.waiting = sched.block_manager, sched.waiting
+    out = small.schedule()  # c again, its first chunk of 4 tokens
+    assert [(s.request_id, n) for s, n in out.scheduled] == [("c", 4)]
+    plans = {c.seq_id: SeqPlan.of(c.params, ())}
+    (step,) = build_step_input(out, plans).seqs
+    assert step.draft_tokens == () and len(step.block_table) == 1

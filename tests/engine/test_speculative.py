@@ -168,7 +168,7 @@ def test_other_rows_beside_speculating_ones():
     plain, spec = results
     assert len(spec) == len(plain) == len(prompts) + 1
     assert spec[0].num_accepted_draft_tokens > 0 < spec[5].num_accepted_draft_tokens  # logprobs
-    assert spec[1].num_draft_tokens == 0  # the grammar's
+    assert spec[1].num_accepted_draft_tokens > 0  # the grammar's: each draft row masked
     assert spec[3].num_accepted_draft_tokens > 0  # the penalized request's
     for a, b in zip(plain, spec):
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
@@ -180,6 +180,49 @@ def test_other_rows_beside_speculating_ones():
         assert b.top_logprobs == pytest.approx(a.top_logprobs, abs=1e-4)
     assert spec[7].pooled == pytest.approx(plain[7].pooled, abs=1e-4)
     json.loads(spec[1].text)  # the constrained answer is the schema's JSON
+
+
+def test_grammar_requests_speculate_with_every_draft_row_masked():
+    """JSON-schema requests, greedy and seeded, speculating with drafts that hold, drafts the
+    grammar refuses and the n-gram proposer: rank 0 masks each draft row for the drafts before
+    it and its matcher takes the kept run, so the text is the plain engine's, valid JSON."""
+    schema = {"type": "object", "properties": {"tag": {"enum": ["ab", "ray serve"]},
+                                               "ok": {"type": "boolean"},
+                                               "n": {"type": "integer"}},
+              "required": ["tag", "ok", "n"]}
+    prompts = random_prompts(4, 8, 20, seed=19)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=48,
+                             structured_outputs={"json": schema}) for i in range(4)]
+    options = {"runtime": "inprocess", "max_model_len": 128, "overlap_scheduling": False}
+    plain = LLM("tiny", **options)
+    try:
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    assert sum(o.finish_reason == "stop" for o in expected) >= 2
+    answers = [list(o.prompt_token_ids) + list(o.token_ids) for o in expected]
+    llm = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                          "prompt_lookup_min": 1, "adaptive": False}, **options)
+    try:
+        vocab, speculator = llm.engine.limits.vocab_size, llm.engine.speculator
+        for name, proposer in (("right", Recorded(answers, vocab)),
+                               ("refused", Recorded(answers, vocab, wrong=True)),
+                               ("ngram", speculator.proposer)):
+            speculator.proposer = proposer
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.text for o in outs] == [o.text for o in expected], name
+            for out in outs:
+                if out.finish_reason == "stop":  # (a random model may write a long integer)
+                    assert set(json.loads(out.text)) == {"tag", "ok", "n"}
+            drafted = sum(o.num_draft_tokens for o in outs)
+            accepted = sum(o.num_accepted_draft_tokens for o in outs)
+            assert drafted > 0, name
+            if name == "right":
+                assert accepted == drafted, (accepted, drafted)
+            elif name == "refused":
+                assert accepted == 0, accepted
+    finally:
+        llm.shutdown()
 
 
 def test_unseeded_sampling_keeps_its_distribution():
@@ -410,6 +453,31 @@ def test_the_target_as_its_own_draft_model_drafts_what_it_then_decodes(engines):
     assert counted["num_accepted_tokens"] > 2 * counted["num_drafts"], counted
 
 
+def test_sequences_preempted_while_they_catch_up_and_forks_keep_the_drafters_cache_right():
+    """Prompts longer than the feed budget (max_num_batched_tokens=32: each sequence feeds the
+    draft model in chunks before it drafts) under so few blocks that sequences are preempted
+    between and inside those steps, and n=2 greedy choices (forks sharing the prompt's
+    blocks, copied on write in both caches): the tokens are HF's, every draft is accepted."""
+    prompts = random_prompts(5, 70, 110, seed=23)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm = LLM("tiny", runtime="inprocess", max_model_len=256, num_kvcache_blocks=24,
+              kvcache_block_size=16, max_num_batched_tokens=32, overlap_scheduling=False,
+              speculative_config={"method": "draft_model", "model": "tiny",
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    try:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        forks = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=40, n=2,
+                                                         ignore_eos=True), use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0, "the workload must preempt"
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(resolve_model("tiny"), prompt, 40)
+        assert out.num_accepted_draft_tokens == out.num_draft_tokens > 0, out.request_id
+    assert [c.token_ids for c in forks] == [outs[0].token_ids] * 2
+    assert all(c.num_accepted_draft_tokens == c.num_draft_tokens > 0 for c in forks)
+
+
 def test_a_preempted_sequence_feeds_the_draft_model_again_from_its_new_blocks():
     """Without prefix caching a preempted sequence comes back in other blocks, whose draft cache
     holds another sequence's: it feeds the draft model its tokens again (the tiny model
@@ -441,7 +509,8 @@ def test_a_draft_model_of_another_family_whose_drafts_fail_keeps_the_tokens(engi
     assert counted["num_accepted_tokens"] < counted["num_draft_tokens"] // 4, counted
 
 
-def test_a_draft_model_skips_penalized_requests_and_is_refused_by_name(family_path, tmp_path):
+def test_a_draft_model_skips_penalized_requests_and_is_refused_by_name(family_path, tmp_path,
+                                                                     tiny_path):
     prompts = random_prompts(2, 10, 20, seed=13)
     penalized = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                presence_penalty=1.0)
@@ -469,6 +538,18 @@ def test_a_draft_model_skips_penalized_requests_and_is_refused_by_name(family_pa
     with pytest.raises(ValueError, match="needs full attention in every layer"):
         LLM("tiny", runtime="inprocess",
             speculative_config={"method": "draft_model", "model": family_path("gemma3")})
+    from hf_checkpoints import SHAPES, write_hf_checkpoint
+
+    windowed = write_hf_checkpoint(str(tmp_path / "windowed"),
+                                   {**SHAPES["mistral"], "sliding_window": 64}, tiny_path, seed=7)
+    with pytest.raises(ValueError, match="needs a target whose layers all attend fully"):
+        LLM(windowed, runtime="inprocess",
+            speculative_config={"method": "draft_model", "model": "tiny"})
+    short = build_checkpoint(str(tmp_path / "short"), {"max_position_embeddings": 128})
+    with pytest.raises(ValueError, match="its positions reach 128 tokens, fewer than "
+                                         "max_model_len=256"):
+        LLM("tiny", runtime="inprocess", max_model_len=256,
+            speculative_config={"method": "draft_model", "model": short})
     with pytest.raises(ValueError, match="needs pipeline_parallel_size=1"):
         LLM("tiny", pipeline_parallel_size=2,
             speculative_config={"method": "draft_model", "model": "tiny"})

@@ -1,7 +1,7 @@
 """Speculative decoding on the GPU: the tiny model in float32 with CUDA graphs (verification
 steps replay the verification graphs: k + 1 rows a sequence, padded where a sequence drafts
 fewer), a drafter that is always right and one that is always wrong, with fixed and adaptive
-draft counts, against the same engine settings without speculation: greedy and seeded tokens
+draft counts, a JSON-schema request among them, against the same engine settings without speculation: greedy and seeded tokens
 equal. A draft model on the rank (the tiny model drafting for itself, and another random
 checkpoint that is never right), its mirror and draft forwards replaying its own graphs."""
 
@@ -24,6 +24,9 @@ def test_speculation_on_the_gpu_keeps_the_tokens(batch, adaptive):
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
               for i in range(batch)]
+    if batch > 2:  # a JSON-schema request drafts too: each draft row masked on the GPU
+        params[2] = SamplingParams(temperature=0.0, max_tokens=32, structured_outputs={
+            "json": {"type": "object", "properties": {"n": {"type": "integer"}}}})
     options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
     plain = LLM("tiny", **options)
     try:
