@@ -68,6 +68,11 @@ class Drafter:
             raise ValueError(f"speculative_config model={spec.model!r}: its vocabulary has {vocab} "
                              f"tokens, the target's {target_vocab}: a draft model must share the "
                              "target's tokenizer and vocabulary")
+        reach = rope_max_positions(self.hf_config, getattr(self.hf_config, "layer_types", None))
+        if reach < max_model_len:
+            raise ValueError(f"speculative_config model={spec.model!r}: its positions reach "
+                             f"{reach} tokens, fewer than max_model_len={max_model_len}: lower "
+                             "max_model_len or choose a drafter that reaches as far")
         self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype
         self.block_size, self.max_model_len = config.kvcache_block_size, max_model_len
         self.model = build_model(self.hf_config, path, dtype, device, config.seed,
@@ -78,11 +83,6 @@ class Drafter:
             raise ValueError(f"speculative_config model={spec.model!r}: a draft model needs "
                              "full attention in every layer (no sliding windows, no recurrent "
                              "layers)")
-        reach = rope_max_positions(self.hf_config, getattr(self.hf_config, "layer_types", None))
-        if reach < max_model_len:
-            raise ValueError(f"speculative_config model={spec.model!r}: its positions reach "
-                             f"{reach} tokens, fewer than max_model_len={max_model_len}: lower "
-                             "max_model_len or choose a drafter that reaches as far")
         for layer in self.layers:
             layer.backend, layer.kv_group = backend, 0
         if device.type == "cuda":

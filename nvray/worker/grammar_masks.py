@@ -34,6 +34,7 @@ step.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import importlib.util
 import logging
 import os
@@ -68,6 +69,17 @@ class FilledMasks(NamedTuple):
 
 _NOTHING_FILLED = FilledMasks({}, 0, [])
 Constrained = tuple[int, int, tuple[int, ...]]  # (seq_id, its first sampled row, its drafts)
+
+
+def _accept_run(matcher: Any, run: list[int]) -> bool:
+    """Have ``matcher`` accept a verified run's tokens, none after its grammar ended (the engine
+    ends the sequence at that stop token); False if it refuses one."""
+    for token in run:
+        if matcher.is_terminated():
+            return True
+        if not matcher.accept_token(token):
+            return False
+    return True
 
 
 class MaskBuffers:
@@ -186,12 +198,16 @@ class GrammarMasks:
                       ) -> tuple[list[int], list[int]]:
         """The masks of speculating sequences' rows, on this thread: a sequence's row j is
         masked for its matcher after accepting drafts 1..j (each matcher rolled back after).
-        Rows after a draft the grammar refuses, or after one that ends it, are left unmasked:
-        the row before cannot sample that draft, so no token of theirs is kept. Returns the
-        logits rows masked and their buffer rows."""
+        Rows after a draft the grammar refuses are left unmasked: the row before cannot sample
+        that draft, so no token of theirs is kept; so are rows after a draft that ends the
+        grammar (its stop token: the engine ends the sequence there, and the matcher takes
+        nothing after it). A special token that is not a stop token counts as refused without
+        asking the matcher (xgrammar would warn). Returns the logits rows masked and their
+        buffer rows."""
         start = time.perf_counter()
         buffers = self._buffers(first + sum(1 + len(d) for _, _, d in drafting), vocab_size)
         logit_rows, sources, at = [], [], first
+        specials = self._special_ids
         for seq_id, row, drafts in drafting:
             matcher, accepted = self.matchers[seq_id], 0
             json_safe = seq_id in self.json_rows
@@ -200,7 +216,10 @@ class GrammarMasks:
                 logit_rows.append(row + j)
                 sources.append(at)
                 at += 1
-                if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                if j == len(drafts) or (drafts[j] in specials
+                                        and drafts[j] not in matcher.stop_token_ids):
+                    break
+                if not matcher.accept_token(drafts[j]):
                     break
                 accepted += 1
                 if matcher.is_terminated():
@@ -283,7 +302,7 @@ class GrammarMasks:
             accepted = self.compiler.xgr.BatchGrammarMatcher.batch_accept_token(
                 matchers, [run[0] for run in runs])
         else:
-            accepted = [all(m.accept_token(t) for t in run) for m, run in zip(matchers, runs)]
+            accepted = [_accept_run(m, run) for m, run in zip(matchers, runs)]
         refused, open_jobs = [], []
         for job, run, ok in zip(jobs, runs, accepted):
             if not ok:
@@ -299,6 +318,10 @@ class GrammarMasks:
         copied = buffers.copy(0, count, side_stream=True)  # type: ignore[union-attr]
         self.host_seconds["fill"] += time.perf_counter() - mid
         return FilledMasks({job[0]: i for i, job in enumerate(open_jobs)}, count, refused, copied)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.compiler.tokenizer_info.special_token_ids)
 
     def _fill(self, matchers: list[Any], host: torch.Tensor, json_rows: list[int]) -> None:
         if not matchers:

@@ -155,7 +155,7 @@ class ModelRunner:
         spec = self.config.speculative
         if spec is None or not spec.drafts_on_ranks:
             return None
-        if any(self.kv_layout.group_windows):
+        if any(w is not None and w < self.max_model_len for w in self.kv_layout.group_windows):
             raise ValueError(f"speculative_config method {spec.method!r} needs a target whose "
                              "layers all attend fully: this model has sliding-window layers")
         return Drafter(spec, self.config, self.hf_config.vocab_size, self.device, self.dtype,
@@ -432,7 +432,8 @@ class ModelRunner:
             self.deferred = None
         if step is not None:
             forwarded = self._forward_step(step)
-            if step.constrained:
+            if step.constrained:  # (drafts come in steps to answer now: never deferred)
+                assert not any(s.num_drafts for s in step.seqs), "a deferred step with drafts"
                 self.deferred = forwarded
             else:
                 self.in_flight.append(self._sample(forwarded, share_ids=True))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nvray import LLM, SamplingParams
-from nvray.models.tiny import resolve_model
+from nvray.models.tiny import SPECIAL_TOKENS, resolve_model
 from nvray.speculative import NgramProposer, SpeculativeConfig, accepted_run
 from drafters import Recorded
 from oracle import hf_greedy, random_prompts
@@ -182,10 +182,23 @@ def test_other_rows_beside_speculating_ones():
     json.loads(spec[1].text)  # the constrained answer is the schema's JSON
 
 
+class _Then:
+    """Proposes what ``first`` proposes, then ``tail`` (up to k): e.g. a JSON answer's end,
+    its EOS, then tokens no grammar takes after it."""
+
+    def __init__(self, first, tail: list[int]) -> None:  # noqa: ANN001
+        self.first, self.tail = first, tail
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return (self.first.propose(token_ids, k) + self.tail)[:k]
+
+
 def test_grammar_requests_speculate_with_every_draft_row_masked():
-    """JSON-schema requests, greedy and seeded, speculating with drafts that hold, drafts the
-    grammar refuses and the n-gram proposer: rank 0 masks each draft row for the drafts before
-    it and its matcher takes the kept run, so the text is the plain engine's, valid JSON."""
+    """JSON-schema requests, greedy and seeded, with overlapped steps, speculating with drafts
+    that hold, drafts the grammar refuses (a wrong token, EOS mid-object, a special token),
+    drafts that run past the grammar's end and the n-gram proposer: rank 0 masks each draft
+    row for the drafts before it and its matcher takes the kept run, so the text is the plain
+    engine's, valid JSON."""
     schema = {"type": "object", "properties": {"tag": {"enum": ["ab", "ray serve"]},
                                                "ok": {"type": "boolean"},
                                                "n": {"type": "integer"}},
@@ -193,8 +206,8 @@ def test_grammar_requests_speculate_with_every_draft_row_masked():
     prompts = random_prompts(4, 8, 20, seed=19)
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=48,
                              structured_outputs={"json": schema}) for i in range(4)]
-    options = {"runtime": "inprocess", "max_model_len": 128, "overlap_scheduling": False}
-    plain = LLM("tiny", **options)
+    options = {"runtime": "inprocess", "max_model_len": 128}
+    plain = LLM("tiny", overlap_scheduling=False, **options)
     try:
         expected = plain.generate(prompts, params, use_tqdm=False)
     finally:
@@ -205,8 +218,14 @@ def test_grammar_requests_speculate_with_every_draft_row_masked():
                                           "prompt_lookup_min": 1, "adaptive": False}, **options)
     try:
         vocab, speculator = llm.engine.limits.vocab_size, llm.engine.speculator
+        eos = llm.engine.limits.eos_token_ids[0]
+        special = SPECIAL_TOKENS.index("<|im_start|>")  # the tiny tokenizer's ids come first
+        nothing = Recorded([], vocab)
         for name, proposer in (("right", Recorded(answers, vocab)),
                                ("refused", Recorded(answers, vocab, wrong=True)),
+                               ("eos", _Then(nothing, [eos, 5, 6])),
+                               ("special", _Then(nothing, [special, 5, 6])),
+                               ("past_the_end", _Then(Recorded(answers, vocab), [eos, 5, 6])),
                                ("ngram", speculator.proposer)):
             speculator.proposer = proposer
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -219,8 +238,8 @@ def test_grammar_requests_speculate_with_every_draft_row_masked():
             assert drafted > 0, name
             if name == "right":
                 assert accepted == drafted, (accepted, drafted)
-            elif name == "refused":
-                assert accepted == 0, accepted
+            elif name in ("refused", "eos", "special"):
+                assert accepted == 0, (name, accepted)
     finally:
         llm.shutdown()
 
@@ -511,22 +530,28 @@ def test_a_draft_model_of_another_family_whose_drafts_fail_keeps_the_tokens(engi
 
 def test_a_draft_model_skips_penalized_requests_and_is_refused_by_name(family_path, tmp_path,
                                                                      tiny_path):
-    prompts = random_prompts(2, 10, 20, seed=13)
+    """Penalized and grammar requests decode a token a step beside the drafting ones (a draft
+    position's penalties and mask follow drafts only the ranks know)."""
+    prompts = random_prompts(3, 10, 20, seed=13)
     penalized = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                presence_penalty=1.0)
+    choice = SamplingParams(temperature=0.0, max_tokens=16,
+                            structured_outputs={"choice": ["ray serve", "nvray"]})
+    params = [penalized, penalized, choice]
     llm = LLM("tiny", runtime="inprocess", max_model_len=64,
               speculative_config={"method": "draft_model", "model": "tiny"})
     try:
-        outs = llm.generate(prompts, penalized, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.shutdown()
     plain = LLM("tiny", runtime="inprocess", max_model_len=64)
     try:
-        expected = plain.generate(prompts, penalized, use_tqdm=False)
+        expected = plain.generate(prompts, params, use_tqdm=False)
     finally:
         plain.shutdown()
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert all(o.num_draft_tokens == 0 for o in outs)
+    assert outs[-1].text in ("ray serve", "nvray")
     from nvray.models.tiny import build_checkpoint
 
     other_vocab = build_checkpoint(str(tmp_path / "other"), vocab_size=640)
@@ -536,7 +561,7 @@ def test_a_draft_model_skips_penalized_requests_and_is_refused_by_name(family_pa
     with pytest.raises(ValueError, match="needs the drafter's checkpoint directory"):
         LLM("tiny", runtime="inprocess", speculative_config={"method": "draft_model"})
     with pytest.raises(ValueError, match="needs full attention in every layer"):
-        LLM("tiny", runtime="inprocess",
+        LLM("tiny", runtime="inprocess", max_model_len=256,
             speculative_config={"method": "draft_model", "model": family_path("gemma3")})
     from hf_checkpoints import SHAPES, write_hf_checkpoint
 
