@@ -45,7 +45,7 @@ from typing import Callable, Iterator
 import torch
 
 from nvray.layers.attention import AttentionMetadata
-from nvray.worker.inputs import GraphShapes, InputBuilder
+from nvray.worker.inputs import GraphShapes, InputBuilder, StepBatch
 
 logger = logging.getLogger(__name__)
 _MAX_GRAPH_BS = 512
@@ -182,6 +182,17 @@ class StepGraphs:
                 yield self._run_prefill, self.prefill_graphs, q
         finally:
             self.seq_lens.zero_()
+
+    def replay_for(self, batch: StepBatch) -> torch.Tensor | None:
+        """The hidden states of ``batch`` from the graph its builder laid it out for (decode,
+        prefill or verification); None: it runs eagerly."""
+        if batch.graph_bs:
+            return self.replay(batch.graph_bs)
+        if batch.prefill_q:
+            return self.replay_prefill(batch.prefill_q)
+        if batch.verify_bs:
+            return self.replay_verify(batch.verify_bs)
+        return None
 
     def replay(self, bs: int) -> torch.Tensor:
         """Run the graph of batch size ``bs`` on the static inputs; [bs, hidden] (a static view)."""

@@ -23,3 +23,14 @@ def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.int6
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_cache_blocks(caches: list[torch.Tensor], copies: list[tuple[int, int]],
+                      device: torch.device) -> None:
+    """Copy-on-write: each (src, dst) block of every cache tensor (as bytes for FP8: torch has
+    no index_copy_ for float8)."""
+    src = to_device([c[0] for c in copies], device)
+    dst = to_device([c[1] for c in copies], device)
+    for cache in caches:
+        raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+        raw.index_copy_(0, dst, raw.index_select(0, src))

@@ -44,7 +44,7 @@ from nvray.step_protocol import SampleSpec, SeqStep, StepInput, placeholder_id
 from nvray.worker.block_tables import DeviceBlockTables
 from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
                                      prefill_graph_sizes)
-from nvray.worker.device_lists import to_device
+from nvray.worker.device_lists import copy_cache_blocks, to_device
 from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.setup import build_model, enable_torch_compile, use_triton_kernels
 
@@ -190,17 +190,11 @@ class Drafter:
         graphs = self.graphs
         batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
                                     prev)
-        if batch.graph_bs:
-            hidden = graphs.replay(batch.graph_bs)  # type: ignore[union-attr]
-            self.num_graph_replays += 1
-        elif batch.prefill_q:
-            hidden = graphs.replay_prefill(batch.prefill_q)  # type: ignore[union-attr]
-            self.num_graph_replays += 1
-        elif batch.verify_bs:
-            hidden = graphs.replay_verify(batch.verify_bs)  # type: ignore[union-attr]
-            self.num_graph_replays += 1
-        else:
+        hidden = graphs.replay_for(batch) if graphs is not None else None
+        if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        else:
+            self.num_graph_replays += 1
         n = batch.num_samples
         ids = torch.empty(n, dtype=torch.int32, device=self.device)
         if not n:
@@ -216,9 +210,5 @@ class Drafter:
         self.drafts.index_copy_(0, to_device(rows, self.device), ids)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write, as the target's cache does it (``ModelRunner.copy_blocks``)."""
-        src = to_device([c[0] for c in copies], self.device)
-        dst = to_device([c[1] for c in copies], self.device)
-        for cache in self.kv_caches:
-            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-            raw.index_copy_(0, dst, raw.index_select(0, src))
+        """Copy-on-write, as the target's cache does it."""
+        copy_cache_blocks(self.kv_caches, copies, self.device)

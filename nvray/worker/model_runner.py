@@ -49,7 +49,7 @@ from nvray.step_protocol import SampleSpec, StepInput, StepOutput, sample_specs
 from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
                                      prefill_graph_sizes, verify_graph_sizes)
 from nvray.grammar import grammar_compiler
-from nvray.worker.device_lists import to_device
+from nvray.worker.device_lists import copy_cache_blocks, to_device
 from nvray.worker.drafter import Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
@@ -362,18 +362,12 @@ class ModelRunner:
             self.lora.prepare_step(step, graphs.shapes.verify_q if batch.verify_bs else 0)  # type: ignore[union-attr]
         if self.stage_input is not None:  # the previous stage's activations, rows as computed
             recv_from_prev(self.stage_input[:batch.positions.shape[0]])
-        if batch.graph_bs:
-            hidden = graphs.replay(batch.graph_bs)  # type: ignore[union-attr]
-            self.num_graph_replays += 1
-        elif batch.prefill_q:
-            hidden = graphs.replay_prefill(batch.prefill_q)  # type: ignore[union-attr]
-            self.num_graph_replays += 1
-        elif batch.verify_bs:
-            hidden = graphs.replay_verify(batch.verify_bs)  # type: ignore[union-attr]
-            self.num_graph_replays += 1
-            self.num_verify_replays += 1
-        else:
+        hidden = graphs.replay_for(batch) if graphs is not None else None
+        if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        else:
+            self.num_graph_replays += 1
+            self.num_verify_replays += bool(batch.verify_bs)
         if not is_last_stage():
             send_to_next(hidden)
             return None, None
@@ -384,12 +378,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
-        src = to_device([c[0] for c in copies], self.device)
-        dst = to_device([c[1] for c in copies], self.device)
-        for cache in self.kv_caches:
-            # as bytes: torch has no index_copy_ for float8 (an FP8 cache)
-            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
-            raw.index_copy_(0, dst, raw.index_select(0, src))
+        copy_cache_blocks(self.kv_caches, copies, self.device)
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Forks: each (src, dst) slot's recurrent state, in every layer, before the step."""
