@@ -53,6 +53,15 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
+def checkpoint_tensor_names(path: str) -> set[str]:
+    """The names of every tensor in the checkpoint at ``path``."""
+    names: set[str] = set()
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
 def load_model(model: nn.Module, path: str) -> None:
     """Fill every parameter of ``model`` from the safetensors files in ``path``."""
     params = dict(model.named_parameters())
@@ -173,6 +182,8 @@ def fill_random(model: nn.Module, seed: int, std: float = 0.02) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             g = gen.setdefault(param.device, torch.Generator(param.device).manual_seed(seed))
+            if not param.dtype.is_floating_point:
+                continue  # an index map (an EAGLE-3 drafter's d2t): its zeros are the identity
             if param.dtype.itemsize == 1:  # FP8 weight
                 values = torch.randn(param.shape, generator=g, device=param.device)
                 param.copy_(values.clamp(-448, 448).to(param.dtype))

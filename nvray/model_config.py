@@ -71,6 +71,8 @@ _QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
     "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     "num_experts_per_tok": 8, "num_experts": 256}
 _DEFAULTS.update({
+    "LlamaForCausalLMEagle3": _DEFAULTS["LlamaForCausalLM"],  # EAGLE-3 drafters: a Llama layer
+    "Eagle3LlamaForCausalLM": _DEFAULTS["LlamaForCausalLM"],
     "Qwen3_5ForCausalLM": _QWEN3_5_DEFAULTS,
     "Qwen3_5ForConditionalGeneration": _QWEN3_5_DEFAULTS,
     "Qwen3_5MoeForCausalLM": _QWEN3_5_MOE_DEFAULTS,

@@ -2,7 +2,9 @@
 
 ``SpeculativeConfig`` is the engine's ``speculative_config`` (vLLM's names): ``method``
 (``"ngram"``: prompt lookup on the host; ``"draft_model"``: a small model with the target's
-vocabulary, ``model``, run on the target's ranks: ``nvray/worker/drafter.py``),
+vocabulary, ``model``, run on the target's ranks: ``nvray/worker/drafter.py``; ``"eagle3"``:
+an EAGLE-3 head, ``model``, reading the target's hidden states on its ranks:
+``nvray/worker/eagle_drafter.py``),
 ``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (the n-gram lengths tried, longest first), ``disable_by_batch_size``: no
 drafts in a step while more sequences than this run (default 32: past that a verification
@@ -44,8 +46,9 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-MODEL_METHODS = ("draft_model",)  # drafts proposed on the ranks (nvray/worker/drafter.py)
+METHODS = ("ngram", "draft_model", "eagle3")
+# drafts proposed on the ranks (nvray/worker/drafter.py, nvray/worker/eagle_drafter.py)
+MODEL_METHODS = ("draft_model", "eagle3")
 _MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -102,6 +105,12 @@ class SpeculativeConfig:
     def drafts_on_ranks(self) -> bool:
         """Whether the ranks propose the drafts (a model), not the engine's host."""
         return self.method in MODEL_METHODS
+
+    @property
+    def refeeds_accepted(self) -> bool:
+        """Whether the drafter's rows of accepted drafts are fed again once verified (EAGLE-3:
+        they were computed from its own hidden states, the target's features now exist)."""
+        return self.method == "eagle3"
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -454,9 +454,14 @@ class LLMEngine:
                 break
         if kept:  # its blocks still hold this KV: the computed part no longer counts rejects
             seq.num_computed_tokens -= rejected
-            if self.speculator.on_ranks:  # type: ignore[union-attr]
-                # the drafter fed itself every kept token but a last draft kept
-                seq.draft_len = seq.num_computed_tokens - (rejected == 0)
+            speculator = self.speculator
+            if speculator.on_ranks:  # type: ignore[union-attr]
+                # a draft model fed itself every kept token but a last draft kept; EAGLE-3
+                # feeds the accepted drafts again, from the target's features
+                accepted = len(drafts) - rejected
+                seq.draft_len = seq.num_computed_tokens - (
+                    accepted if speculator.config.refeeds_accepted  # type: ignore[union-attr]
+                    else rejected == 0)
             self.block_manager.cache_full_blocks(seq, min(kv_end - rejected, len(seq.token_ids)))
         if state.finish_reason is not None:
             finished.append(state)

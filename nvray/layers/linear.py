@@ -7,6 +7,7 @@ checkpoint tensor onto this rank.
   fewer KV heads than ranks.
 - RowParallelLinear: input features split; outputs summed over the ranks by the norm they feed
   (a ``tp.PartialSum``; with a bias, by an all-reduce here).
+- ReplicatedLinear: the whole layer on every rank (a small projection, e.g. EAGLE-3's ``fc``).
 
 With multi-LoRA (``nvray/lora``) a projection's ``lora`` holds its adapter slots, and its output
 gets each token's adapter delta (a row-parallel one adds it to its rank's partial sum, before the
@@ -95,6 +96,12 @@ class ColumnParallelLinear(LinearBase):
         shard = param.shape[0]
         _check_shape(param, loaded, (_units(param, 0, self.full_out), *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, tp_rank() * shard, shard))
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args: object) -> None:
+        _check_shape(param, loaded, tuple(param.shape))
+        param.data.copy_(loaded)
 
 
 class MergedColumnParallelLinear(LinearBase):

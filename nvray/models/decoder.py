@@ -21,6 +21,10 @@ embeddings on the first stage and the final norm and LM head on the last. A stag
 first reads its input, the previous stage's hidden states and residual, from ``stage_input``
 (a static buffer the runner fills before the forward); a stage before the last returns
 ``[tokens, 2, hidden]`` (hidden states, residual) for the next.
+
+With an EAGLE-3 drafter (``nvray/models/eagle3.py``) the model's ``aux_capture`` takes the
+residual stream entering each of the layers it names (that sum finished over the ranks) and
+stores them, side by side, at the forward's KV slots.
 """
 
 from __future__ import annotations
@@ -88,10 +92,11 @@ class DecoderAttention(nn.Module):
 
     def __init__(self, cfg: Any, quant: Fp8Config | None, prefix: str, *, qk_norm: bool,
                  qkv_bias: bool, layer_type: str | None = None, scale: float | None = None,
-                 norm_class: type[RMSNorm] = RMSNorm) -> None:
+                 norm_class: type[RMSNorm] = RMSNorm, input_size: int | None = None) -> None:
+        """(``input_size``: the width q, k and v are projected from, if not ``hidden_size``.)"""
         super().__init__()
         head_dim = head_dim_of(cfg)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, cfg.num_attention_heads,
+        self.qkv_proj = QKVParallelLinear(input_size or cfg.hidden_size, head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=qkv_bias,
                                           quant=quant_for(quant, prefix, ["q_proj", "k_proj", "v_proj"]))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -228,6 +233,7 @@ class DecoderModel(nn.Module):
                                    for i in stage_layers(cfg.num_hidden_layers)})
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage() else None
         self.stage_input: torch.Tensor | None = None  # [tokens, 2, hidden], a later stage's
+        self.aux_capture: Any = None  # an EAGLE-3 drafter's (nvray/models/eagle3.py)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -240,8 +246,14 @@ class DecoderModel(nn.Module):
             assert self.stage_input is not None, "a later pipeline stage reads stage_input"
             received = self.stage_input[:positions.shape[0]]
             x, residual = received[:, 0].contiguous(), received[:, 1].contiguous()
-        for layer in self.layers:
+        capture = self.aux_capture
+        for index, layer in zip(self.layers.indices, self.layers):
+            if capture is not None and index in capture.layers:  # the stream entering it
+                x = finish(x)
+                capture.take(index, x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, meta)
+        if capture is not None:
+            capture.store(meta.slot_mapping)
         if self.norm is None:  # for the next stage
             out = torch.stack([finish(x), residual], dim=1)
         else:

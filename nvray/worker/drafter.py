@@ -45,7 +45,7 @@ from nvray.worker.block_tables import DeviceBlockTables
 from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
                                      prefill_graph_sizes)
 from nvray.worker.device_lists import copy_cache_blocks, to_device
-from nvray.worker.inputs import GraphShapes, InputBuilder
+from nvray.worker.inputs import GraphShapes, InputBuilder, StepBatch
 from nvray.worker.setup import build_model, enable_torch_compile, use_triton_kernels
 
 _GREEDY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, step_index=0)
@@ -57,26 +57,28 @@ def has_model_drafts(s: SeqStep) -> bool:
 
 
 class Drafter:
+    """The draft model (method ``draft_model``); ``eagle_drafter.py`` subclasses it for EAGLE-3
+    through the hooks ``_check_reach``, ``_build``, ``row_shape``, ``_fed``, ``shift``,
+    ``_set_inputs`` and ``_greedy``."""
+
+    shift = 0  # a drafter row's position before its token's (EAGLE-3: 1)
+
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target_vocab: int,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  max_model_len: int, backend: Any, tables: DeviceBlockTables,
                  graphs: bool) -> None:
         path = resolve_model(spec.model)  # type: ignore[arg-type]
+        self.spec, self.config = spec, config
         self.hf_config = load_model_config(path)
         vocab = self.hf_config.vocab_size
         if vocab != target_vocab:
             raise ValueError(f"speculative_config model={spec.model!r}: its vocabulary has {vocab} "
-                             f"tokens, the target's {target_vocab}: a draft model must share the "
+                             f"tokens, the target's {target_vocab}: a drafter must share the "
                              "target's tokenizer and vocabulary")
-        reach = rope_max_positions(self.hf_config, getattr(self.hf_config, "layer_types", None))
-        if reach < max_model_len:
-            raise ValueError(f"speculative_config model={spec.model!r}: its positions reach "
-                             f"{reach} tokens, fewer than max_model_len={max_model_len}: lower "
-                             "max_model_len or choose a drafter that reaches as far")
+        self._check_reach(max_model_len)
         self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype
         self.block_size, self.max_model_len = config.kvcache_block_size, max_model_len
-        self.model = build_model(self.hf_config, path, dtype, device, config.seed,
-                                 quant_config_for(self.hf_config, None), config.load_format)
+        self.model = self._build(path, config)
         self.layers = self.model.attention_layers()
         if any(layer.sliding_window for layer in self.layers) or (
                 hasattr(self.model, "state_layers") and self.model.state_layers()):
@@ -99,6 +101,23 @@ class Drafter:
         self.graphs: StepGraphs | None = None
         self.num_graph_replays = 0  # draft forwards that replayed a graph
         self.kv_caches: list[torch.Tensor] = []
+
+    def _check_reach(self, max_model_len: int) -> None:
+        """Refuse a drafter whose positions reach less far than the target's requests."""
+        reach = rope_max_positions(self.hf_config, getattr(self.hf_config, "layer_types", None))
+        if reach < max_model_len:
+            raise ValueError(f"speculative_config model={self.spec.model!r}: its positions reach "
+                             f"{reach} tokens, fewer than max_model_len={max_model_len}: lower "
+                             "max_model_len or choose a drafter that reaches as far")
+
+    def _build(self, path: str, config: EngineConfig) -> torch.nn.Module:
+        return build_model(self.hf_config, path, self.dtype, self.device, config.seed,
+                           quant_config_for(self.hf_config, None), config.load_format)
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """What the model's forward returns a token (its graphs' output rows)."""
+        return (self.hf_config.hidden_size,)
 
     # ----------------------------------------------------------------- memory
     @property
@@ -127,9 +146,8 @@ class Drafter:
         """Capture the drafter's graphs into ``pool`` (the target's; None: a pool of their own)."""
         if not self.shapes.decode:
             return
-        hidden = self.hf_config.hidden_size
-        self.graphs = StepGraphs(self.model, self.inputs, self.shapes, (hidden,), self.dtype,
-                                 self.max_model_len)
+        self.graphs = StepGraphs(self.model, self.inputs, self.shapes, self.row_shape,
+                                 self.dtype, self.max_model_len)
         self.graphs.pool = pool
         self.graphs.capture()
 
@@ -150,10 +168,10 @@ class Drafter:
         None when nothing is fed or drafted."""
         if step.block_copies:
             self._copy_blocks(step.block_copies)
-        fed = [self._fed(s) for s in step.seqs if s.draft_tokens]
+        fed = [f for s in step.seqs if s.draft_tokens and (f := self._fed(s)).token_ids]
         if not fed:
             return None
-        ids = self._forward(StepInput(fed, released=step.released), None)
+        ids = self._forward(StepInput(fed, released=step.released), None, None)
         drafting = [s for s in step.seqs if has_model_drafts(s)]
         if not drafting:
             return None
@@ -168,14 +186,13 @@ class Drafter:
             row_of = {i: r for r, i in enumerate(active)}  # rows of the previous pass's ids
             active = [i for i in active if drafting[i].num_drafts > j]
             passes = [SeqStep(drafting[i].seq_id, [placeholder_id(row_of[i])],
-                              drafting[i].start_pos + j, [], _GREEDY,
+                              drafting[i].start_pos + j - self.shift, [], _GREEDY,
                               table_start=len(held[drafting[i].seq_id])) for i in active]
-            ids = self._forward(StepInput(passes), ids)
+            ids = self._forward(StepInput(passes), ids, [row_of[i] for i in active])
             self._keep(ids, [first_rows[i] + j for i in active])
         return self.drafts[:row]
 
-    @staticmethod
-    def _fed(s: SeqStep) -> SeqStep:
+    def _fed(self, s: SeqStep) -> SeqStep:
         """What ``s`` feeds the draft model: its ``draft_tokens``, the last row sampled where it
         drafts (then they end with its newest token); the block-table changes of the step
         (the target's builder applies them again)."""
@@ -185,11 +202,16 @@ class Drafter:
         return SeqStep(s.seq_id, list(s.draft_tokens), s.draft_start, s.block_table,
                        _GREEDY if has_model_drafts(s) else None, table_start=s.table_start)
 
-    def _forward(self, step: StepInput, prev: torch.Tensor | None) -> torch.Tensor:
-        """Run one draft forward; the greedy token of each sampled row, on every rank."""
+    def _forward(self, step: StepInput, prev: torch.Tensor | None,
+                 prev_rows: list[int] | None) -> torch.Tensor:
+        """Run one draft forward; the greedy token of each sampled row, on every rank
+        (``prev``: the previous pass's, which ``step``'s placeholders name; ``prev_rows``: the
+        row of the previous pass each sequence of a further pass continues, None in the
+        feed)."""
         graphs = self.graphs
         batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
                                     prev)
+        self._set_inputs(batch, prev_rows)
         hidden = graphs.replay_for(batch) if graphs is not None else None
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
@@ -200,10 +222,18 @@ class Drafter:
         if not n:
             return ids
         rows = hidden[:n] if batch.sample_idx is None else hidden[batch.sample_idx[:n]]
-        logits = self.model.compute_logits(rows)
-        if logits is not None:  # rank 0
-            ids = logits.argmax(-1).to(torch.int32)
+        greedy = self._greedy(rows)
+        if greedy is not None:  # rank 0
+            ids = greedy.to(torch.int32)
         return broadcast_from_first(ids)
+
+    def _set_inputs(self, batch: StepBatch, prev_rows: list[int] | None) -> None:
+        """Inputs the model reads besides the batch's (a draft model: none)."""
+
+    def _greedy(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The greedy token of each sampled row's output (rank 0; None elsewhere)."""
+        logits = self.model.compute_logits(rows)
+        return logits.argmax(-1) if logits is not None else None
 
     def _keep(self, ids: torch.Tensor, rows: list[int]) -> None:
         """Write a pass's drafts at their placeholder rows."""

@@ -50,7 +50,9 @@ from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capaci
                                      prefill_graph_sizes, verify_graph_sizes)
 from nvray.grammar import grammar_compiler
 from nvray.worker.device_lists import copy_cache_blocks, to_device
+from nvray.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from nvray.worker.drafter import Drafter
+from nvray.worker.eagle_drafter import Eagle3Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.inputs import GraphShapes, InputBuilder
@@ -84,6 +86,10 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             self.memory_baseline = measure_used(self.device)
         self.hf_config = load_model_config(model_path, config.hf_overrides)  # no transformers import
+        if set(getattr(self.hf_config, "architectures", None) or []) & set(EAGLE3_ARCHITECTURES):
+            raise ValueError(f"{model_path} is an EAGLE-3 drafter, not a model to serve: pass it "
+                             "beside its target as speculative_config={'method': 'eagle3', "
+                             f"'model': {model_path!r}}}")
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)
         fp8_kv = config.kv_cache_dtype == "fp8"
@@ -151,16 +157,19 @@ class ModelRunner:
             self.device)
 
     def _drafter(self, graphs: bool) -> Drafter | None:
-        """The draft model on this rank (``speculative_config`` method ``draft_model``)."""
+        """The drafter on this rank (``speculative_config`` method ``draft_model`` or
+        ``eagle3``)."""
         spec = self.config.speculative
         if spec is None or not spec.drafts_on_ranks:
             return None
         if any(w is not None and w < self.max_model_len for w in self.kv_layout.group_windows):
             raise ValueError(f"speculative_config method {spec.method!r} needs a target whose "
                              "layers all attend fully: this model has sliding-window layers")
-        return Drafter(spec, self.config, self.hf_config.vocab_size, self.device, self.dtype,
-                       self.kv_dtype, self.max_model_len, self.backend, self.inputs.tables,
-                       graphs)
+        args = (spec, self.config, self.hf_config.vocab_size, self.device, self.dtype,
+                self.kv_dtype, self.max_model_len, self.backend, self.inputs.tables, graphs)
+        if spec.method == "eagle3":
+            return Eagle3Drafter(*args, target=self.model)
+        return Drafter(*args)
 
     def reset_tables(self) -> None:
         """Forget every sequence's block table (after start-up's made-up steps)."""

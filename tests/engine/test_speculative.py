@@ -578,3 +578,108 @@ def test_a_draft_model_skips_penalized_requests_and_is_refused_by_name(family_pa
     with pytest.raises(ValueError, match="needs pipeline_parallel_size=1"):
         LLM("tiny", pipeline_parallel_size=2,
             speculative_config={"method": "draft_model", "model": "tiny"})
+
+
+# ------------------------------------------------------------------------ EAGLE-3 (on the ranks)
+def _eagle3_run(target: str, drafter: str, prompts: list[list[int]], max_tokens: int, **kwargs):
+    """Greedy outputs of an EAGLE-3 engine, n=2 forks of the first prompt after them, and
+    every verified run as (the sequence's tokens before it, its drafts)."""
+    llm = LLM(target, runtime="inprocess", max_model_len=256, overlap_scheduling=False,
+              kvcache_block_size=16, speculative_config={
+                  "method": "eagle3", "model": drafter, "num_speculative_tokens": K,
+                  "adaptive": False}, **kwargs)
+    runs, speculator = [], llm.engine.speculator
+    emitted = speculator.emitted
+
+    def record(seq, drafts, sampled):  # noqa: ANN001, ANN202
+        runs.append((list(seq.token_ids), list(drafts)))
+        return emitted(seq, drafts, sampled)
+
+    speculator.emitted = record
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        forks = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                         n=2, ignore_eos=True), use_tqdm=False)
+        preemptions = llm.engine.scheduler.num_preemptions
+        hits = llm.engine.block_manager.num_hit_tokens
+    finally:
+        llm.shutdown()
+    return outs, forks, runs, preemptions, hits
+
+
+@pytest.mark.parametrize("drafter", [
+    {"echo": 1.0, "max_position_embeddings": 128},  # its rope extended to max_model_len
+    {"echo": 3.0, "draft_vocab": 300, "own_embeddings": True}])  # d2t, its own embeddings
+def test_eagle3_drafts_are_the_reference_drafters_through_preemption_hits_and_forks(
+        tmp_path, tiny_path, drafter):
+    """An EAGLE-3 drafter (random, leaning to repeat) for a target that repeats its last
+    token, under so few blocks that sequences are preempted, prompts sharing a prefix (hits
+    whose features the target stored earlier), feeds chunked by max_num_batched_tokens and
+    n=2 forks: the tokens are HF's, and every verified run's drafts are the reference
+    drafter's after the same tokens (HF's features, the layer in plain torch) — drafts
+    accepted in part, so the accepted ones are fed again from the target's features."""
+    from eagle3_oracle import reference_drafts, write_eagle3_checkpoint, write_echo_target
+
+    target = write_echo_target(str(tmp_path / "target"), tiny_path)
+    aux = [1, 0, 1]
+    path = write_eagle3_checkpoint(str(tmp_path / "eagle"), target, seed=3, aux_ids=aux,
+                                   **drafter)
+    prompts = random_prompts(5, 40, 70, seed=5)
+    prompts.append(prompts[0][:40] + [7, 8, 9])
+    outs, forks, runs, preemptions, hits = _eagle3_run(
+        target, path, prompts, 30, num_kvcache_blocks=24, max_num_batched_tokens=32)
+    assert preemptions > 0 and hits > 0, "the workload must preempt and hit the prefix cache"
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(target, prompt, 30)
+    assert [c.token_ids for c in forks] == [outs[0].token_ids] * 2
+    assert len(runs) > 100
+    for tokens, drafts in runs:
+        assert drafts == reference_drafts(target, path, tokens, len(drafts), aux), len(tokens)
+    drafted = sum(o.num_draft_tokens for o in outs)
+    accepted = sum(o.num_accepted_draft_tokens for o in outs)
+    assert 20 < accepted < drafted - 20, (accepted, drafted)
+
+
+def test_eagle3_through_the_mixed_workload_gives_the_plain_tokens(engines, tmp_path, tiny_path):
+    """A random EAGLE-3 drafter for the tiny model, with overlapped steps above 4 running
+    sequences: the plain engine's tokens, text and finish reasons through chunked prefills,
+    prefix hits, preemption, stop rules and aborts; nothing left held."""
+    from eagle3_oracle import write_eagle3_checkpoint
+
+    path = write_eagle3_checkpoint(str(tmp_path / "eagle"), tiny_path, seed=4, aux_ids=[0, 1, 1],
+                                   draft_vocab=256)
+    engine = LLM("tiny", runtime="inprocess", max_model_len=256, max_num_batched_tokens=64,
+                 num_kvcache_blocks=24, kvcache_block_size=16, overlap_scheduling=True,
+                 speculative_config={"method": "eagle3", "model": path,
+                                     "num_speculative_tokens": K, "adaptive": False,
+                                     "disable_by_batch_size": 4}).engine
+    spec, plain, counted = _run_both(engine, engines[1])
+    _assert_same_answers(spec, plain)
+    assert counted["num_draft_tokens"] > 100, counted
+
+
+def test_eagle3_is_refused_by_name_where_it_cannot_run(tmp_path, tiny_path):
+    from eagle3_oracle import write_eagle3_checkpoint
+
+    with pytest.raises(ValueError, match=r"is \['Qwen3ForCausalLM'\], not an EAGLE-3 drafter"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle3", "model": "tiny"})
+    with pytest.raises(ValueError, match="method 'eagle3' needs the drafter's checkpoint"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle3"})
+    far = write_eagle3_checkpoint(str(tmp_path / "far"), tiny_path, seed=1, aux_ids=[0, 1, 5])
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids=\[0, 1, 5\] must "
+                                         "name three layers of the target's 2"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle3", "model": far})
+    default_ids = write_eagle3_checkpoint(str(tmp_path / "default"), tiny_path, seed=1)
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids=\[2, 1, -1\]"):
+        LLM("tiny", runtime="inprocess",
+            speculative_config={"method": "eagle3", "model": default_ids})
+    wide = write_eagle3_checkpoint(str(tmp_path / "wide"), tiny_path, seed=1, aux_ids=[0, 1, 1])
+    with open(f"{wide}/config.json") as f:
+        config = json.load(f)
+    with open(f"{wide}/config.json", "w") as f:
+        json.dump({**config, "target_hidden_size": 128}, f)
+    with pytest.raises(ValueError, match="for a target of hidden size 128, this target's is 64"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle3", "model": wide})
+    with pytest.raises(ValueError, match="an EAGLE-3 drafter, not a model to serve"):
+        LLM(wide, runtime="inprocess")

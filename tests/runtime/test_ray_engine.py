@@ -128,6 +128,34 @@ def test_tp2_draft_model_shards_the_drafter_and_gives_hfs_tokens(ray_cluster, ti
     assert spec["num_accepted_tokens"] == spec["num_draft_tokens"], spec
 
 
+def test_tp2_eagle3_shards_the_drafter_and_drafts_as_one_rank_does(ray_cluster, tmp_path,
+                                                                   tiny_path):
+    """An EAGLE-3 drafter on Ray ranks at TP=2 (its heads and MLP sharded, ``fc`` whole on each
+    rank, each rank storing the target's features it computed): HF's tokens, and each
+    request's drafts proposed and accepted as a one-rank engine's (whose drafts are the
+    reference drafter's: tests/engine/test_speculative.py)."""
+    from eagle3_oracle import write_eagle3_checkpoint, write_echo_target
+
+    target = write_echo_target(str(tmp_path / "target"), tiny_path)
+    drafter = write_eagle3_checkpoint(str(tmp_path / "eagle"), target, seed=3, aux_ids=[1, 0, 1],
+                                      echo=1.0)
+    prompts = random_prompts(3, 20, 40, seed=37)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": 3, "adaptive": False}
+    counts = []
+    for options in ({"tensor_parallel_size": 2}, {"runtime": "inprocess"}):
+        llm = LLM(target, max_model_len=128, speculative_config=spec, **options)
+        try:
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(target, prompt, 24)
+        counts.append([(o.num_draft_tokens, o.num_accepted_draft_tokens) for o in outs])
+    assert counts[0] == counts[1]
+    assert 0 < sum(a for _, a in counts[0]) < sum(d for d, _ in counts[0]), counts
+
+
 def test_tp2_shards_the_heads_of_a_hybrid_model(ray_cluster, family_path):
     """Qwen3.5-MoE at TP=2: each rank holds half the linear-attention key and value heads (and
     their state), half the gated attention heads, half of each expert and of the shared
