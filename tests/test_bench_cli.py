@@ -164,20 +164,22 @@ def test_serve_runs_chat_messages_and_responses_side_by_side(serve_http) -> None
 
 
 def test_speculative_runs_every_drafter_with_the_plain_engines_tokens(tmp_path) -> None:
-    """``speculative --draft-model``: the tiny model, echoed, drafting for an echoed target:
-    every run gives the plain engine's tokens; echoed, the draft model is always right (21
-    tokens: the first, then four runs of k + 1 = 5)."""
+    """``speculative --draft-model --eagle3``: the tiny model, echoed, drafting for an echoed
+    target, and an EAGLE-3 head of its shape: every run gives the plain engine's tokens;
+    echoed, each drafter is always right (21 tokens: the first, then four runs of k + 1 = 5)."""
     out = tmp_path / "spec.json"
-    result = _bench("--model", "tiny", "--draft-model", "tiny", "--concurrency", "1,3",
+    result = _bench("--model", "tiny", "--draft-model", "tiny", "--eagle3", "--concurrency", "1,3",
                     "--input-len", "12", "--output-len", "21", "--repeats", "1", "--out",
                     str(out), cmd="speculative")
     assert result.returncode == 0, result.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     names = {run["drafter"] for run in runs}
     assert names == {"draft_model_random_fixed", "draft_model_random_adaptive",
-                     "draft_model_random_policy", "draft_model_echo_fixed", "oracle",
-                     "never_right", "never_right_adaptive", "never_right_policy", "ngram"}
+                     "draft_model_random_policy", "draft_model_echo_fixed", "eagle3_random_fixed",
+                     "eagle3_random_adaptive", "eagle3_random_policy", "eagle3_echo_fixed",
+                     "oracle", "never_right", "never_right_adaptive", "never_right_policy", "ngram"}
     assert len(runs) == 2 * len(names)
     assert all(run["same_tokens_share"] == 1.0 for run in runs), runs
-    echoed = [run for run in runs if run["drafter"] == "draft_model_echo_fixed"]
+    echoed = [run for run in runs if run["drafter"] in ("draft_model_echo_fixed",
+                                                         "eagle3_echo_fixed")]
     assert all(run["mean_acceptance_length"] == 5.0 for run in echoed), echoed

@@ -131,3 +131,71 @@ def default_checkpoint(shape: str = "0.6b") -> str:
     name = shape if shape in FAMILY_SHAPES else f"qwen3-{shape}"
     path = os.path.join(tempfile.gettempdir(), f"nvray-{name}-random")
     return random_qwen3_checkpoint(path, shape)
+
+
+EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' (Llama 3.1 8B, Qwen3 8B)
+
+
+def eagle3_checkpoint(target_path: str, with_weights: bool, std: float = 0.02) -> str:
+    """An EAGLE-3 head of the target at ``target_path`` in the temp dir (built once): one Llama
+    layer of the target's width and heads, a draft vocabulary of ``EAGLE3_DRAFT_VOCAB`` ids
+    (its first ids: ``d2t`` zero), the target's embeddings; random bf16 weights
+    ``with_weights``, else the config only (load_format="dummy")."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from nvray.models.tiny import resolve_model  # noqa: PLC0415
+
+    with open(os.path.join(resolve_model(target_path), "config.json")) as f:
+        target = json.load(f)
+    hidden = target["hidden_size"]
+    heads, kv_heads = target["num_attention_heads"], target.get("num_key_value_heads")
+    head_dim = target.get("head_dim") or hidden // heads
+    vocab = target["vocab_size"]
+    draft_vocab = min(EAGLE3_DRAFT_VOCAB, vocab)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": hidden, "intermediate_size": target["intermediate_size"],
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads or heads,
+              "head_dim": head_dim, "num_hidden_layers": 1, "vocab_size": vocab,
+              "draft_vocab_size": draft_vocab, "rms_norm_eps": target.get("rms_norm_eps", 1e-6),
+              "rope_theta": target.get("rope_theta", 10000.0),
+              "max_position_embeddings": target.get("max_position_embeddings", 2048),
+              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    layers = target["num_hidden_layers"]  # EAGLE-3's features: layers 2, L // 2, L - 3
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [
+        min(2, layers - 1), layers // 2, max(layers - 3, 0)]}
+    name = f"nvray-eagle3-{hidden}x{heads}x{layers}-{vocab}"
+    path = os.path.join(tempfile.gettempdir(), name + ("" if with_weights else "-config"))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    weights = os.path.join(path, "model.safetensors")
+    if with_weights and not os.path.exists(weights):
+        _write_eagle3_weights(weights, config, std)
+    return path
+
+
+def _write_eagle3_weights(file: str, config: dict[str, Any], std: float) -> None:
+    import torch  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"fc.weight": (hidden, 3 * hidden), "midlayer.self_attn.q_proj.weight": (q, 2 * hidden),
+              "midlayer.self_attn.k_proj.weight": (kv, 2 * hidden),
+              "midlayer.self_attn.v_proj.weight": (kv, 2 * hidden),
+              "midlayer.self_attn.o_proj.weight": (hidden, q),
+              "midlayer.mlp.gate_proj.weight": (inter, hidden),
+              "midlayer.mlp.up_proj.weight": (inter, hidden),
+              "midlayer.mlp.down_proj.weight": (hidden, inter),
+              "lm_head.weight": (config["draft_vocab_size"], hidden)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+               for name, shape in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm",
+                 "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    tensors["d2t"] = torch.zeros(config["draft_vocab_size"], dtype=torch.int64)
+    save_file(tensors, file)

@@ -30,7 +30,10 @@ whatever the batch. The n-gram proposer is then always right after two generated
 ``--draft-model`` (a checkpoint or a Qwen3 shape, e.g. ``0.6b`` for the 8B target) adds a
 draft model on the target's rank: with its random weights it is never right on the echo
 target (k fixed, adaptive, the default policy), then echoed itself it is always right (k fixed:
-the drafter's forwards at full acceptance); ``--no-host-drafters`` skips the runs above.
+the drafter's forwards at full acceptance); ``--eagle3`` does the same with an EAGLE-3 head
+of the target's shape (``checkpoints.eagle3_checkpoint``: one layer, a draft vocabulary of
+32000 ids, as the published heads of Llama 3.1 8B and Qwen3 8B), echoed by ``echo_eagle3``;
+``--no-host-drafters`` skips the runs above.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import statistics
 import time
 from typing import Any
 
-from nvray.bench.checkpoints import default_checkpoint, is_config_only
+from nvray.bench.checkpoints import default_checkpoint, eagle3_checkpoint, is_config_only
 from nvray.speculative import SpeculativeConfig
 
 
@@ -163,9 +166,10 @@ def _configs(config: SpeculativeConfig) -> dict[str, SpeculativeConfig]:
 def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: int,
                      workloads: dict[int, list[list[int]]], answers: dict[int, list[list[int]]],
                      plain: dict[int, float], output_len: int, repeats: int,
-                     echo: bool) -> list[dict[str, Any]]:
-    """The draft model (``draft_model``: a checkpoint directory or a Qwen3 shape's name) on the
-    target's rank: first with its random weights (on the echo checkpoint: never right) at k
+                     echo: bool, method: str = "draft_model") -> list[dict[str, Any]]:
+    """A drafter on the target's rank (``method`` ``draft_model``: ``draft_model`` is a
+    checkpoint directory or a Qwen3 shape's name; ``eagle3``: ``draft_model`` is an EAGLE-3
+    checkpoint): first with its random weights (on the echo checkpoint: never right) at k
     fixed, adaptive and under the default policy, then, with ``echo``, turned into an echo
     network too (always right: what the drafter's own forwards cost at full acceptance)."""
     import os  # noqa: PLC0415
@@ -174,7 +178,7 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
 
     path = (draft_model if os.path.isdir(draft_model) or draft_model == "tiny"
             else default_checkpoint(draft_model))
-    llm = LLM(model, speculative_config={"method": "draft_model", "model": path,
+    llm = LLM(model, speculative_config={"method": method, "model": path,
                                          "num_speculative_tokens": k,
                                          "disable_by_batch_size": max(workloads)}, **options)
     runs = []
@@ -186,24 +190,52 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
         for c, prompts in workloads.items():
             for name in ("fixed", "adaptive", "policy"):
                 speculator.config = configs[name]
-                runs.append(_run(llm, c, f"draft_model_random_{name}", prompts, answers[c],
+                runs.append(_run(llm, c, f"{method}_random_{name}", prompts, answers[c],
                                  plain[c], output_len, repeats))
         if echo:
-            echo_model(llm.engine.executor.runner.drafter.model)
+            runner = llm.engine.executor.runner
+            if method == "eagle3":
+                echo_eagle3(runner.drafter.model, runner.model)
+            else:
+                echo_model(runner.drafter.model)
             speculator.config = configs["fixed"]
             for c, prompts in workloads.items():
-                runs.append(_run(llm, c, "draft_model_echo_fixed", prompts, answers[c],
+                runs.append(_run(llm, c, f"{method}_echo_fixed", prompts, answers[c],
                                  plain[c], output_len, repeats))
     finally:
         llm.shutdown()
     return runs
 
 
+def echo_eagle3(drafter: Any, target: Any) -> None:
+    """Make an EAGLE-3 drafter of an echo target (``echo_model``) always right: ``fc`` passes
+    the first feature on (the echo target's stream at a position is its token's embedding),
+    attention and MLP add nothing, and the LM head is the target's over the draft vocabulary
+    (its first ids: ``d2t`` zero; the prompts' ids are below 10000)."""
+    import torch  # noqa: PLC0415
+
+    params = dict(drafter.named_parameters())
+    head = dict(target.named_parameters()).get("lm_head.weight",
+                                               target.model.embed_tokens.weight)
+    with torch.no_grad():
+        fc = params["fc.weight"]
+        fc.zero_()
+        fc[:, :fc.shape[0]].copy_(torch.eye(fc.shape[0], dtype=fc.dtype, device=fc.device))
+        for name, param in params.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        params["norm.weight"].fill_(1.0)
+        lm_head = params["lm_head.weight"]
+        lm_head.copy_(head[:lm_head.shape[0]])
+        if "d2t" in params:
+            params["d2t"].zero_()
+
+
 def bench_speculative(model: str | None = None, shape: str = "0.6b",
                       concurrencies: tuple[int, ...] = (1, 8, 32, 128), k: int = 4,
                       mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
                       repeats: int = 3, echo: bool = True, draft_model: str | None = None,
-                      host_drafters: bool = True) -> dict[str, Any]:
+                      host_drafters: bool = True, eagle3: bool = False) -> dict[str, Any]:
     from nvray import LLM  # noqa: PLC0415
 
     keep = keep_probability(mean_length, k)
@@ -225,10 +257,14 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
         plain_llm.shutdown()
     runs = [] if not draft_model else draft_model_runs(
         model, draft_model, options, k, workloads, answers, plain, output_len, repeats, echo)
+    if eagle3:
+        head = eagle3_checkpoint(model, with_weights=options.get("load_format") != "dummy")
+        runs += draft_model_runs(model, head, options, k, workloads, answers, plain,
+                                 output_len, repeats, echo, method="eagle3")
     if host_drafters:
         runs += _host_drafter_runs(model, options, k, keep, workloads, answers, plain,
                                    output_len, repeats, echo)
-    return {"model": model, "draft_model": draft_model, "k": k,
+    return {"model": model, "draft_model": draft_model, "eagle3": eagle3, "k": k,
             "target_mean_acceptance_length": mean_length,
             "keep_probability": round(keep, 4), "input_len": input_len,
             "output_len": output_len, "repeats": repeats, "echo": echo, "runs": runs}

@@ -21,7 +21,8 @@ has no model drafts); the target's input builder fills the placeholders from it.
 draft cache holds only ever changes which drafts are proposed, never which tokens are kept.
 
 CUDA graphs (``cuda_graph.py``): decode graphs and graphs of two rows a sequence (a drafting
-sequence feeds its newest token, and the last draft of a run kept whole) up to
+sequence feeds its newest token, and the last draft of a run kept whole; EAGLE-3: k + 1 rows,
+the run's kept tokens) up to
 ``disable_by_batch_size`` sequences, and one-sequence prefill graphs; other forwards run
 eagerly. They share the target's graph memory pool: graphs run one after another and keep
 nothing.
@@ -92,8 +93,12 @@ class Drafter:
             use_triton_kernels(self.model)
         drafting = min(config.max_num_seqs, spec.disable_by_batch_size)
         sizes = tuple(graph_batch_sizes(drafting))
+        # a feed's rows a sequence after a verified run: the last draft and the token after
+        # it (a draft model), or every kept token of the run (EAGLE-3 feeds accepted drafts
+        # again: up to k + 1)
+        feed_q = spec.num_speculative_tokens + 1 if spec.refeeds_accepted else 2
         self.shapes = (GraphShapes(sizes, tuple(prefill_graph_sizes(
-            config.max_prefill_graph_tokens)), sizes, 2) if graphs else GraphShapes())
+            config.max_prefill_graph_tokens)), sizes, feed_q) if graphs else GraphShapes())
         self.inputs = InputBuilder(self.block_size, max_model_len, config.max_num_seqs,
                                    graph_capacity(self.shapes), device, tables=tables)
         self.drafts = torch.zeros(drafting * spec.num_speculative_tokens, dtype=torch.int32,

@@ -3,7 +3,8 @@ steps replay the verification graphs: k + 1 rows a sequence, padded where a sequ
 fewer), a drafter that is always right and one that is always wrong, with fixed and adaptive
 draft counts, a JSON-schema request among them, against the same engine settings without speculation: greedy and seeded tokens
 equal. A draft model on the rank (the tiny model drafting for itself, and another random
-checkpoint that is never right), its mirror and draft forwards replaying its own graphs."""
+checkpoint that is never right), its mirror and draft forwards replaying its own graphs. An
+EAGLE-3 drafter, random and echoed."""
 
 from __future__ import annotations
 
@@ -80,6 +81,54 @@ def test_a_draft_model_on_the_gpu_keeps_the_tokens(drafter, tmp_path):
         accepted = sum(o.num_accepted_draft_tokens for o in greedy)
         if drafter == "self":  # its drafts are the target's own greedy tokens
             assert drafted > 50 and accepted >= 0.9 * drafted, (accepted, drafted)
+        else:
+            assert drafted > 50 and accepted < drafted // 4, (accepted, drafted)
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_eagle3_on_the_gpu_keeps_the_tokens(echo, tmp_path):
+    """An EAGLE-3 drafter with CUDA graphs on both sides (the target stores its features inside
+    its graphs): random, never right, the plain engine's tokens; echoed with its echoed target
+    (``nvray.bench.speculative``: the feature is the token's embedding, which the drafter
+    passes to its head), every greedy draft accepted — which holds only if each graph stored
+    the features at the right slots."""
+    from eagle3_oracle import write_eagle3_checkpoint
+    from nvray.bench.speculative import echo_eagle3, echo_weights
+    from nvray.models.tiny import resolve_model
+
+    prompts = random_prompts(6, 10, 40, seed=15)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+              for i in range(6)]
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    drafter = write_eagle3_checkpoint(str(tmp_path / "eagle"), resolve_model("tiny"), seed=5,
+                                      aux_ids=[0, 1, 1])
+    plain = LLM("tiny", **options)
+    try:
+        if echo:
+            echo_weights(plain)
+        expected = plain.generate(prompts, params, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    spec = LLM("tiny", speculative_config={"method": "eagle3", "model": drafter,
+                                           "num_speculative_tokens": 4,
+                                           "disable_by_batch_size": 8, "adaptive": False},
+               **options)
+    try:
+        runner = spec.engine.executor.runner
+        if echo:
+            echo_weights(spec)
+            echo_eagle3(runner.drafter.model, runner.model)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert runner.num_verify_replays > 0 and runner.drafter.num_graph_replays > 0
+        greedy = got[1::2]
+        drafted = sum(o.num_draft_tokens for o in greedy)
+        accepted = sum(o.num_accepted_draft_tokens for o in greedy)
+        if echo:
+            assert drafted > 50 and accepted == drafted, (accepted, drafted)
         else:
             assert drafted > 50 and accepted < drafted // 4, (accepted, drafted)
     finally:
