@@ -120,8 +120,24 @@ def language_model_keys(raw: dict[str, Any]) -> dict[str, Any]:
                                            text.get("tie_word_embeddings", False))}
 
 
+def speculators_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """An EAGLE-3 head in the ``speculators`` library's format (``speculators_model_type``
+    ``eagle3``: its layer's config in ``transformer_layer_config``) as the published EAGLE-3
+    format states it (``Eagle3LlamaForCausalLM``; ``norm_before_residual`` defaults to true
+    there)."""
+    if raw.get("speculators_model_type") != "eagle3":
+        return raw
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError("a speculators EAGLE-3 config needs transformer_layer_config (a dict)")
+    keys = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+    return {**layer, **{k: raw[k] for k in keys if raw.get(k) is not None},
+            "norm_before_residual": raw.get("norm_before_residual", True),
+            "architectures": ["Eagle3LlamaForCausalLM"]}
+
+
 def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
-    raw = language_model_keys(raw)
+    raw = language_model_keys(speculators_keys(raw))
     archs = raw.get("architectures") or []
     defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), _QWEN_DEFAULTS)
     raw = {_ALIASES.get(k, k): v for k, v in raw.items()}

@@ -14,13 +14,16 @@ import torch
 
 def write_eagle3_checkpoint(path: str, target_path: str, seed: int, *, draft_vocab: int | None = None,
                             aux_ids: list[int] | None = None, own_embeddings: bool = False,
-                            max_position_embeddings: int = 2048, echo: float = 0.0) -> str:
+                            max_position_embeddings: int = 2048, echo: float = 0.0,
+                            speculators: bool = False) -> str:
     """A random one-layer EAGLE-3 drafter for the target at ``target_path`` (its hidden size and
     vocabulary). ``draft_vocab``: a draft vocabulary of that many target ids (a random sorted
     subset, mapped back by ``d2t``), else the target's own. ``echo``: ``fc`` passes the first
     feature on at that scale and the LM head is the target's embeddings, so the drafter leans
     towards repeating the token its row's feature holds (the random attention and MLP decide
-    the rest: drafts of an echo target right part of the time)."""
+    the rest: drafts of an echo target right part of the time). ``speculators``: the
+    ``speculators`` library's format instead (the layer's config in ``transformer_layer_config``,
+    tensors ``layers.0.*``, ``norm_before_residual`` true)."""
     from safetensors.torch import load_file, save_file
 
     with open(os.path.join(target_path, "config.json")) as f:
@@ -63,16 +66,26 @@ def write_eagle3_checkpoint(path: str, target_path: str, seed: int, *, draft_voc
         tensors["fc.weight"][:, :hidden] += echo * torch.eye(hidden)
         tensors["lm_head.weight"] = embed[ids] / embed.std()
     os.makedirs(path, exist_ok=True)
+    if speculators:
+        tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-              "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
-              "vocab_size": vocab, "draft_vocab_size": draft, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "max_position_embeddings": max_position_embeddings,
-              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32"}
-    if aux_ids is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids,
-                                  "use_aux_hidden_state": True}
+    layer = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
+             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+             "num_hidden_layers": 1, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+             "rope_theta": 10000.0, "max_position_embeddings": max_position_embeddings,
+             "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32"}
+    if speculators:
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "transformer_layer_config": layer, "draft_vocab_size": draft,
+                  "target_hidden_size": hidden,
+                  "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]}}
+        if aux_ids is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    else:
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **layer, "draft_vocab_size": draft}
+        if aux_ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids,
+                                      "use_aux_hidden_state": True}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
@@ -114,8 +127,10 @@ def _layer(w: dict, cfg: dict, tokens: torch.Tensor, hidden: torch.Tensor,
     """The drafter over rows 0..T-1 (row r at position r): (normed, prenorm) [T, H]."""
     heads, kv_heads, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     positions = torch.arange(tokens.shape[0])
-    x = torch.cat([_rms(embed[tokens], w["midlayer.input_layernorm.weight"]),
-                   _rms(hidden, w["midlayer.hidden_norm.weight"])], dim=-1)
+    normed = _rms(hidden, w["midlayer.hidden_norm.weight"])
+    if cfg.get("norm_before_residual"):
+        hidden = normed  # the residual starts from the normed state
+    x = torch.cat([_rms(embed[tokens], w["midlayer.input_layernorm.weight"]), normed], dim=-1)
     q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(-1, heads, dim)
     k = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(-1, kv_heads, dim)
     v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(-1, kv_heads, dim)
@@ -143,9 +158,13 @@ def reference_drafts(target_path: str, eagle_path: str, tokens: list[int], k: in
     from oracle import hf_model
 
     target = hf_model(target_path)
-    w = load_file(os.path.join(eagle_path, "model.safetensors"))
+    w = {k.replace("layers.0.", "midlayer."): v
+         for k, v in load_file(os.path.join(eagle_path, "model.safetensors")).items()}
     with open(os.path.join(eagle_path, "config.json")) as f:
         cfg = json.load(f)
+    if "transformer_layer_config" in cfg:  # the speculators format
+        cfg = {**cfg["transformer_layer_config"],
+               "norm_before_residual": cfg.get("norm_before_residual", True)}
     embed = w.get("embed_tokens.weight", target.get_input_embeddings().weight.detach())
     with torch.no_grad():
         streams = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states

@@ -7,7 +7,9 @@ q, k and v project from twice the hidden size, ``fc`` (three target hidden sizes
 ``norm``, an LM head over a draft vocabulary of ``draft_vocab_size`` tokens with ``d2t`` (a
 draft id's offset to its target id: ``target = draft + d2t[draft]``; absent when the draft
 vocabulary is the target's), and ``embed_tokens`` where the drafter has its own (else it
-shares the target's). ``t2d`` is not needed. The config may set ``target_hidden_size``,
+shares the target's). ``t2d`` is not needed. The ``speculators`` library's format
+(``speculators_model_type: "eagle3"``, tensors ``layers.0.*``) reads the same
+(``model_config.speculators_keys``). The config may set ``target_hidden_size``,
 ``norm_before_residual`` and ``eagle_aux_hidden_state_layer_ids`` (at its top level or in
 ``eagle_config``); without them the features come from the target's layers 2, L // 2 and
 L - 3.

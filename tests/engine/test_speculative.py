@@ -610,11 +610,13 @@ def _eagle3_run(target: str, drafter: str, prompts: list[list[int]], max_tokens:
 
 @pytest.mark.parametrize("drafter", [
     {"echo": 1.0, "max_position_embeddings": 128},  # its rope extended to max_model_len
-    {"echo": 3.0, "draft_vocab": 300, "own_embeddings": True}])  # d2t, its own embeddings
+    {"echo": 3.0, "draft_vocab": 300, "own_embeddings": True},  # d2t, its own embeddings
+    {"echo": 2.0, "draft_vocab": 400, "speculators": True}])  # norm before the residual
 def test_eagle3_drafts_are_the_reference_drafters_through_preemption_hits_and_forks(
         tmp_path, tiny_path, drafter):
-    """An EAGLE-3 drafter (random, leaning to repeat) for a target that repeats its last
-    token, under so few blocks that sequences are preempted, prompts sharing a prefix (hits
+    """An EAGLE-3 drafter (random, leaning to repeat; in the published format, and in the
+    speculators library's with its hidden norm before the residual) for a target that repeats
+    its last token, under so few blocks that sequences are preempted, prompts sharing a prefix (hits
     whose features the target stored earlier), feeds chunked by max_num_batched_tokens and
     n=2 forks: the tokens are HF's, and every verified run's drafts are the reference
     drafter's after the same tokens (HF's features, the layer in plain torch) — drafts
@@ -633,7 +635,7 @@ def test_eagle3_drafts_are_the_reference_drafters_through_preemption_hits_and_fo
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(target, prompt, 30)
     assert [c.token_ids for c in forks] == [outs[0].token_ids] * 2
-    assert len(runs) > 100
+    assert len(runs) > 60
     for tokens, drafts in runs:
         assert drafts == reference_drafts(target, path, tokens, len(drafts), aux), len(tokens)
     drafted = sum(o.num_draft_tokens for o in outs)
