@@ -107,6 +107,12 @@ class SpeculativeConfig:
         return self.method in MODEL_METHODS
 
     @property
+    def drafter_rows_lag(self) -> bool:
+        """Whether the drafter's row at a position holds the next token (EAGLE-3): a block's
+        last row then depends on the block after it."""
+        return self.method == "eagle3"
+
+    @property
     def refeeds_accepted(self) -> bool:
         """Whether the drafter's rows of accepted drafts are fed again once verified (EAGLE-3:
         they were computed from its own hidden states, the target's features now exist)."""

@@ -137,10 +137,12 @@ EAGLE3_DRAFT_VOCAB = 32000  # the published EAGLE-3 heads' (Llama 3.1 8B, Qwen3 
 
 
 def eagle3_checkpoint(target_path: str, with_weights: bool, std: float = 0.02) -> str:
-    """An EAGLE-3 head of the target at ``target_path`` in the temp dir (built once): one Llama
+    """An EAGLE-3 head of the target at ``target_path`` in the temp dir (built once per
+    config): one Llama
     layer of the target's width and heads, a draft vocabulary of ``EAGLE3_DRAFT_VOCAB`` ids
     (its first ids: ``d2t`` zero), the target's embeddings; random bf16 weights
     ``with_weights``, else the config only (load_format="dummy")."""
+    import hashlib  # noqa: PLC0415
     import json  # noqa: PLC0415
     import os  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
@@ -165,8 +167,9 @@ def eagle3_checkpoint(target_path: str, with_weights: bool, std: float = 0.02) -
     layers = target["num_hidden_layers"]  # EAGLE-3's features: layers 2, L // 2, L - 3
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [
         min(2, layers - 1), layers // 2, max(layers - 3, 0)]}
-    name = f"nvray-eagle3-{hidden}x{heads}x{layers}-{vocab}"
-    path = os.path.join(tempfile.gettempdir(), name + ("" if with_weights else "-config"))
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(tempfile.gettempdir(), f"nvray-eagle3-{digest}"
+                        + ("" if with_weights else "-config"))
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)

@@ -10,7 +10,10 @@ Contract:
 - A freed block keeps its hash and content; free blocks are evicted least recently freed first
   (blocks holding no cached content go first of all). Reusing a block drops its stale hash.
 - At most ``(num_tokens - 1) // block_size`` blocks of a sequence are served from the cache,
-  so the model always has at least one token to compute (never a zero-length query).
+  so the model always has at least one token to compute (never a zero-length query). With
+  ``hits_skip_last_block`` (an EAGLE-3 drafter, whose row at a block's last position holds the
+  next block's first token) a cached prefix is served without its last block, which the
+  sequence computes again in a block of its own.
 - Forks: ``fork`` gives a sequence another's blocks up to a token count (ref counted, never
   copied). Copy-on-write: before a sequence writes into a block it shares (a fork's partly
   filled last block), it gets a private copy; the (source, copy) pair waits in
@@ -122,11 +125,11 @@ NO_PREFIX = CachedPrefix([], [])
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  group_windows: tuple[int | None, ...] = (None,), num_state_slots: int = 0,
-                 num_live_states: int | None = None) -> None:
+                 num_live_states: int | None = None, hits_skip_last_block: bool = False) -> None:
         """``group_windows``: the window of each block-table group (``KVLayout``);
         ``num_state_slots``: recurrent-state slots (0: the model has no recurrent layers), the
         first ``num_live_states`` (default: all) for running sequences, the rest for prefix
-        caching's saved states."""
+        caching's saved states; ``hits_skip_last_block``: see the module docstring."""
         assert num_blocks >= 1 and block_size >= 1, "need at least one block of one slot"
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -141,6 +144,7 @@ class BlockManager:
         self.group_windows = tuple(group_windows)
         self.num_groups = len(self.group_windows)
         self.windowed = [(g, w) for g, w in enumerate(self.group_windows) if w]
+        self.hits_skip_last_block = hits_skip_last_block
         self.blocks = [Block(i) for i in range(num_blocks)]
         # LRU order of free blocks: the first entry is evicted first.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -201,7 +205,7 @@ class BlockManager:
             found: list[int] = []
             hashes: list[int] = []
             prev = _root(seq)
-            for i in range((len(tokens) - 1) // bs):
+            for i in range((len(tokens) - 1) // bs - self.hits_skip_last_block):
                 block_tokens = tokens[i * bs:(i + 1) * bs]
                 prev = hash_block(prev, block_tokens)
                 block_id = self.hash_to_block.get(prev)
@@ -217,7 +221,8 @@ class BlockManager:
         blocks such that each full group caches blocks ``0..k-1`` and each windowed group the
         blocks its window reaches from position ``k * block_size``."""
         bs, groups = self.block_size, self.num_groups
-        hashes = hash_blocks(root, tokens[:(len(tokens) - 1) // bs * bs], bs)
+        num_blocks = (len(tokens) - 1) // bs - self.hits_skip_last_block
+        hashes = hash_blocks(root, tokens[:max(num_blocks, 0) * bs], bs)
         for g, window in enumerate(self.group_windows):  # a full group's first miss ends it
             if window is None:
                 hashes = hashes[:self._num_cached_leading(hashes, g, tokens)]

@@ -103,9 +103,11 @@ class LLMEngine:
         self.startup: dict[str, object] = {}  # record_startup: seconds by phase
         self.limits = limits
         self.clock = clock
+        spec = config.speculative
         self.block_manager = BlockManager(limits.num_kvcache_blocks, limits.block_size,
                                           config.enable_prefix_caching, limits.kv_group_windows,
-                                          limits.num_state_slots, config.max_num_seqs)
+                                          limits.num_state_slots, config.max_num_seqs,
+                                          spec is not None and spec.drafter_rows_lag)
         self.loras = LoRARegistry(config.enable_lora, limits.lora_targets, config.max_lora_rank)
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,

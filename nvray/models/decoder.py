@@ -22,9 +22,9 @@ first reads its input, the previous stage's hidden states and residual, from ``s
 (a static buffer the runner fills before the forward); a stage before the last returns
 ``[tokens, 2, hidden]`` (hidden states, residual) for the next.
 
-With an EAGLE-3 drafter (``nvray/models/eagle3.py``) the model's ``aux_capture`` takes the
-residual stream entering each of the layers it names (that sum finished over the ranks) and
-stores them, side by side, at the forward's KV slots.
+With an EAGLE-3 drafter (``nvray/models/eagle3.py``) each layer it names hands its
+``aux_capture`` the residual stream entering it (the new residual its input norm returns, whole
+on every rank), stored at the forward's KV slots.
 """
 
 from __future__ import annotations
@@ -181,6 +181,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, quantize_for=_first_quant_method(attn))
         self.post_attention_layernorm = RMSNorm(hidden_size, eps,
                                                 quantize_for=_first_quant_method(mlp))
+        self.aux_capture: Any = None  # an EAGLE-3 drafter's AuxCapture (models/eagle3.py) ...
+        self.aux_index = -1  # ... and this layer's index for it
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +190,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
+        if self.aux_capture is not None:  # the stream entering this layer, for EAGLE-3
+            self.aux_capture.take(self.aux_index, residual, meta.slot_mapping)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, meta), residual
@@ -233,7 +237,6 @@ class DecoderModel(nn.Module):
                                    for i in stage_layers(cfg.num_hidden_layers)})
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage() else None
         self.stage_input: torch.Tensor | None = None  # [tokens, 2, hidden], a later stage's
-        self.aux_capture: Any = None  # an EAGLE-3 drafter's (nvray/models/eagle3.py)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -246,14 +249,8 @@ class DecoderModel(nn.Module):
             assert self.stage_input is not None, "a later pipeline stage reads stage_input"
             received = self.stage_input[:positions.shape[0]]
             x, residual = received[:, 0].contiguous(), received[:, 1].contiguous()
-        capture = self.aux_capture
-        for index, layer in zip(self.layers.indices, self.layers):
-            if capture is not None and index in capture.layers:  # the stream entering it
-                x = finish(x)
-                capture.take(index, x if residual is None else x + residual)
+        for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        if capture is not None:
-            capture.store(meta.slot_mapping)
         if self.norm is None:  # for the next stage
             out = torch.stack([finish(x), residual], dim=1)
         else:

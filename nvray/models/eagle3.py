@@ -22,9 +22,14 @@ drafter's own hidden state before its final norm (``prenorm``). ``forward`` read
 input from ``hidden_in`` (a static buffer the drafter fills, so CUDA graphs can replay it) and
 returns ``[tokens, 2, hidden]``: the normed hidden states (for the LM head) and ``prenorm``.
 
-``AuxCapture`` is the target's side: ``DecoderModel.forward`` hands it the streams, and it
-stores their concatenation at the forward's KV slots in ``cache`` (one row a slot, and a last
-row for slot -1, the padding rows of a CUDA graph).
+``AuxCapture`` is the target's side: each named ``DecoderLayer`` hands it the stream entering it
+(the new residual of its input norm), stored as that layer's part of the feature at the
+forward's KV slots in ``cache`` (one row a slot, and a last row for slot -1, the padding rows
+of a CUDA graph).
+
+The layer ids count layers as vLLM does (layer l's input: HF's ``output_hidden_states[l]``);
+SGLang adds one to the ids a config names, so a head trained with SGLang's count and explicit
+ids names the layer before the one it was trained on.
 """
 
 from __future__ import annotations
@@ -59,21 +64,34 @@ def aux_layer_ids(cfg: Any, num_target_layers: int) -> tuple[int, ...]:
 class AuxCapture:
     """The target's features for its EAGLE-3 drafter (see the module docstring)."""
 
-    def __init__(self, layers: tuple[int, ...]) -> None:
-        self.layers = layers
-        self.cache: torch.Tensor | None = None  # [slots + 1, 3 * hidden], set by the drafter
-        self.parts: dict[int, torch.Tensor] = {}
+    def __init__(self, layers: tuple[int, ...], width: int) -> None:
+        self.layers, self.width = layers, width
+        self.cache: torch.Tensor | None = None  # [slots + 1, 3 * width], set by the drafter
 
-    def take(self, index: int, stream: torch.Tensor) -> None:
-        """The stream entering layer ``index``."""
-        self.parts[index] = stream
+    def attach(self, model: nn.Module) -> None:
+        """Have the target's named layers hand over their input streams."""
+        for index in sorted(set(self.layers)):
+            layer = model.model.layers[index]
+            if not hasattr(layer, "aux_capture"):
+                raise ValueError(f"EAGLE-3: the target's layer {index} ({type(layer).__name__}) "
+                                 "cannot hand its input to a drafter")
+            layer.aux_capture, layer.aux_index = self, index
 
-    def store(self, slot_mapping: torch.Tensor) -> None:
-        parts, self.parts = self.parts, {}
+    def detach(self, model: nn.Module) -> None:
+        for index in sorted(set(self.layers)):
+            model.model.layers[index].aux_capture = None
+        self.cache = None
+
+    def take(self, index: int, stream: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Layer ``index``'s input stream [tokens, width], stored at each token's slot in the
+        feature's part(s) that name the layer."""
         if self.cache is None or not self.cache.numel():
             return
-        features = torch.cat([parts[i] for i in self.layers], dim=-1)  # the drafter's order
-        self.cache[slot_mapping.long()] = features.to(self.cache.dtype)
+        parts = self.cache.view(-1, len(self.layers), self.width)
+        slots = slot_mapping.long()
+        for part, layer in enumerate(self.layers):
+            if layer == index:
+                parts[slots, part] = stream.to(parts.dtype)
 
 
 class Eagle3Layer(nn.Module):

@@ -14,6 +14,9 @@ differences:
   none): the drafter's cache lags the target's by one token and the newest token's row
   proposes the first draft. A further draft's row reads the row before's hidden state
   (``prenorm``) instead of a feature.
+- **A prefix hit leaves its last block out** (``BlockManager(hits_skip_last_block)``): that
+  block's last row holds the next block's first token, which differs between the sequences
+  sharing it.
 - **Rows of accepted drafts are fed again.** They were computed from the drafter's own hidden
   states; once verified, the target's features exist for them (``SpeculativeConfig.refeeds_accepted``).
 Drafts are the LM head's greedy ids over the draft vocabulary, mapped to the target's (``d2t``).
@@ -31,7 +34,7 @@ import torch
 from nvray.config import EngineConfig
 from nvray.loader import checkpoint_tensor_names
 from nvray.models.eagle3 import ARCHITECTURES, AuxCapture, aux_layer_ids
-from nvray.step_protocol import SeqStep
+from nvray.step_protocol import SeqStep, StepInput
 from nvray.worker.device_lists import copy_cache_blocks, to_device
 from nvray.worker.drafter import Drafter
 from nvray.worker.inputs import StepBatch
@@ -45,8 +48,9 @@ class Eagle3Drafter(Drafter):
         super().__init__(*args, **kwargs)
         cfg = self.hf_config
         self.feature_width = 3 * target.cfg.hidden_size
-        self.capture = AuxCapture(aux_layer_ids(cfg, target.cfg.num_hidden_layers))
-        target.model.aux_capture = self.capture
+        self.capture = AuxCapture(aux_layer_ids(cfg, target.cfg.num_hidden_layers),
+                                  target.cfg.hidden_size)
+        self.capture.attach(target)
         rows = max(self.config.max_num_batched_tokens, self.inputs.graph_capacity)
         self.model.hidden_in = torch.zeros(rows, cfg.hidden_size, dtype=self.dtype,
                                            device=self.device)
@@ -55,7 +59,8 @@ class Eagle3Drafter(Drafter):
 
     def _check_reach(self, max_model_len: int) -> None:
         cfg = self.hf_config
-        if getattr(cfg, "rope_scaling", None) is None:
+        scaling = getattr(cfg, "rope_scaling", None) or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_model_len)
         super()._check_reach(max_model_len)
 
@@ -74,6 +79,10 @@ class Eagle3Drafter(Drafter):
         names = checkpoint_tensor_names(path) if config.load_format != "dummy" else set()
         cfg.eagle_own_embeddings = bool(names & {"embed_tokens.weight",
                                                  "model.embed_tokens.weight"})
+        if not cfg.eagle_own_embeddings and cfg.hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"speculative_config model={self.spec.model!r}: an EAGLE-3 drafter "
+                             f"of hidden size {cfg.hidden_size} without embeddings of its own "
+                             f"cannot share the target's ({target_cfg.hidden_size} wide)")
         model = super()._build(path, config)
         if model.embed_tokens is None:  # the target's, as the drafter was trained with
             model.embed_tokens = self.target.model.embed_tokens
@@ -102,12 +111,22 @@ class Eagle3Drafter(Drafter):
         blocks = self.features.view(-1, self.block_size, self.feature_width)
         copy_cache_blocks([*self.kv_caches, blocks], copies, self.device)
 
+    def release_graphs(self) -> None:
+        self.carry = None  # a view of the graphs' memory
+        super().release_graphs()
+
     def close(self) -> None:
         super().close()
-        self.capture.cache = None
+        self.capture.detach(self.target)
         self.target = None  # type: ignore[assignment]
 
     # -------------------------------------------------------------------- step
+    def run(self, step: StepInput) -> torch.Tensor | None:
+        try:
+            return super().run(step)
+        finally:
+            self.carry = None  # (a view of graph memory: held no longer than the step)
+
     def _fed(self, s: SeqStep) -> SeqStep:
         fed = super()._fed(s)
         skip = int(s.draft_start == 0)  # token 0 has no feature before it: no row
@@ -116,7 +135,7 @@ class Eagle3Drafter(Drafter):
     def _set_inputs(self, batch: StepBatch, prev_rows: list[int] | None) -> None:
         """Each row's H-wide input: ``fc`` of the target's feature at its position (the feed),
         or the prenorm hidden state of the row it follows (a further draft's pass)."""
-        hidden_in = self.model.hidden_in
+        hidden_in = self._hidden_rows(batch.positions.shape[0])
         if prev_rows is None:
             rows = batch.positions.shape[0]
             slots = (batch.meta.slot_mapping if batch.meta is not None
@@ -126,6 +145,17 @@ class Eagle3Drafter(Drafter):
             assert self.carry is not None
             where = to_device(prev_rows, self.device)
             hidden_in[:len(prev_rows)] = self.carry.index_select(0, where)
+
+    def _hidden_rows(self, rows: int) -> torch.Tensor:
+        """``hidden_in``, grown to ``rows`` where an eager start-up step needs more (before any
+        graph reads it: a step's feed stays within ``max_num_batched_tokens``)."""
+        hidden_in = self.model.hidden_in
+        if rows > hidden_in.shape[0]:
+            assert self.graphs is None, "a graph reads hidden_in: it cannot move"
+            hidden_in = torch.zeros(rows, hidden_in.shape[1], dtype=self.dtype,
+                                    device=self.device)
+            self.model.hidden_in = hidden_in
+        return hidden_in
 
     def _greedy(self, rows: torch.Tensor) -> torch.Tensor | None:
         self.carry = rows[:, 1]  # read by the next pass before it runs (every rank)

@@ -617,7 +617,8 @@ def test_eagle3_drafts_are_the_reference_drafters_through_preemption_hits_and_fo
     """An EAGLE-3 drafter (random, leaning to repeat; in the published format, and in the
     speculators library's with its hidden norm before the residual) for a target that repeats
     its last token, under so few blocks that sequences are preempted, prompts sharing a prefix (hits
-    whose features the target stored earlier), feeds chunked by max_num_batched_tokens and
+    whose features the target stored earlier, one ending where the sharing sequences' tokens
+    part), feeds chunked by max_num_batched_tokens and
     n=2 forks: the tokens are HF's, and every verified run's drafts are the reference
     drafter's after the same tokens (HF's features, the layer in plain torch) — drafts
     accepted in part, so the accepted ones are fed again from the target's features."""
@@ -628,7 +629,9 @@ def test_eagle3_drafts_are_the_reference_drafters_through_preemption_hits_and_fo
     path = write_eagle3_checkpoint(str(tmp_path / "eagle"), target, seed=3, aux_ids=aux,
                                    **drafter)
     prompts = random_prompts(5, 40, 70, seed=5)
-    prompts.append(prompts[0][:40] + [7, 8, 9])
+    # hits of 2 blocks: one whose next token is the cached sequence's, one whose is not (its
+    # drafter row at position 31 holds token 32: its own, in a block of its own)
+    prompts += [prompts[0][:40] + [7, 8, 9], prompts[0][:32] + [11, 12, 13, 14]]
     outs, forks, runs, preemptions, hits = _eagle3_run(
         target, path, prompts, 30, num_kvcache_blocks=24, max_num_batched_tokens=32)
     assert preemptions > 0 and hits > 0, "the workload must preempt and hit the prefix cache"
@@ -685,3 +688,8 @@ def test_eagle3_is_refused_by_name_where_it_cannot_run(tmp_path, tiny_path):
         LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle3", "model": wide})
     with pytest.raises(ValueError, match="an EAGLE-3 drafter, not a model to serve"):
         LLM(wide, runtime="inprocess")
+    with open(f"{wide}/config.json", "w") as f:
+        json.dump({**config, "hidden_size": 32, "target_hidden_size": 64}, f)
+    with pytest.raises(ValueError, match="of hidden size 32 without embeddings of its own "
+                                         "cannot share the target's"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle3", "model": wide})
