@@ -133,3 +133,30 @@ def test_eagle3_on_the_gpu_keeps_the_tokens(echo, tmp_path):
             assert drafted > 50 and accepted < drafted // 4, (accepted, drafted)
     finally:
         spec.shutdown()
+
+
+def test_eagle3_eager_with_a_small_token_budget(tmp_path):
+    """Without graphs and with max_num_batched_tokens below the start-up's warm-up feeds (the
+    head's input buffer grows for them): the plain engine's tokens."""
+    from eagle3_oracle import write_eagle3_checkpoint
+    from nvray.models.tiny import resolve_model
+
+    prompts = random_prompts(3, 10, 40, seed=16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256,
+               "enforce_eager": True, "max_num_batched_tokens": 32}
+    drafter = write_eagle3_checkpoint(str(tmp_path / "eagle"), resolve_model("tiny"), seed=6,
+                                      aux_ids=[0, 1, 1])
+    plain = LLM("tiny", **options)
+    try:
+        expected = [o.token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        plain.shutdown()
+    spec = LLM("tiny", speculative_config={"method": "eagle3", "model": drafter,
+                                           "num_speculative_tokens": 3}, **options)
+    try:
+        got = spec.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        spec.shutdown()
+    assert [o.token_ids for o in got] == expected
+    assert sum(o.num_draft_tokens for o in got) > 0
