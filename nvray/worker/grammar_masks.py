@@ -20,7 +20,8 @@ one fill is in flight and every matcher is touched by one thread at a time (``ma
 ``clear`` wait for the filler first).
 
 Speculative decoding: a constrained sequence with drafts (known on the host: the n-gram
-proposer) samples a row per draft more; ``mask`` walks its matcher through the drafts to mask
+proposer; or the ranks' drafter's, read back once its forwards are done) samples a row per
+draft more; ``mask`` walks its matcher through the drafts to mask
 each row for the tokens before it, then rolls it back, and the filler has it accept the run its
 drafts verified.
 
@@ -44,7 +45,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from nvray.speculative import accepted_run
-from nvray.step_protocol import StepInput
+from nvray.step_protocol import StepInput, placeholder_row
 from nvray.worker.device_lists import to_device
 from nvray.worker.sampled_ids import SampledIds
 
@@ -154,10 +155,12 @@ class GrammarMasks:
             self.json_rows.discard(seq_id)
 
     # ------------------------------------------------------------------ launch
-    def mask(self, step: StepInput, logits: torch.Tensor) -> list[Constrained]:
+    def mask(self, step: StepInput, logits: torch.Tensor,
+             model_drafts: list[int] | None = None) -> list[Constrained]:
         """-inf, in place, for every token the grammar forbids in each constrained row of
         ``logits`` (the step's sampling rows); returns the constrained sequences as (seq_id,
-        first row, drafts: what its matcher is to accept after sampling)."""
+        first row, drafts: what its matcher is to accept after sampling). ``model_drafts``: the
+        ranks' drafter's ids, which a sequence's draft placeholders name."""
         filled = self._collect()
         rows, sources, unfilled, drafting, row = [], [], [], [], 0
         for seq in step.seqs:
@@ -168,6 +171,9 @@ class GrammarMasks:
                 self._start_matcher(seq.seq_id, spec.grammar)
             matcher = self.matchers.get(seq.seq_id)
             drafts = tuple(seq.token_ids[len(seq.token_ids) - seq.num_drafts:])
+            if drafts and drafts[0] < 0:  # placeholders: the drafter's
+                assert model_drafts is not None, "model drafts without the drafter's ids"
+                drafts = tuple(model_drafts[placeholder_row(d)] for d in drafts)
             if matcher is not None and drafts and not matcher.is_terminated():
                 drafting.append((seq.seq_id, row, drafts))
             elif seq.seq_id in filled.rows:

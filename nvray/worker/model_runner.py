@@ -474,7 +474,10 @@ class ModelRunner:
             if step.constrained:
                 if logits is raw:
                     logits = logits.clone()  # log-probabilities come from the raw logits
-                constrained = masks.mask(step, logits)
+                # the drafter's drafts, for rank 0's matchers to walk (its forwards are done:
+                # the target's is queued behind them)
+                drafted = self.step_drafts.tolist() if self.step_drafts is not None else None
+                constrained = masks.mask(step, logits, drafted)
             ids = sample(logits, specs, fused=self.fused_sampler).to(torch.int32)  # type: ignore[arg-type]
         else:
             raw = None
