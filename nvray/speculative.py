@@ -33,9 +33,8 @@ for k = 4, not just the ``a b`` the text holds).
 
 What does not speculate (it decodes a token a step, in the same batch): sequences with bad
 words, a ``min_tokens`` still to reach, beam searches, and models with recurrent layers (whose
-state cannot be rolled back); with a drafter on the ranks, penalized requests too (the
-ranks' drafts are unknown to the host, which states each draft position's penalties; rank 0
-reads them back for grammar requests' masks). Log-probabilities are the target's at each kept
+state cannot be rolled back). With a drafter on the ranks, the ranks read its drafts back
+for the penalties and grammar masks of the draft positions. Log-probabilities are the target's at each kept
 token's position; penalties at a draft position count the drafts before it.
 """
 

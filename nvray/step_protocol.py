@@ -210,10 +210,11 @@ class StepOutput(NamedTuple):
     drafts: list[int] | None = None  # model drafts, by placeholder row (see the docstring)
 
 
-def sample_specs(step: StepInput) -> list[SampleSpec]:
+def sample_specs(step: StepInput, model_drafts: list[int] | None = None) -> list[SampleSpec]:
     """The ``SampleSpec`` of each sampled row, in row order (a speculating sequence's j-th draft
     position at ``step_index + j``, its penalties counting drafts 1..j as output: a token kept
-    there follows them)."""
+    there follows them; ``model_drafts``: the ranks' drafter's ids, which draft placeholders
+    name)."""
     specs = []
     for s in step.seqs:
         if s.sample is None:
@@ -224,6 +225,9 @@ def sample_specs(step: StepInput) -> list[SampleSpec]:
             spec = s.sample._replace(step_index=s.sample.step_index + j)
             if penalties is not None:
                 drafts = s.token_ids[len(s.token_ids) - s.num_drafts:][:j]
+                if drafts[0] < 0:  # placeholders: the drafter's
+                    assert model_drafts is not None, "model drafts without the drafter's ids"
+                    drafts = [model_drafts[placeholder_row(d)] for d in drafts]
                 spec = spec._replace(penalties=penalties._replace(
                     tokens=penalties.tokens + array("i", drafts).tobytes()))
             specs.append(spec)

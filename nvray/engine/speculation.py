@@ -27,9 +27,9 @@ cache is fed only in steps where a sequence drafts, with what it lacks of that s
 preemption): steps without drafts (large batches, pauses, overlapped steps) cost the draft
 model nothing, and a sequence that drafts again first feeds the tokens it missed (its whole
 prompt the first time: prefix-cache hits are the target's only), up to ``feed_budget`` tokens a
-step. Penalized requests do not speculate there (a draft position's penalties follow the
-drafts before it, which the host does not know); a grammar's rank 0 reads the drafts back to
-mask each draft row (``nvray/worker/grammar_masks.py``).
+step. A draft position's penalties and grammar mask follow the drafts before it: the ranks
+read the drafts back for them (``step_protocol.sample_specs``,
+``nvray/worker/grammar_masks.py``).
 
 With ``adaptive`` (the default), a sequence's ``DraftPace`` sets how many drafts it proposes:
 the runs it verifies cost a forward pass over every draft, so a sequence whose drafts fail
@@ -155,8 +155,7 @@ class Speculator:
         """Whether this sequence's request allows drafts now (see the module docstring)."""
         params = seq.params
         return (params.speculate and not plan.bad_words
-                and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens
-                and not (self.on_ranks and params.has_penalties))
+                and len(seq.token_ids) - seq.num_prompt_tokens >= plan.min_tokens)
 
     def _pace(self, seq: Sequence) -> DraftPace:
         if seq.draft_pace is None:

@@ -464,7 +464,11 @@ class ModelRunner:
         num_score_rows = sum(len(s.score.targets) for s in step.seqs if s.score is not None)
         score_hidden = read_hidden[:num_score_rows] if num_score_rows else None
         pooled, widths = self._pool(step, read_hidden, num_score_rows)
-        specs = sample_specs(step)
+        # the drafter's drafts, which a draft row's penalties and grammar mask follow (its
+        # forwards are done: the target's is queued behind them)
+        drafted = (self.step_drafts.tolist() if self.step_drafts is not None
+                   and (step.constrained or step.adjusts_logits) else None)
+        specs = sample_specs(step, drafted)
         masks, constrained = self.grammar_masks, []
         if logits is not None:
             raw = logits if step.samples_logprobs else None
@@ -474,9 +478,6 @@ class ModelRunner:
             if step.constrained:
                 if logits is raw:
                     logits = logits.clone()  # log-probabilities come from the raw logits
-                # the drafter's drafts, for rank 0's matchers to walk (its forwards are done:
-                # the target's is queued behind them)
-                drafted = self.step_drafts.tolist() if self.step_drafts is not None else None
                 constrained = masks.mask(step, logits, drafted)
             ids = sample(logits, specs, fused=self.fused_sampler).to(torch.int32)  # type: ignore[arg-type]
         else:
