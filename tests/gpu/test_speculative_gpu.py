@@ -90,8 +90,8 @@ def test_a_draft_model_on_the_gpu_keeps_the_tokens(drafter, tmp_path):
 @pytest.mark.parametrize("echo", [False, True])
 def test_eagle3_on_the_gpu_keeps_the_tokens(echo, tmp_path):
     """An EAGLE-3 drafter with CUDA graphs on both sides (the target stores its features inside
-    its graphs), a JSON-schema request drafting among the others (rank 0 reads the drafts back
-    for its masks): random, never right, the plain engine's tokens; echoed with its echoed target
+    its graphs), a JSON-schema request and a penalized one drafting among the others (rank 0
+    reads the drafts back for their masks and penalties): random, never right, the plain engine's tokens; echoed with its echoed target
     (``nvray.bench.speculative``: the feature is the token's embedding, which the drafter
     passes to its head), every greedy draft accepted — which holds only if each graph stored
     the features at the right slots."""
@@ -105,6 +105,8 @@ def test_eagle3_on_the_gpu_keeps_the_tokens(echo, tmp_path):
               for i in range(6)]
     params[2] = SamplingParams(temperature=0.0, max_tokens=32, structured_outputs={
         "json": {"type": "object", "properties": {"n": {"type": "integer"}}}})  # drafts masked
+    params[4] = SamplingParams(temperature=1.0, seed=4, max_tokens=32, ignore_eos=True,
+                               presence_penalty=0.5, frequency_penalty=0.2)  # drafts penalized
     options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
     drafter = write_eagle3_checkpoint(str(tmp_path / "eagle"), resolve_model("tiny"), seed=5,
                                       aux_ids=[0, 1, 1])
