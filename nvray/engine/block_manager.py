@@ -205,7 +205,7 @@ class BlockManager:
             found: list[int] = []
             hashes: list[int] = []
             prev = _root(seq)
-            for i in range((len(tokens) - 1) // bs - self.hits_skip_last_block):
+            for i in range((len(tokens) - 1) // bs):
                 block_tokens = tokens[i * bs:(i + 1) * bs]
                 prev = hash_block(prev, block_tokens)
                 block_id = self.hash_to_block.get(prev)
@@ -213,6 +213,9 @@ class BlockManager:
                     break
                 found.append(block_id)
                 hashes.append(prev)
+            if self.hits_skip_last_block and found:
+                found.pop()
+                hashes.pop()
             return CachedPrefix(found, hashes)
         return self._find_cached_prefix_by_group(tokens, _root(seq))
 
@@ -221,17 +224,19 @@ class BlockManager:
         blocks such that each full group caches blocks ``0..k-1`` and each windowed group the
         blocks its window reaches from position ``k * block_size``."""
         bs, groups = self.block_size, self.num_groups
-        num_blocks = (len(tokens) - 1) // bs - self.hits_skip_last_block
-        hashes = hash_blocks(root, tokens[:max(num_blocks, 0) * bs], bs)
+        hashes = hash_blocks(root, tokens[:(len(tokens) - 1) // bs * bs], bs)
         for g, window in enumerate(self.group_windows):  # a full group's first miss ends it
             if window is None:
                 hashes = hashes[:self._num_cached_leading(hashes, g, tokens)]
         cached = [[self._cached_block(h, g, tokens[i * bs:(i + 1) * bs])
                    for i, h in enumerate(hashes)] for g in range(groups)]
-        best = 0
+        best, skip = 0, self.hits_skip_last_block
         for k in range(len(hashes), 0, -1):
             if all(all(b is not None for b in cached[g][first_needed_block(w, k * bs, bs):k])
                    for g, w in enumerate(self.group_windows)):
+                if skip:  # the longest prefix found, less its last block
+                    skip = False
+                    continue
                 best = k
                 break
         lows = [first_needed_block(w, best * bs, bs) for w in self.group_windows]

@@ -10,9 +10,8 @@ tokens the sequence keeps and counts them.
 
 A sequence may speculate unless its tokens depend on more than the target's distribution at
 each position given the tokens before it, as the ranks sample it: bad words, ``min_tokens``
-not yet reached; beam search opts out. A grammar's sequence speculates with drafts known on
-the host (n-gram): rank 0 masks each draft position for the drafts before it
-(``nvray/worker/grammar_masks.py``). Drafts never run past ``max_tokens`` or
+not yet reached; beam search opts out. A grammar's sequence speculates too: rank 0 masks each
+draft position for the drafts before it (``nvray/worker/grammar_masks.py``). Drafts never run past ``max_tokens`` or
 ``max_model_len``. A request with ``speculate=False`` opts out. Log-probabilities are the
 target's: the ranks compute them at every verified position, and a kept token takes its
 position's. Penalties at a draft position count the drafts before it as output (a token kept

@@ -135,6 +135,9 @@ class ModelRunner:
         self.stage_input = self._stage_input_buffer()
         self.drafter = self._drafter(graphs_wanted)  # reads this rank's block tables
         self.step_drafts: torch.Tensor | None = None  # the drafter's ids for the step running
+        # their copy on the host, started before the target's forward (penalties and grammar
+        # masks of draft rows read it), and its copy's event (None on the CPU)
+        self.step_drafts_host: tuple[torch.Tensor, Any] | None = None
         self.lora = self._lora_model()
         self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
@@ -365,6 +368,9 @@ class ModelRunner:
         if self.drafter is not None:  # its drafts fill the step's draft placeholders
             self.step_drafts = self.drafter.run(step)
             fill = self.step_drafts if self.step_drafts is not None else fill
+            self.step_drafts_host = (self._drafts_to_host(self.step_drafts)
+                                     if self.step_drafts is not None
+                                     and (step.constrained or step.adjusts_logits) else None)
         batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
                                     fill)
         if self.lora is not None:
@@ -384,6 +390,26 @@ class ModelRunner:
         logits = self.model.compute_logits(rows[:batch.num_samples]) if batch.num_samples else None
         reads_more = batch.num_scores or batch.num_pools
         return logits, (rows[batch.num_samples:] if reads_more else None)
+
+    def _drafts_to_host(self, drafts: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying the drafter's ids to the host (queued before the target's forward,
+        so reading them waits for the drafter's forwards only)."""
+        if self.device.type != "cuda":
+            return drafts.clone(), None
+        host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+        host.copy_(drafts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def _drafts_on_host(self) -> list[int] | None:
+        """The step's drafter ids started by ``forward`` (None: none asked for)."""
+        if self.step_drafts_host is None:
+            return None
+        (host, done), self.step_drafts_host = self.step_drafts_host, None
+        if done is not None:
+            done.synchronize()
+        return host.tolist()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
@@ -464,10 +490,7 @@ class ModelRunner:
         num_score_rows = sum(len(s.score.targets) for s in step.seqs if s.score is not None)
         score_hidden = read_hidden[:num_score_rows] if num_score_rows else None
         pooled, widths = self._pool(step, read_hidden, num_score_rows)
-        # the drafter's drafts, which a draft row's penalties and grammar mask follow (its
-        # forwards are done: the target's is queued behind them)
-        drafted = (self.step_drafts.tolist() if self.step_drafts is not None
-                   and (step.constrained or step.adjusts_logits) else None)
+        drafted = self._drafts_on_host()  # a draft row's penalties and mask follow them
         specs = sample_specs(step, drafted)
         masks, constrained = self.grammar_masks, []
         if logits is not None:

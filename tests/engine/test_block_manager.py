@@ -32,6 +32,21 @@ def test_identical_prefix_is_reused_and_counted():
     assert bm.prefix_hit_rate == 8 / (10 + 11)
 
 
+def test_a_hit_leaves_its_last_block_out_for_a_drafter_whose_rows_lag():
+    """EAGLE-3 (``hits_skip_last_block``): the longest cached prefix is served less its last
+    block, however long the prompt, on one group and on several (a window reaching past it)."""
+    for windows in ((None,), (None, 64)):
+        bm = BlockManager(num_blocks=20, block_size=4, group_windows=windows,
+                          hits_skip_last_block=True)
+        a = seq_of(list(range(14)))  # 3 full blocks cached after its prefill
+        run_prefill(bm, a)
+        b = seq_of(list(range(12)) + [99] * 9)  # 3 blocks match, 5 could be looked up
+        run_prefill(bm, b)
+        assert b.num_cached_tokens == 8, windows
+        assert b.block_table[:2 * len(windows)] == a.block_table[:2 * len(windows)]
+        assert b.block_table[2 * len(windows)] != a.block_table[2 * len(windows)]
+
+
 def test_chained_hash_does_not_match_a_block_with_a_different_prefix():
     bm = BlockManager(num_blocks=10, block_size=4)
     run_prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9]))

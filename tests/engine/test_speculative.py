@@ -677,7 +677,7 @@ def test_eagle3_drafts_are_the_reference_drafters_through_preemption_hits_and_fo
     prompts = random_prompts(5, 40, 70, seed=5)
     # hits of 2 blocks: one whose next token is the cached sequence's, one whose is not (its
     # drafter row at position 31 holds token 32: its own, in a block of its own)
-    prompts += [prompts[0][:40] + [7, 8, 9], prompts[0][:32] + [11, 12, 13, 14]]
+    prompts += [prompts[0][:40] + [7, 8, 9], prompts[0][:32] + [11, 12, 13, 14] * 5]
     outs, forks, runs, preemptions, hits = _eagle3_run(
         target, path, prompts, 30, num_kvcache_blocks=24, max_num_batched_tokens=32)
     assert preemptions > 0 and hits > 0, "the workload must preempt and hit the prefix cache"
