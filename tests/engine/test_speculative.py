@@ -193,25 +193,44 @@ class _Then:
         return (self.first.propose(token_ids, k) + self.tail)[:k]
 
 
+def _json_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Four JSON-schema requests, greedy and seeded."""
+    schema = {"type": "object", "properties": {"tag": {"enum": ["ab", "ray serve"]},
+                                               "ok": {"type": "boolean"},
+                                               "n": {"type": "integer"}},
+              "required": ["tag", "ok", "n"]}
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=48,
+                             structured_outputs={"json": schema}) for i in range(4)]
+    return random_prompts(4, 8, 20, seed=19), params
+
+
+def _plain_outputs(prompts, params, **options):  # noqa: ANN001, ANN202
+    """The tiny model's outputs without speculation."""
+    plain = LLM("tiny", **options)
+    try:
+        return plain.generate(prompts, params, use_tqdm=False)
+    finally:
+        plain.shutdown()
+
+
+def _assert_json_texts(outs, expected) -> None:  # noqa: ANN001
+    """The plain engine's texts; each finished one a JSON object of the schema's keys (a random
+    model may write a long integer and stop at max_tokens)."""
+    assert [o.text for o in outs] == [o.text for o in expected]
+    for out in outs:
+        if out.finish_reason == "stop":
+            assert set(json.loads(out.text)) == {"tag", "ok", "n"}
+
+
 def test_grammar_requests_speculate_with_every_draft_row_masked():
     """JSON-schema requests, greedy and seeded, with overlapped steps, speculating with drafts
     that hold, drafts the grammar refuses (a wrong token, EOS mid-object, a special token),
     drafts that run past the grammar's end and the n-gram proposer: rank 0 masks each draft
     row for the drafts before it and its matcher takes the kept run, so the text is the plain
     engine's, valid JSON."""
-    schema = {"type": "object", "properties": {"tag": {"enum": ["ab", "ray serve"]},
-                                               "ok": {"type": "boolean"},
-                                               "n": {"type": "integer"}},
-              "required": ["tag", "ok", "n"]}
-    prompts = random_prompts(4, 8, 20, seed=19)
-    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=48,
-                             structured_outputs={"json": schema}) for i in range(4)]
+    prompts, params = _json_requests()
     options = {"runtime": "inprocess", "max_model_len": 128}
-    plain = LLM("tiny", overlap_scheduling=False, **options)
-    try:
-        expected = plain.generate(prompts, params, use_tqdm=False)
-    finally:
-        plain.shutdown()
+    expected = _plain_outputs(prompts, params, overlap_scheduling=False, **options)
     assert sum(o.finish_reason == "stop" for o in expected) >= 2
     answers = [list(o.prompt_token_ids) + list(o.token_ids) for o in expected]
     llm = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": K,
@@ -229,10 +248,7 @@ def test_grammar_requests_speculate_with_every_draft_row_masked():
                                ("ngram", speculator.proposer)):
             speculator.proposer = proposer
             outs = llm.generate(prompts, params, use_tqdm=False)
-            assert [o.text for o in outs] == [o.text for o in expected], name
-            for out in outs:
-                if out.finish_reason == "stop":  # (a random model may write a long integer)
-                    assert set(json.loads(out.text)) == {"tag", "ok", "n"}
+            _assert_json_texts(outs, expected)
             drafted = sum(o.num_draft_tokens for o in outs)
             accepted = sum(o.num_accepted_draft_tokens for o in outs)
             assert drafted > 0, name
@@ -252,19 +268,9 @@ def test_grammar_requests_draft_with_a_drafter_on_the_ranks(method, tmp_path, ti
     the text is the plain engine's, valid JSON, and drafts are accepted where they fit."""
     from eagle3_oracle import write_eagle3_checkpoint
 
-    schema = {"type": "object", "properties": {"tag": {"enum": ["ab", "ray serve"]},
-                                               "ok": {"type": "boolean"},
-                                               "n": {"type": "integer"}},
-              "required": ["tag", "ok", "n"]}
-    prompts = random_prompts(4, 8, 20, seed=19)
-    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=48,
-                             structured_outputs={"json": schema}) for i in range(4)]
+    prompts, params = _json_requests()
     options = {"runtime": "inprocess", "max_model_len": 128}
-    plain = LLM("tiny", **options)
-    try:
-        expected = plain.generate(prompts, params, use_tqdm=False)
-    finally:
-        plain.shutdown()
+    expected = _plain_outputs(prompts, params, **options)
     model = "tiny" if method == "draft_model" else write_eagle3_checkpoint(
         str(tmp_path / "eagle"), tiny_path, seed=8, aux_ids=[0, 1, 1])
     llm = LLM("tiny", speculative_config={"method": method, "model": model,
@@ -274,10 +280,7 @@ def test_grammar_requests_draft_with_a_drafter_on_the_ranks(method, tmp_path, ti
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [o.text for o in outs] == [o.text for o in expected]
-    for out in outs:
-        if out.finish_reason == "stop":
-            assert set(json.loads(out.text)) == {"tag", "ok", "n"}
+    _assert_json_texts(outs, expected)
     drafted = sum(o.num_draft_tokens for o in outs)
     accepted = sum(o.num_accepted_draft_tokens for o in outs)
     assert drafted > 20, drafted
