@@ -68,6 +68,11 @@ class AuxCapture:
         self.layers, self.width = layers, width
         self.cache: torch.Tensor | None = None  # [slots + 1, 3 * width], set by the drafter
 
+    @property
+    def feature_width(self) -> int:
+        """A token's feature: the named layers' streams side by side."""
+        return len(self.layers) * self.width
+
     def attach(self, model: nn.Module) -> None:
         """Have the target's named layers hand over their input streams."""
         for index in sorted(set(self.layers)):

@@ -47,10 +47,10 @@ class Eagle3Drafter(Drafter):
         self.target = target
         super().__init__(*args, **kwargs)
         cfg = self.hf_config
-        self.feature_width = 3 * target.cfg.hidden_size
         self.capture = AuxCapture(aux_layer_ids(cfg, target.cfg.num_hidden_layers),
                                   target.cfg.hidden_size)
         self.capture.attach(target)
+        self.feature_width = self.capture.feature_width
         rows = max(self.config.max_num_batched_tokens, self.inputs.graph_capacity)
         self.model.hidden_in = torch.zeros(rows, cfg.hidden_size, dtype=self.dtype,
                                            device=self.device)
@@ -102,7 +102,7 @@ class Eagle3Drafter(Drafter):
         """The draft cache and a feature cache of ``num_blocks`` blocks and one more (slot -1:
         a CUDA graph's padding rows store there)."""
         super().allocate_kv_cache(num_blocks)
-        self.features = torch.empty(0)
+        self.features = self.capture.cache = torch.empty(0)  # free the old cache first
         rows = (num_blocks + 1) * self.block_size if num_blocks else 0
         self.features = torch.zeros(rows, self.feature_width, dtype=self.dtype, device=self.device)
         self.capture.cache = self.features

@@ -136,8 +136,9 @@ class ModelRunner:
         self.drafter = self._drafter(graphs_wanted)  # reads this rank's block tables
         self.step_drafts: torch.Tensor | None = None  # the drafter's ids for the step running
         # their copy on the host, started before the target's forward (penalties and grammar
-        # masks of draft rows read it), and its copy's event (None on the CPU)
-        self.step_drafts_host: tuple[torch.Tensor, Any] | None = None
+        # masks of draft rows and the step's answer read it), and its copy's event (None on
+        # the CPU); then the ids as a list, once read
+        self.step_drafts_host: tuple[torch.Tensor, Any] | list[int] | None = None
         self.lora = self._lora_model()
         self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
@@ -369,8 +370,7 @@ class ModelRunner:
             self.step_drafts = self.drafter.run(step)
             fill = self.step_drafts if self.step_drafts is not None else fill
             self.step_drafts_host = (self._drafts_to_host(self.step_drafts)
-                                     if self.step_drafts is not None
-                                     and (step.constrained or step.adjusts_logits) else None)
+                                     if self.step_drafts is not None else None)
         batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
                                     fill)
         if self.lora is not None:
@@ -403,13 +403,14 @@ class ModelRunner:
         return host, done
 
     def _drafts_on_host(self) -> list[int] | None:
-        """The step's drafter ids started by ``forward`` (None: none asked for)."""
-        if self.step_drafts_host is None:
-            return None
-        (host, done), self.step_drafts_host = self.step_drafts_host, None
+        """The step's drafter ids whose copy ``forward`` started (None: the step has none)."""
+        if self.step_drafts_host is None or isinstance(self.step_drafts_host, list):
+            return self.step_drafts_host
+        host, done = self.step_drafts_host
         if done is not None:
             done.synchronize()
-        return host.tolist()
+        self.step_drafts_host = host.tolist()
+        return self.step_drafts_host
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
@@ -417,10 +418,7 @@ class ModelRunner:
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Forks: each (src, dst) slot's recurrent state, in every layer, before the step."""
-        src = to_device([c[0] for c in copies], self.device)
-        dst = to_device([c[1] for c in copies], self.device)
-        for state in self.state_caches:
-            state.index_copy_(0, dst, state.index_select(0, src))
+        copy_cache_blocks(self.state_caches, copies, self.device)  # a slot: a row of each
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
@@ -428,9 +426,10 @@ class ModelRunner:
         elsewhere)."""
         self.profiler.step()
         out = self._sample(self._forward_step(step), share_ids=False).result()
-        drafts, self.step_drafts = self.step_drafts, None
+        drafts = self._drafts_on_host()
+        self.step_drafts = self.step_drafts_host = None
         if drafts is not None and self.samples:  # what the drafter proposed, for the engine
-            out = out._replace(drafts=drafts.tolist())
+            out = out._replace(drafts=drafts)
         return out
 
     @torch.inference_mode()
@@ -490,7 +489,8 @@ class ModelRunner:
         num_score_rows = sum(len(s.score.targets) for s in step.seqs if s.score is not None)
         score_hidden = read_hidden[:num_score_rows] if num_score_rows else None
         pooled, widths = self._pool(step, read_hidden, num_score_rows)
-        drafted = self._drafts_on_host()  # a draft row's penalties and mask follow them
+        # a draft row's penalties and mask follow the drafts before it
+        drafted = self._drafts_on_host() if step.constrained or step.adjusts_logits else None
         specs = sample_specs(step, drafted)
         masks, constrained = self.grammar_masks, []
         if logits is not None:
