@@ -57,6 +57,7 @@ from .fp8_gemm import (block_fp8_mm, block_fp8_mm_ref, channel_fp8_mm,  # noqa: 
                        quantize_fp8_act_ref)
 from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from .fused_moe import fused_moe, fused_moe_ref, moe_align, moe_align_ref  # noqa: E402
+from .gdn_commit import gdn_commit, gdn_commit_ref  # noqa: E402
 from .gdn_decode import gdn_decode, gdn_decode_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import (decode_scratch_bytes, paged_decode_attention,  # noqa: E402
@@ -97,6 +98,8 @@ __all__ = [
     "sum_rms_norm_ref",
     "filter_thresholds",
     "filter_thresholds_ref",
+    "gdn_commit",
+    "gdn_commit_ref",
     "gdn_decode",
     "gdn_decode_ref",
     "mask_logits",

@@ -97,8 +97,8 @@ def echo_weights(llm: Any, margin: float = 50.0) -> None:
 
 def echo_model(model: Any, margin: float = 50.0) -> None:
     """Make ``model``'s weights (CUDA graphs read the same tensors) repeat the
-    last token: the residual stream stays the token's embedding e (every ``o_proj``,
-    ``down_proj`` and MoE experts' ``w2`` zero; a shared expert's gate may be left, its
+    last token: the residual stream stays the token's embedding e (every ``o_proj``, linear
+    attention's ``out_proj``, ``down_proj`` and MoE experts' ``w2`` zero; a shared expert's gate may be left, its
     ``down_proj`` is zero), the final norm's weight is one, and the LM head is the embedding
     scaled so that the token's own logit is ``margin`` (``hidden * alpha * rms(e) = margin``)
     while another's is about ``margin / sqrt(hidden)``."""
@@ -108,7 +108,8 @@ def echo_model(model: Any, margin: float = 50.0) -> None:
     embed = params["model.embed_tokens.weight"]
     with torch.no_grad():
         for name, param in params.items():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "w2_weight")):  # w2: experts
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight",
+                              "w2_weight")):  # out_proj: linear attention's; w2: experts
                 param.zero_()
         params["model.norm.weight"].fill_(1.0)
         rms = embed.float().pow(2).mean().sqrt()

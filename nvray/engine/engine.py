@@ -118,9 +118,6 @@ class LLMEngine:
                                     config.max_num_batched_tokens, config.enable_chunked_prefill,
                                     grammar_compiler)
         spec = config.speculative
-        if spec is not None and limits.num_state_slots:
-            raise ValueError("speculative_config: this model has recurrent (linear-attention) "
-                             "layers, whose state cannot be rolled back to a rejected draft")
         self.speculator = (Speculator(spec, limits.max_model_len, config.max_num_batched_tokens)
                            if spec is not None else None)
         self.new_grammars: list[GrammarSpec] = []  # for the ranks to compile ahead

@@ -60,6 +60,9 @@ class AttentionMetadata:
     # models with recurrent layers (layers/gated_deltanet.py): [B] int32, each sequence's
     # state slot (-1: the scratch row)
     state_slots: torch.Tensor | None = None
+    # speculative decoding on such models: [T] int32, each token's row in the recurrent
+    # layers' held buffers (-1: its chunk is not held); None: no chunk is held
+    state_held_at: torch.Tensor | None = None
 
     _cu_seqlens_k: torch.Tensor | None = None
     _decode_order: torch.Tensor | None = None

@@ -6,7 +6,9 @@ CPU path and the references of the GPU kernels (``layers/gated_deltanet.py`` is 
   each after its sequence's previous inputs (laid out by ``conv_index``, once per step);
 - ``chunked_gated_delta``: the rule over one sequence in 64-token chunks (one triangular solve
   per chunk), from a given state; ``recurrent_gated_delta``: one token of each of B sequences;
-- ``decode_reference``: a decode step of B sequences against their state slots, in place.
+- ``decode_reference``: a decode step of B sequences against their state slots, in place;
+- ``commit_reference``: the first ``count`` rows of each slot's held chunk applied to its state
+  (speculative decoding; ``kernels/gdn_commit.py``'s contract).
 
 All compute in float32 what transformers' ``torch_chunk_gated_delta_rule`` /
 ``torch_recurrent_gated_delta_rule`` and ``causal_conv1d_*`` compute.
@@ -164,3 +166,30 @@ def decode_reference(mixed: torch.Tensor, conv_state: torch.Tensor, conv_weight:
     out, state = recurrent_gated_delta(q, k, v, g, beta, state)
     ssm_state.index_copy_(0, rows, state)
     return out.to(mixed.dtype)
+
+
+def commit_reference(held_mixed: torch.Tensor, held_conv: torch.Tensor, held_g: torch.Tensor,
+                     held_beta: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                     slots: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                     held_rows: int, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> None:
+    """Apply the first ``counts[i]`` held rows of slot ``slots[i]`` to its state, in place
+    (``kernels/gdn_commit.py``'s contract). A slot's R held rows sit at ``slot * R ..``:
+    ``held_mixed`` [rows * R, C] the tokens' conv inputs, ``held_conv`` their conv outputs
+    (SiLU'd), ``held_g`` / ``held_beta`` [rows * R, HV]. The conv window becomes the last K - 1
+    of the old window and the kept inputs; S takes the kept tokens' updates in order. A chunk
+    that started at position 0 (``starts``) starts from zero state."""
+    rows, channels, r = slots.long(), held_mixed.shape[1], held_rows
+    resumes = (starts > 0).view(-1, 1, 1)
+    old = conv_state.index_select(0, rows) * resumes  # [N, C, K-1]
+    kept = held_mixed.view(-1, r, channels).index_select(0, rows).transpose(1, 2)
+    line = torch.cat([old, kept.to(old.dtype)], dim=-1)  # [N, C, K-1+R]
+    window = counts.long().view(-1, 1) + torch.arange(old.shape[-1], device=old.device)
+    conv_state.index_copy_(0, rows, line.gather(2, window.unsqueeze(1).expand(-1, channels, -1)))
+    conv = held_conv.view(-1, r, channels).index_select(0, rows)
+    g, beta = (t.view(-1, r, t.shape[-1]).index_select(0, rows) for t in (held_g, held_beta))
+    state = ssm_state.index_select(0, rows) * resumes.unsqueeze(-1)
+    for j in range(r):
+        _, k, v = split_heads(conv[:, j], num_k_heads, ssm_state.shape[1], head_k_dim, head_v_dim)
+        _, stepped = recurrent_gated_delta(k, k, v, g[:, j], beta[:, j], state)
+        state = torch.where((counts > j).view(-1, 1, 1, 1), stepped, state)
+    ssm_state.index_copy_(0, rows, state)

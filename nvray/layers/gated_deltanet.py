@@ -24,6 +24,15 @@ padding and the start-up warm-up). A sequence whose chunk starts at position 0 s
 state whatever its slot holds, so a slot is reused without clearing; a chunk that starts later
 resumes from its slot (chunked prefill carries the state across chunks).
 
+**Held chunks** (speculative decoding: a state cannot be rolled back to a rejected draft). A
+chunk the metadata marks held (``AttentionMetadata.state_held_at``: each of its tokens' row in
+the layer's held buffers, ``slot * R + j``) reads its slot's state as any chunk does but does
+not write its final state back: its tokens' conv inputs and outputs, decays and write
+strengths are kept in the held buffers (``R`` rows a slot, ``allocate_state(held_rows=R)``)
+instead. Once the engine knows how many of them it kept (the sequence's next chunk starts
+there), ``commit_held`` applies the first ``count`` of them to the slot
+(``kernels/gdn_commit.py`` on the GPU; ``commit_reference`` in torch).
+
 **Compute.** Prefill chunks: one conv over all of a step's chunks, then the chunked form of the
 rule (fla-core's varlen kernel on the GPU where it is installed, else sequence by sequence in
 torch); a step of decodes only (one token per sequence) runs one batched recurrent update with
@@ -46,8 +55,8 @@ from torch import nn
 
 from nvray.layers.attention import AttentionMetadata
 from nvray.layers.gated_delta_rule import (CHUNK, ConvIndex, batched_causal_conv,
-                                           chunked_gated_delta, conv_index, decode_reference,
-                                           padded_conv_index, split_heads)
+                                           chunked_gated_delta, commit_reference, conv_index,
+                                           decode_reference, padded_conv_index, split_heads)
 from nvray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from nvray.layers.tp import PartialSum, divide, tp_rank, tp_size
 from nvray.quantization import Fp8Config
@@ -158,7 +167,13 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = self.conv1d.weight.shape[0]
         self.conv_state = torch.empty(0)  # [rows, conv_dim, K-1]: allocate_state
         self.ssm_state = torch.empty(0)  # [rows, nv, dk, dv] float32
+        self.held_rows = 0  # R: rows a slot holds of a held chunk (speculative decoding)
+        self.held_mixed = torch.empty(0)  # [rows * R, conv_dim]: a held token's conv input
+        self.held_conv = torch.empty(0)  # [rows * R, conv_dim]: its conv output (SiLU'd)
+        self.held_g = torch.empty(0)  # [rows * R, nv] float32: its log-decay
+        self.held_beta = torch.empty(0)  # [rows * R, nv] float32: its write strength
         self._decode_fn = decode_reference  # use_triton_kernels(): kernels/gdn_decode.py
+        self._commit_fn = commit_reference  # use_triton_kernels(): kernels/gdn_commit.py
         self._chunk_rule: Any = None  # use_triton_kernels(): fla-core's, where installed
 
     def use_triton_kernels(self) -> None:
@@ -168,22 +183,31 @@ class GatedDeltaNet(nn.Module):
 
         if self.head_k_dim & (self.head_k_dim - 1) == 0:
             self._decode_fn = kernels.gdn_decode
+            self._commit_fn = kernels.gdn_commit
         if importlib.util.find_spec("fla") is not None:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: PLC0415
 
             self._chunk_rule = chunk_gated_delta_rule
 
     # ----------------------------------------------------------------- state
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """One slot's state on this rank (conv inputs in ``dtype``, S in float32)."""
+    def state_bytes(self, dtype: torch.dtype, held_rows: int = 0) -> int:
+        """One slot's state on this rank (conv inputs in ``dtype``, S in float32), and its
+        ``held_rows`` rows of a held chunk."""
         conv = self.conv_dim * (self.kernel - 1) * dtype.itemsize
-        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+        held = held_rows * (2 * self.conv_dim * dtype.itemsize + 2 * self.num_v_heads * 4)
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4 + held
 
-    def allocate_state(self, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def allocate_state(self, rows: int, dtype: torch.dtype, device: torch.device,
+                       held_rows: int = 0) -> None:
         self.conv_state = torch.zeros(rows, self.conv_dim, self.kernel - 1, dtype=dtype,
                                       device=device)
         self.ssm_state = torch.zeros(rows, self.num_v_heads, self.head_k_dim, self.head_v_dim,
                                      dtype=torch.float32, device=device)
+        self.held_rows = held_rows
+        self.held_mixed = torch.zeros(rows * held_rows, self.conv_dim, dtype=dtype, device=device)
+        self.held_conv = torch.zeros(rows * held_rows, self.conv_dim, dtype=dtype, device=device)
+        self.held_g = torch.zeros(rows * held_rows, self.num_v_heads, device=device)
+        self.held_beta = torch.zeros(rows * held_rows, self.num_v_heads, device=device)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.conv_state, self.ssm_state]
@@ -226,14 +250,38 @@ class GatedDeltaNet(nn.Module):
         conv, conv_final = batched_causal_conv(
             mixed, self.conv_state.index_select(0, rows) * resumes, self.conv1d.weight,
             layout.lens, layout.conv)
-        self.conv_state.index_copy_(0, rows, conv_final)
+        written = rows
+        if meta.state_held_at is not None:  # held chunks: their rows kept, their slots as they were
+            written = self._hold(mixed, conv, g, beta, meta, rows)
+        self.conv_state.index_copy_(0, written, conv_final)
         initial = self.ssm_state.index_select(0, rows) * resumes.unsqueeze(-1)
         if self._chunk_rule is not None:
             out, final = self._fla_rule(conv, g, beta, initial, layout)
         else:
             out, final = self._torch_rule(conv, g, beta, initial, layout.lens)
-        self.ssm_state.index_copy_(0, rows, final)
+        self.ssm_state.index_copy_(0, written, final)
         return out
+
+    def _hold(self, mixed: torch.Tensor, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+        """Keep the held tokens' conv inputs and outputs, decays and write strengths at their
+        held rows (-1: not held, the scratch row's last); returns the rows each chunk's final
+        state goes to (a held chunk's: the scratch row)."""
+        assert meta.state_held_at is not None and self.held_rows, "held rows were not allocated"
+        at = meta.state_held_at.long() % self.held_mixed.shape[0]
+        for buffer, rows_of_step in ((self.held_mixed, mixed), (self.held_conv, conv),
+                                     (self.held_g, g), (self.held_beta, beta)):
+            buffer.index_copy_(0, at, rows_of_step.to(buffer.dtype))
+        held = meta.state_held_at[meta.query_start_loc[:-1].long()] >= 0
+        return torch.where(held, self.conv_state.shape[0] - 1, rows)
+
+    def commit_held(self, slots: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor
+                    ) -> None:
+        """Apply each slot's first ``count`` held rows to its state (``starts``: the held
+        chunk's first position; at 0 the state starts from zero); int32 [N] each."""
+        self._commit_fn(self.held_mixed, self.held_conv, self.held_g, self.held_beta,
+                        self.conv_state, self.ssm_state, slots, starts, counts, self.held_rows,
+                        self.num_k_heads, self.head_k_dim, self.head_v_dim)
 
     def _torch_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     initial: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,9 @@ With several block-table groups (``nvray/kv_layout.py``) every token has a KV sl
 group (the flat table's entry ``b * G + g``), and the metadata carries one per group
 (``AttentionMetadata.groups``).
 A model with recurrent layers adds a field: each sequence's state slot (padding: -1, the
-layers' scratch row).
+layers' scratch row). With speculative decoding (``held_rows`` R) a step with drafts also gives
+each token of a drafting sequence its row in the layers' held buffers (``slot * R + j``; -1 for
+the others' tokens: ``AttentionMetadata.state_held_at``), and runs eagerly.
 A step that is one sequence's query chunk fitting a prefill graph (``cuda_graph.py``) writes its
 tokens there too, padded to the graph's query length with tokens that write nowhere; its
 context length is the chunk's start + the graph's query length.
@@ -109,6 +111,7 @@ class _HostLists(NamedTuple):
     score: list[int]  # rows of prompt tokens to score (after the rows to sample)
     state: list[int]  # each sequence's recurrent-state slot (models with recurrent layers)
     pool: list[int]  # rows of prompts' last tokens to pool (after the rows to score)
+    held: list[int]  # with held chunks: each token's held row (-1: not held); else empty
 
     @property
     def reads_more(self) -> bool:
@@ -123,12 +126,15 @@ class _HostLists(NamedTuple):
 class InputBuilder:
     def __init__(self, block_size: int, max_model_len: int, max_num_seqs: int,
                  graph_capacity: int, device: torch.device, num_groups: int = 1,
-                 has_state: bool = False, tables: DeviceBlockTables | None = None) -> None:
+                 has_state: bool = False, tables: DeviceBlockTables | None = None,
+                 held_rows: int = 0) -> None:
         """``tables``: another builder's (a draft model's builder shares the target's: the same
-        blocks; syncing a step's changes twice changes nothing)."""
+        blocks; syncing a step's changes twice changes nothing); ``held_rows``: the recurrent
+        layers' held rows a slot (speculative decoding on a model with recurrent layers)."""
         self.block_size = block_size
         self.num_groups = num_groups
         self.has_state = has_state
+        self.held_rows = held_rows
         self.max_positions = -(-max_model_len // block_size) * block_size  # the tables' reach
         self.device = device
         self.cuda = device.type == "cuda"
@@ -165,7 +171,9 @@ class InputBuilder:
             assert prev_sampled is not None and max(lists.fill_src) < prev_sampled.numel(), (
                 "a placeholder token refers to no sampled id of the previous step")
         num_seqs, decode = len(lists.rows), shapes.decode
-        if decode and max(lists.q_lens) == 1 and num_seqs <= decode[-1]:
+        if lists.held:  # (the graphs have no held rows)
+            batch, fill = self._prepare_eager(lists)
+        elif decode and max(lists.q_lens) == 1 and num_seqs <= decode[-1]:
             batch, fill = self._prepare_graph(lists, decode[bisect.bisect_left(decode, num_seqs)])
         elif verify_bs := self._verify_graph_for(lists, shapes):
             batch, fill = self._prepare_verify_graph(lists, verify_bs, shapes.verify_q)
@@ -202,8 +210,9 @@ class InputBuilder:
         if step.released:
             tables.release(step.released)
         h = _HostLists([], [], [[] for _ in range(groups)], [], [], [], [], [], [], [], [], [], [],
-                       [])
+                       [], [])
         slots = h.slots[0]
+        holds = self.held_rows and any(s.num_drafts for s in step.seqs)
         for s in step.seqs:
             n, start = len(s.token_ids), s.start_pos
             end = start + n
@@ -213,6 +222,8 @@ class InputBuilder:
             row, table = tables.sync(s.seq_id, s.block_table, s.table_start, h.upd_idx, h.upd_val)
             h.rows.append(row)
             h.state.append(s.state_slot)
+            if holds:
+                self._held_rows_of(h.held, s.state_slot, n, s.num_drafts)
             h.ids.extend(s.token_ids)
             if s.token_ids[-1] < 0:  # placeholders: the last token, or every draft
                 for at in range(len(h.ids) - (s.num_drafts or 1), len(h.ids)):
@@ -232,6 +243,14 @@ class InputBuilder:
             if s.pool is not None:
                 h.pool.append(len(h.ids) - 1)
         return h
+
+    def _held_rows_of(self, held: list[int], slot: int, n: int, num_drafts: int) -> None:
+        """The held rows of a chunk of ``n`` tokens: a drafting sequence's, at its slot's."""
+        if not num_drafts:
+            held.extend([-1] * n)
+            return
+        assert n <= self.held_rows and slot >= 0, (n, slot)
+        held.extend(range(slot * self.held_rows, slot * self.held_rows + n))
 
     def _group_slots(self, slots: list[list[int]], table: list[int], start: int, end: int) -> None:
         """The KV slots of positions ``start .. end - 1`` in each group's table (whole runs of
@@ -311,11 +330,11 @@ class InputBuilder:
             cu.append(cu[-1] + q)
         groups = self.num_groups
         parts = [h.ids, h.pos, *h.slots, cu, h.seq_lens, h.rows, h.gathered, h.upd_idx, h.upd_val,
-                 h.fill_dst, h.fill_src, h.state]
+                 h.fill_dst, h.fill_src, h.state, h.held]
         end = self._fill(0, *parts)
         views = self._upload(0, end, [len(p) for p in parts])
         ids, pos, slots = views[0], views[1], views[2:2 + groups]
-        cu_q, seq_lens, rows, sample, upd_idx, upd_val, dst, src, state = views[2 + groups:]
+        cu_q, seq_lens, rows, sample, upd_idx, upd_val, dst, src, state, held = views[2 + groups:]
         self.tables.apply(upd_idx, upd_val)
         max_seq_len = max(h.seq_lens)
         width = -(-max_seq_len // self.block_size)
@@ -325,7 +344,8 @@ class InputBuilder:
                                  block_tables=tables[0], max_query_len=max(h.q_lens),
                                  max_seq_len=max_seq_len, query_lens_cpu=h.q_lens,
                                  seq_lens_cpu=h.seq_lens,
-                                 state_slots=state if self.has_state else None)
+                                 state_slots=state if self.has_state else None,
+                                 state_held_at=held if h.held else None)
         if groups > 1:
             meta.with_groups(slots, tables)
         sample_all = not h.reads_more and h.sample == list(range(len(h.sample)))  # e.g. decodes

@@ -55,6 +55,7 @@ from nvray.worker.drafter import Drafter
 from nvray.worker.eagle_drafter import Eagle3Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
+from nvray.worker.held_chunks import HeldChunks
 from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
@@ -129,9 +130,14 @@ class ModelRunner:
             self.fused_sampler = use_triton_kernels(self.model)
         graphs_wanted = self._graphs_wanted()
         self.graph_shapes = self._graph_shapes() if graphs_wanted else GraphShapes()
+        spec = config.speculative
+        # speculation over recurrent layers: a verified chunk's rows held a slot (held_chunks.py)
+        self.held_rows = spec.num_speculative_tokens + 1 if spec and self.state_layers else 0
+        self.held_chunks = HeldChunks()
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    graph_capacity(self.graph_shapes), self.device,
-                                   self.kv_layout.num_groups, has_state=bool(self.state_layers))
+                                   self.kv_layout.num_groups, has_state=bool(self.state_layers),
+                                   held_rows=self.held_rows)
         self.stage_input = self._stage_input_buffer()
         self.drafter = self._drafter(graphs_wanted)  # reads this rank's block tables
         self.step_drafts: torch.Tensor | None = None  # the drafter's ids for the step running
@@ -176,7 +182,9 @@ class ModelRunner:
         return Drafter(*args)
 
     def reset_tables(self) -> None:
-        """Forget every sequence's block table (after start-up's made-up steps)."""
+        """Forget every sequence's block table and held chunk (after start-up's made-up
+        steps)."""
+        self.held_chunks.clear()
         self.inputs.tables.reset()  # the drafter's too: the same
 
     def _lora_model(self) -> LoRAModel | None:
@@ -252,8 +260,9 @@ class ModelRunner:
         """The graphs to capture: decode batches, short prefills and, with speculation,
         verification batches of k + 1 tokens a sequence."""
         config, spec = self.config, self.config.speculative
+        # (recurrent layers verify eagerly: the graphs hold no chunk's rows)
         verify = (verify_graph_sizes(config.max_num_seqs, spec.disable_by_batch_size)
-                  if spec is not None else [])
+                  if spec is not None and not self.state_layers else [])
         return GraphShapes(tuple(graph_batch_sizes(config.max_num_seqs)),
                            tuple(prefill_graph_sizes(config.max_prefill_graph_tokens)),
                            tuple(verify), spec.num_speculative_tokens + 1 if spec else 0)
@@ -287,8 +296,8 @@ class ModelRunner:
 
     @property
     def state_slot_bytes(self) -> int:
-        """One state slot of every recurrent layer of this rank."""
-        return sum(layer.state_bytes(self.dtype) for layer in self.state_layers)
+        """One state slot of every recurrent layer of this rank (and its held rows)."""
+        return sum(layer.state_bytes(self.dtype, self.held_rows) for layer in self.state_layers)
 
     def decode_scratch_bytes(self, batch: int) -> int:
         """What one layer's decode attention allocates besides its output for ``batch``
@@ -319,7 +328,8 @@ class ModelRunner:
         self._release_graphs()
         self.num_blocks = num_blocks
         for layer in self.state_layers:
-            layer.allocate_state(state_rows if num_blocks else 0, self.dtype, self.device)
+            layer.allocate_state(state_rows if num_blocks else 0, self.dtype, self.device,
+                                 self.held_rows)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)  # free the old cache first
         pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -359,6 +369,9 @@ class ModelRunner:
         """(logits [S, V] of the rows to sample: rank 0 of the last stage, None elsewhere or
         when S is 0; hidden states [R + P, H] of the prompt rows to score, then of the rows to
         pool, None when R + P is 0 or before the last stage)."""
+        if self.held_rows:  # the rows of held chunks the engine kept, before any state is read
+            self._commit_held(self.held_chunks.commits(step))
+            self.held_chunks.record(step)
         if step.block_copies:
             self.copy_blocks(step.block_copies)
         if step.state_copies:
@@ -411,6 +424,15 @@ class ModelRunner:
             done.synchronize()
         self.step_drafts_host = host.tolist()
         return self.step_drafts_host
+
+    def _commit_held(self, commits: list[tuple[int, int, int]]) -> None:
+        """Apply each ``(slot, start, count)``'s first ``count`` held rows to its slot's state,
+        in every recurrent layer (``held_chunks.py``)."""
+        if not commits:
+            return
+        slots, starts, counts = torch.tensor(list(zip(*commits)), dtype=torch.int32).to(self.device)
+        for layer in self.state_layers:
+            layer.commit_held(slots, starts, counts)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""

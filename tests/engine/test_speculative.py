@@ -341,10 +341,54 @@ def test_speculation_is_refused_by_name_where_it_cannot_run():
         LLM("tiny", runtime="inprocess", speculative_config={"num_speculative_tokens": 0})
 
 
-def test_a_model_with_recurrent_layers_refuses_speculation(family_path):
-    with pytest.raises(ValueError, match="recurrent .* cannot be rolled back"):
-        LLM(family_path("qwen3_5-moe"), runtime="inprocess", max_model_len=128,
-            speculative_config={"method": "ngram"})
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-moe"])
+def test_a_model_with_recurrent_layers_speculates_with_its_state_rolled_back(family,
+                                                                            family_path):
+    """Qwen3.5 hybrids (Gated DeltaNet state per sequence): a verified chunk's rows are held
+    and only the kept ones reach the state. HF's greedy tokens with the n-gram proposer (with
+    overlapped stretches), a drafter always right and one always wrong, through chunked
+    prefills, preemption and prefix hits that resume from a kept state; seeded n = 2 choices
+    the plain engine's; no slot or block left held."""
+    path = family_path(family)
+    prompts = random_prompts(6, 20, 90, seed=9)
+    expected = [hf_greedy(path, prompt, 24) for prompt in prompts]
+    answers = [prompt + out for prompt, out in zip(prompts, expected)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=3, max_tokens=12, ignore_eos=True,
+                            n=2)
+    options = {"runtime": "inprocess", "num_kvcache_blocks": 14, "kvcache_block_size": 16,
+               "max_model_len": 160, "max_num_batched_tokens": 40, "max_num_seqs": 8}
+    plain = LLM(path, **options)
+    try:
+        plain_choices = [o.token_ids for o in plain.generate(prompts[:2], seeded, use_tqdm=False)]
+    finally:
+        plain.shutdown()
+    llm = LLM(path, **options, speculative_config={
+        "method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+        "disable_by_batch_size": 64, "adaptive": False})
+    speculator, vocab = llm.engine.speculator, llm.engine.limits.vocab_size
+    try:
+        for name, proposer in [("ngram", speculator.proposer), ("right", Recorded(answers, vocab)),
+                               ("wrong", Recorded(answers, vocab, wrong=True))]:
+            speculator.proposer = proposer
+            before = speculator.counters.stats()
+            outs = llm.generate(prompts + prompts[:2], greedy, use_tqdm=False)
+            after = speculator.counters.stats()
+            assert [o.token_ids for o in outs] == expected + expected[:2], name
+            drafted, accepted = (after[key] - before[key]
+                                 for key in ("num_draft_tokens", "num_accepted_tokens"))
+            assert drafted > 0 and (accepted == drafted if name == "right" else
+                                    accepted == 0 if name == "wrong" else True), (name, after)
+            assert any(o.num_cached_tokens for o in outs), name
+        choices = llm.generate(prompts[:2], seeded, use_tqdm=False)
+        assert [o.token_ids for o in choices] == plain_choices
+        stats = llm.engine.stats()
+        bm = llm.engine.block_manager
+        assert stats["num_preemptions"] > 0
+        assert sorted(bm.free_state_slots) == list(range(bm.num_live_states))
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.shutdown()
 
 
 def test_larger_batches_overlap_their_steps_and_smaller_ones_draft():

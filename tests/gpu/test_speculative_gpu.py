@@ -4,7 +4,8 @@ fewer), a drafter that is always right and one that is always wrong, with fixed 
 draft counts, a JSON-schema request among them, against the same engine settings without speculation: greedy and seeded tokens
 equal. A draft model on the rank (the tiny model drafting for itself, and another random
 checkpoint that is never right), its mirror and draft forwards replaying its own graphs. An
-EAGLE-3 drafter, random and echoed."""
+EAGLE-3 drafter, random and echoed. Qwen3.5 hybrids: verified chunks held and the kept rows
+applied to the linear-attention state by the decode kernels."""
 
 from __future__ import annotations
 
@@ -165,3 +166,39 @@ def test_eagle3_eager_with_a_small_token_budget(tmp_path):
         spec.shutdown()
     assert [o.token_ids for o in got] == expected
     assert sum(o.num_draft_tokens for o in got) > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-moe"])
+def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
+    """Greedy and seeded requests, a drafter always right then always wrong: the tokens of the
+    same engine without speculation (float32, decode graphs and the Triton kernels)."""
+    from hf_checkpoints import HYBRID_SHAPES, write_hf_checkpoint
+    from nvray.models.tiny import tiny_model_path
+
+    path = write_hf_checkpoint(str(tmp_path / family), HYBRID_SHAPES[family], tiny_model_path(),
+                               seed=5)
+    prompts = random_prompts(6, 10, 90, seed=16)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+              for i in range(len(prompts))]
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    plain = LLM(path, **options)
+    try:
+        expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    finally:
+        plain.shutdown()
+    answers = [list(p) + list(t) for p, t in zip(prompts, expected)]
+    spec = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                         "disable_by_batch_size": 8, "adaptive": False},
+               **options)
+    try:
+        vocab = spec.engine.limits.vocab_size
+        for wrong in (False, True):
+            spec.engine.speculator.proposer = Recorded(answers, vocab, wrong)
+            got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+            assert got == expected, f"wrong drafter: {wrong}"
+        counters = spec.engine.speculator.counters
+        assert counters.num_accepted_tokens > 0
+        assert counters.num_draft_tokens > counters.num_accepted_tokens
+    finally:
+        spec.shutdown()

@@ -748,3 +748,49 @@ def test_gdn_decode_matches_reference(num_k_heads, num_v_heads, dk, dv, kernel):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     untouched = [1, 2]
     torch.testing.assert_close(states[0][1][untouched], ssm[untouched])
+
+
+@pytest.mark.parametrize("num_k_heads,num_v_heads,dk,dv,kernel", [(2, 4, 16, 8, 4), (1, 1, 32, 40, 3)])
+def test_gdn_commit_matches_reference_and_decode_steps(num_k_heads, num_v_heads, dk, dv, kernel):
+    """Held rows committed: the kernel equals the torch reference, which equals ``count``
+    decode steps of the same tokens (the reference's own oracle); counts 1..R, a chunk that
+    started at position 0 (zero state whatever its row held), rows not named untouched."""
+    gen = torch.Generator().manual_seed(1)
+    rows, r, conv_dim = 6, 3, 2 * num_k_heads * dk + num_v_heads * dv
+    dtype = torch.float32
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    weight = rand(conv_dim, kernel)
+    mixed = rand(rows * r, conv_dim).to(dtype)
+    conv_state, ssm = rand(rows, conv_dim, kernel - 1).to(dtype), rand(rows, num_v_heads, dk, dv)
+    g = -rand(rows * r, num_v_heads).abs()
+    beta = torch.sigmoid(rand(rows * r, num_v_heads))
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([9, 0, 5], dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([3, 2, 1], dtype=torch.int32, device=DEVICE)
+    # the held conv outputs: each slot's rows run through the conv from its window; the
+    # first ``count`` of them as decode steps too
+    decoded = (conv_state.clone(), ssm.clone())
+    conv_out = torch.zeros_like(mixed)
+    for i, (slot, start, count) in enumerate(zip(slots.tolist(), starts.tolist(), counts.tolist())):
+        window = conv_state[slot] * (start > 0)
+        for j in range(r):
+            at = slot * r + j
+            line = torch.cat([window, mixed[at, :, None]], -1)
+            conv_out[at] = torch.nn.functional.silu((line * weight).sum(-1))
+            window = line[:, 1:]
+            if j < count:
+                kernels.gdn_decode_ref(mixed[at:at + 1], decoded[0], weight, g[at:at + 1],
+                                       beta[at:at + 1], decoded[1], slots[i:i + 1],
+                                       starts[i:i + 1] + j, num_k_heads, dk, dv)
+    states = [(conv_state.clone(), ssm.clone()) for _ in range(2)]
+    for fn, (c, s) in zip((kernels.gdn_commit, kernels.gdn_commit_ref), states):
+        fn(mixed, conv_out, g, beta, c, s, slots, starts, counts, r, num_k_heads, dk, dv)
+    for ours, ref, want in zip(states[0], states[1], decoded):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ref, want, atol=1e-4, rtol=1e-4)
+    untouched = [1, 3, 5]
+    torch.testing.assert_close(states[0][1][untouched], ssm[untouched])
+    torch.testing.assert_close(states[0][0][untouched], conv_state[untouched])

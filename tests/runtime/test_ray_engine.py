@@ -160,18 +160,24 @@ def test_tp2_shards_the_heads_of_a_hybrid_model(ray_cluster, family_path):
     """Qwen3.5-MoE at TP=2: each rank holds half the linear-attention key and value heads (and
     their state), half the gated attention heads, half of each expert and of the shared
     expert; HF's greedy tokens through chunks that cut the linear attention's chunks, and a
-    prefix hit that resumes from the state each rank kept of its heads."""
+    prefix hit that resumes from the state each rank kept of its heads. With n-gram
+    speculation: each rank holds the verified chunks' rows of its heads and applies the kept
+    ones (tests/engine/test_speculative.py checks the tokens with drafts accepted and not)."""
     path = family_path("qwen3_5-moe")
     prompts = random_prompts(3, 20, 90, seed=34)
-    llm = LLM(path, tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=40)
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=40,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "adaptive": False})
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         again = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+        spec = llm.stats()["speculative"]
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts + prompts[:1], outs + again):
         assert out.token_ids == hf_greedy(path, prompt, 10)
     assert again[0].num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
+    assert spec["num_draft_tokens"] > 0, spec
 
 
 def test_each_gpu_rank_sees_the_gpus_of_its_nodes_engine_ranks():
