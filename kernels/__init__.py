@@ -59,6 +59,7 @@ from .filter_threshold import filter_thresholds, filter_thresholds_ref  # noqa: 
 from .fused_moe import fused_moe, fused_moe_ref, moe_align, moe_align_ref  # noqa: E402
 from .gdn_commit import gdn_commit, gdn_commit_ref  # noqa: E402
 from .gdn_decode import gdn_decode, gdn_decode_ref  # noqa: E402
+from .gdn_rows import gdn_rows, gdn_rows_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import (decode_scratch_bytes, paged_decode_attention,  # noqa: E402
                                paged_decode_attention_ref)
@@ -102,6 +103,8 @@ __all__ = [
     "gdn_commit_ref",
     "gdn_decode",
     "gdn_decode_ref",
+    "gdn_rows",
+    "gdn_rows_ref",
     "mask_logits",
     "mask_logits_ref",
     "race_sample",

@@ -7,6 +7,8 @@ CPU path and the references of the GPU kernels (``layers/gated_deltanet.py`` is 
 - ``chunked_gated_delta``: the rule over one sequence in 64-token chunks (one triangular solve
   per chunk), from a given state; ``recurrent_gated_delta``: one token of each of B sequences;
 - ``decode_reference``: a decode step of B sequences against their state slots, in place;
+- ``rows_reference``: short chunks of several sequences through the recurrent rule, token by
+  token (speculative decoding's verified chunks; ``kernels/gdn_rows.py``'s contract);
 - ``commit_reference``: the first ``count`` rows of each slot's held chunk applied to its state
   (speculative decoding; ``kernels/gdn_commit.py``'s contract).
 
@@ -193,3 +195,27 @@ def commit_reference(held_mixed: torch.Tensor, held_conv: torch.Tensor, held_g: 
         _, stepped = recurrent_gated_delta(k, k, v, g[:, j], beta[:, j], state)
         state = torch.where((counts > j).view(-1, 1, 1, 1), stepped, state)
     ssm_state.index_copy_(0, rows, state)
+
+
+def rows_reference(conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   ssm_state: torch.Tensor, read_rows: torch.Tensor, write_rows: torch.Tensor,
+                   resumes: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int,
+                   head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """N chunks (``query_start_loc`` [N+1]) of conv outputs ``conv`` [T, conv_dim] through the
+    rule token by token (``kernels/gdn_rows.py``'s contract): chunk i starts from S of row
+    ``read_rows[i]`` (zero where ``resumes[i]`` is false) and leaves its final S in row
+    ``write_rows[i]``. Returns the outputs [T, HV, dv] in conv's dtype."""
+    num_v_heads = ssm_state.shape[1]
+    q, k, v = split_heads(conv, num_k_heads, num_v_heads, head_k_dim, head_v_dim)
+    starts = query_start_loc[:-1].long()
+    lens = query_start_loc[1:].long() - starts
+    state = ssm_state.index_select(0, read_rows.long()) * resumes.view(-1, 1, 1, 1)
+    out = v.new_zeros(v.shape)
+    for j in range(int(lens.max()) if lens.numel() else 0):
+        live = (lens > j).nonzero().view(-1)
+        at = starts[live] + j
+        o, stepped = recurrent_gated_delta(q[at], k[at], v[at], g[at], beta[at], state[live])
+        state[live] = stepped
+        out[at] = o
+    ssm_state.index_copy_(0, write_rows.long(), state)
+    return out.to(conv.dtype)

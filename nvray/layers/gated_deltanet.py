@@ -35,7 +35,8 @@ there), ``commit_held`` applies the first ``count`` of them to the slot
 
 **Compute.** Prefill chunks: one conv over all of a step's chunks, then the chunked form of the
 rule (fla-core's varlen kernel on the GPU where it is installed, else sequence by sequence in
-torch); a step of decodes only (one token per sequence) runs one batched recurrent update with
+torch); with speculation, a step whose chunks are all at most R tokens (verification) runs
+the rule token by token instead (``kernels/gdn_rows.py``; ``rows_reference``); a step of decodes only (one token per sequence) runs one batched recurrent update with
 no host-side loop (on the GPU ``kernels/gdn_decode.py``, in place), which a CUDA graph can
 capture. The torch forms are ``layers/gated_delta_rule.py``.
 
@@ -56,7 +57,8 @@ from torch import nn
 from nvray.layers.attention import AttentionMetadata
 from nvray.layers.gated_delta_rule import (CHUNK, ConvIndex, batched_causal_conv,
                                            chunked_gated_delta, commit_reference, conv_index,
-                                           decode_reference, padded_conv_index, split_heads)
+                                           decode_reference, padded_conv_index, rows_reference,
+                                           split_heads)
 from nvray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from nvray.layers.tp import PartialSum, divide, tp_rank, tp_size
 from nvray.quantization import Fp8Config
@@ -174,6 +176,7 @@ class GatedDeltaNet(nn.Module):
         self.held_beta = torch.empty(0)  # [rows * R, nv] float32: its write strength
         self._decode_fn = decode_reference  # use_triton_kernels(): kernels/gdn_decode.py
         self._commit_fn = commit_reference  # use_triton_kernels(): kernels/gdn_commit.py
+        self._rows_fn = rows_reference  # use_triton_kernels(): kernels/gdn_rows.py
         self._chunk_rule: Any = None  # use_triton_kernels(): fla-core's, where installed
 
     def use_triton_kernels(self) -> None:
@@ -184,6 +187,7 @@ class GatedDeltaNet(nn.Module):
         if self.head_k_dim & (self.head_k_dim - 1) == 0:
             self._decode_fn = kernels.gdn_decode
             self._commit_fn = kernels.gdn_commit
+            self._rows_fn = kernels.gdn_rows
         if importlib.util.find_spec("fla") is not None:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: PLC0415
 
@@ -254,6 +258,11 @@ class GatedDeltaNet(nn.Module):
         if meta.state_held_at is not None:  # held chunks: their rows kept, their slots as they were
             written = self._hold(mixed, conv, g, beta, meta, rows)
         self.conv_state.index_copy_(0, written, conv_final)
+        if self.held_rows and layout.real is None and meta.max_query_len <= self.held_rows:
+            # speculation's short chunks (verification): token by token, no 64-token padding
+            return self._rows_fn(conv, g, beta, self.ssm_state, rows, written, resumes.view(-1),
+                                 meta.query_start_loc, self.num_k_heads, self.head_k_dim,
+                                 self.head_v_dim)
         initial = self.ssm_state.index_select(0, rows) * resumes.unsqueeze(-1)
         if self._chunk_rule is not None:
             out, final = self._fla_rule(conv, g, beta, initial, layout)

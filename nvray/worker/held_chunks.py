@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from nvray.step_protocol import StepInput
+from nvray.step_protocol import SeqStep, StepInput
+
+
+def is_held(s: SeqStep, held_rows: int) -> bool:
+    """Whether ``s``'s chunk is held: a drafting sequence's newest token and drafts, in a state
+    slot (start-up's made-up steps draft over whole prompts in no slot: not held)."""
+    return bool(s.num_drafts) and s.state_slot >= 0 and len(s.token_ids) <= held_rows
 
 
 class HeldChunk(NamedTuple):
@@ -28,7 +34,8 @@ class HeldChunk(NamedTuple):
 
 
 class HeldChunks:
-    def __init__(self) -> None:
+    def __init__(self, held_rows: int) -> None:
+        self.held_rows = held_rows
         self.held: dict[int, HeldChunk] = {}  # seq_id -> its held chunk
 
     def commits(self, step: StepInput) -> list[tuple[int, int, int]]:
@@ -49,7 +56,7 @@ class HeldChunks:
     def record(self, step: StepInput) -> None:
         """The drafting sequences of ``step``, launched now: their chunks are held."""
         for s in step.seqs:
-            if s.num_drafts:
+            if is_held(s, self.held_rows):
                 self.held[s.seq_id] = HeldChunk(s.state_slot, s.start_pos, len(s.token_ids))
 
     def clear(self) -> None:

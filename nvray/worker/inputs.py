@@ -46,7 +46,8 @@ from typing import NamedTuple
 
 import torch
 
-from nvray.step_protocol import StepInput, placeholder_row
+from nvray.step_protocol import SeqStep, StepInput, placeholder_row
+from nvray.worker.held_chunks import is_held
 from nvray.layers.attention import AttentionMetadata
 from nvray.worker.block_tables import DeviceBlockTables
 
@@ -212,7 +213,7 @@ class InputBuilder:
         h = _HostLists([], [], [[] for _ in range(groups)], [], [], [], [], [], [], [], [], [], [],
                        [], [])
         slots = h.slots[0]
-        holds = self.held_rows and any(s.num_drafts for s in step.seqs)
+        holds = self.held_rows and any(is_held(s, self.held_rows) for s in step.seqs)
         for s in step.seqs:
             n, start = len(s.token_ids), s.start_pos
             end = start + n
@@ -223,7 +224,7 @@ class InputBuilder:
             h.rows.append(row)
             h.state.append(s.state_slot)
             if holds:
-                self._held_rows_of(h.held, s.state_slot, n, s.num_drafts)
+                self._held_rows_of(h.held, s)
             h.ids.extend(s.token_ids)
             if s.token_ids[-1] < 0:  # placeholders: the last token, or every draft
                 for at in range(len(h.ids) - (s.num_drafts or 1), len(h.ids)):
@@ -244,13 +245,14 @@ class InputBuilder:
                 h.pool.append(len(h.ids) - 1)
         return h
 
-    def _held_rows_of(self, held: list[int], slot: int, n: int, num_drafts: int) -> None:
-        """The held rows of a chunk of ``n`` tokens: a drafting sequence's, at its slot's."""
-        if not num_drafts:
+    def _held_rows_of(self, held: list[int], s: SeqStep) -> None:
+        """The held rows of ``s``'s chunk (``held_chunks.is_held``), at its slot's; -1 each
+        where it is not held."""
+        n = len(s.token_ids)
+        if not is_held(s, self.held_rows):
             held.extend([-1] * n)
             return
-        assert n <= self.held_rows and slot >= 0, (n, slot)
-        held.extend(range(slot * self.held_rows, slot * self.held_rows + n))
+        held.extend(range(s.state_slot * self.held_rows, s.state_slot * self.held_rows + n))
 
     def _group_slots(self, slots: list[list[int]], table: list[int], start: int, end: int) -> None:
         """The KV slots of positions ``start .. end - 1`` in each group's table (whole runs of

@@ -133,7 +133,7 @@ class ModelRunner:
         spec = config.speculative
         # speculation over recurrent layers: a verified chunk's rows held a slot (held_chunks.py)
         self.held_rows = spec.num_speculative_tokens + 1 if spec and self.state_layers else 0
-        self.held_chunks = HeldChunks()
+        self.held_chunks = HeldChunks(self.held_rows)
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    graph_capacity(self.graph_shapes), self.device,
                                    self.kv_layout.num_groups, has_state=bool(self.state_layers),

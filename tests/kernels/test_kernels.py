@@ -750,6 +750,44 @@ def test_gdn_decode_matches_reference(num_k_heads, num_v_heads, dk, dv, kernel):
     torch.testing.assert_close(states[0][1][untouched], ssm[untouched])
 
 
+@pytest.mark.parametrize("num_k_heads,num_v_heads,dk,dv", [(2, 4, 16, 8), (1, 1, 32, 40)])
+def test_gdn_rows_match_reference_and_the_chunked_form(num_k_heads, num_v_heads, dk, dv):
+    """Short chunks token by token: the kernel equals the torch reference, which equals the
+    chunked form sequence by sequence (outputs and final states); a chunk from zero state, a
+    chunk whose final state goes to another row (held: the scratch row), rows not named
+    untouched."""
+    from nvray.layers.gated_delta_rule import chunked_gated_delta, split_heads
+
+    gen = torch.Generator().manual_seed(2)
+    rows, conv_dim, lens = 6, 2 * num_k_heads * dk + num_v_heads * dv, [3, 1, 5]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    tokens = sum(lens)
+    conv = rand(tokens, conv_dim)
+    g, beta = -rand(tokens, num_v_heads).abs(), torch.sigmoid(rand(tokens, num_v_heads))
+    ssm = rand(rows, num_v_heads, dk, dv)
+    read = torch.tensor([4, 0, 2], device=DEVICE)
+    write = torch.tensor([4, 0, 5], device=DEVICE)  # the third: held, to the scratch row
+    resumes = torch.tensor([True, False, True], device=DEVICE)
+    qsl = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=DEVICE)
+    states = [ssm.clone() for _ in range(2)]
+    outs = [fn(conv, g, beta, s, read, write, resumes, qsl, num_k_heads, dk, dv)
+            for fn, s in zip((kernels.gdn_rows, kernels.gdn_rows_ref), states)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states[0], states[1], atol=1e-4, rtol=1e-4)
+    q, k, v = split_heads(conv.cpu(), num_k_heads, num_v_heads, dk, dv)
+    for i, (start, n) in enumerate(zip([0, 3, 4], lens)):
+        initial = ssm[read[i]].cpu() * resumes[i].item()
+        out, final = chunked_gated_delta(q[start:start + n], k[start:start + n],
+                                         v[start:start + n], g[start:start + n].cpu(),
+                                         beta[start:start + n].cpu(), initial)
+        torch.testing.assert_close(outs[1][start:start + n].cpu(), out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(states[1][write[i]].cpu(), final, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(states[0][[1, 3]], ssm[[1, 3]])
+
+
 @pytest.mark.parametrize("num_k_heads,num_v_heads,dk,dv,kernel", [(2, 4, 16, 8, 4), (1, 1, 32, 40, 3)])
 def test_gdn_commit_matches_reference_and_decode_steps(num_k_heads, num_v_heads, dk, dv, kernel):
     """Held rows committed: the kernel equals the torch reference, which equals ``count``
