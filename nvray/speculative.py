@@ -32,8 +32,9 @@ within k of the end (a repeating stretch drafts its next period: ``a b a b`` dra
 for k = 4, not just the ``a b`` the text holds).
 
 What does not speculate (it decodes a token a step, in the same batch): sequences with bad
-words, a ``min_tokens`` still to reach, beam searches, and models with recurrent layers (whose
-state cannot be rolled back). With a drafter on the ranks, the ranks read its drafts back
+words, a ``min_tokens`` still to reach and beam searches. Models with recurrent layers
+(Qwen3.5) hold each verified chunk's rows until the engine says how many it kept
+(``nvray/worker/held_chunks.py``). With a drafter on the ranks, the ranks read its drafts back
 for the penalties and grammar masks of the draft positions. Log-probabilities are the target's at each kept
 token's position; penalties at a draft position count the drafts before it.
 """
