@@ -36,6 +36,8 @@ import triton.language as tl
 
 from nvray.layers.gated_delta_rule import commit_reference
 
+from .gdn_decode import delta_update, unit_key
+
 __all__ = ["gdn_commit", "gdn_commit_ref"]
 
 _BLOCK_C = 256
@@ -83,14 +85,10 @@ def _rule_kernel(conv_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, starts_ptr, co
     for j in range(0, count):
         at = row * R + j
         token = conv_ptr + at * conv_dim
-        k = tl.load(token + key_dim + kh * DK + dk).to(tl.float32)
-        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        k = unit_key(tl.load(token + key_dim + kh * DK + dk).to(tl.float32))
         v = tl.load(token + 2 * key_dim + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + at * num_v_heads + h)
-        beta = tl.load(beta_ptr + at * num_v_heads + h)
-        s = s * tl.exp(g)
-        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-        s = s + k[:, None] * delta[None, :]
+        s = delta_update(s, k, v, tl.load(g_ptr + at * num_v_heads + h),
+                         tl.load(beta_ptr + at * num_v_heads + h))
     tl.store(tile, s, mask=vmask[None, :])
 
 

@@ -76,6 +76,21 @@ def _conv_update_kernel(x_ptr, stride_x, state_ptr, w_ptr, out_ptr, slots_ptr, p
 
 
 @triton.jit
+def unit_key(k):
+    """A key (or query) head L2-normalised, as the rule reads it."""
+    return k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+
+
+@triton.jit
+def delta_update(s, k, v, g, beta):
+    """One token's gated delta rule update of a ``[head_k_dim, BV]`` tile of S:
+    ``S <- exp(g) S``, then ``S <- S + k (beta (v - S^T k))^T``."""
+    s = s * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    return s + k[:, None] * delta[None, :]
+
+
+@triton.jit
 def _rule_kernel(conv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, pos_ptr, rows,
                  num_v_heads, group, key_dim, conv_dim, scale, DK: tl.constexpr,
                  DV: tl.constexpr, BV: tl.constexpr):
@@ -88,8 +103,8 @@ def _rule_kernel(conv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, pos_p
     token = conv_ptr + b * conv_dim
     q = tl.load(token + kh * DK + dk).to(tl.float32)
     k = tl.load(token + key_dim + kh * DK + dk).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    q = unit_key(q) * scale
+    k = unit_key(k)
     v = tl.load(token + 2 * key_dim + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * num_v_heads + h)
     beta = tl.load(beta_ptr + b * num_v_heads + h)
@@ -97,9 +112,7 @@ def _rule_kernel(conv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, pos_p
     resumes = tl.load(pos_ptr + b) > 0
     tile = state_ptr + ((row * num_v_heads + h) * DK + dk[:, None]) * DV + vs[None, :]
     s = tl.load(tile, mask=vmask[None, :], other=0.0)
-    s = tl.where(resumes, s, 0.0) * tl.exp(g)  # a sequence at position 0: zero state
-    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s = s + k[:, None] * delta[None, :]
+    s = delta_update(tl.where(resumes, s, 0.0), k, v, g, beta)  # position 0: zero state
     tl.store(tile, s, mask=vmask[None, :])
     o = tl.sum(s * q[:, None], axis=0)
     tl.store(out_ptr + (b * num_v_heads + h) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)

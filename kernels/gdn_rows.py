@@ -33,6 +33,8 @@ import triton.language as tl
 
 from nvray.layers.gated_delta_rule import rows_reference
 
+from .gdn_decode import delta_update, unit_key
+
 __all__ = ["gdn_rows", "gdn_rows_ref"]
 
 _BV = 32
@@ -56,16 +58,11 @@ def _rows_kernel(conv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, read_ptr, write_
     s = tl.where(tl.load(resumes_ptr + n) != 0, s, 0.0)
     for t in range(start, end):
         token = conv_ptr + t * conv_dim
-        q = tl.load(token + kh * DK + dk).to(tl.float32)
-        k = tl.load(token + key_dim + kh * DK + dk).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        q = unit_key(tl.load(token + kh * DK + dk).to(tl.float32)) * scale
+        k = unit_key(tl.load(token + key_dim + kh * DK + dk).to(tl.float32))
         v = tl.load(token + 2 * key_dim + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * num_v_heads + h)
-        beta = tl.load(beta_ptr + t * num_v_heads + h)
-        s = s * tl.exp(g)
-        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-        s = s + k[:, None] * delta[None, :]
+        s = delta_update(s, k, v, tl.load(g_ptr + t * num_v_heads + h),
+                         tl.load(beta_ptr + t * num_v_heads + h))
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + (t * num_v_heads + h) * DV + vs,
                  o.to(out_ptr.dtype.element_ty), mask=vmask)
