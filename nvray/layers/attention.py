@@ -63,6 +63,9 @@ class AttentionMetadata:
     # speculative decoding on such models: [T] int32, each token's row in the recurrent
     # layers' held buffers (-1: its chunk is not held); None: no chunk is held
     state_held_at: torch.Tensor | None = None
+    # a CUDA graph's layout: each sequence's query rows padded after its tokens (real_tokens()
+    # marks the tokens), no host lists (cuda_graph.py)
+    padded_rows: bool = False
 
     _cu_seqlens_k: torch.Tensor | None = None
     _decode_order: torch.Tensor | None = None

@@ -56,13 +56,18 @@ def conv_index(lens: list[int], kernel: int, device: torch.device) -> ConvIndex:
 
 
 def padded_conv_index(length: int, kernel: int, padding: torch.Tensor) -> ConvIndex:
-    """The buffer layout of ONE chunk of ``length`` rows whose last ``padding`` rows (a device
-    scalar: a CUDA graph's padding) are not tokens: its new state is the K-1 inputs before
-    them. Built on the device (capturable)."""
+    """The buffer layout of N chunks of ``length`` rows each whose last ``padding[i]`` rows (a
+    device tensor [N], or a scalar for one chunk: a CUDA graph's padding) are not tokens: each
+    chunk's new state is the K-1 inputs before its padding. Built on the device
+    (capturable)."""
     k, device = kernel, padding.device
+    padding = padding.reshape(-1)
+    span = length + k - 1  # a chunk's K-1 previous inputs, then its rows
+    base = (torch.arange(padding.shape[0], device=device) * span).unsqueeze(1)
     ahead = torch.arange(k - 1, device=device)
-    return ConvIndex(torch.arange(length, device=device) + (k - 1), ahead,
-                     ahead + (length - padding), length + k - 1)
+    token_at = (base + (k - 1) + torch.arange(length, device=device)).flatten()
+    last_at = (base + (length - padding).unsqueeze(1) + ahead).flatten()
+    return ConvIndex(token_at, (base + ahead).flatten(), last_at, padding.shape[0] * span)
 
 
 def batched_causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor,

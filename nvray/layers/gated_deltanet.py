@@ -258,7 +258,7 @@ class GatedDeltaNet(nn.Module):
         if meta.state_held_at is not None:  # held chunks: their rows kept, their slots as they were
             written = self._hold(mixed, conv, g, beta, meta, rows)
         self.conv_state.index_copy_(0, written, conv_final)
-        if self.held_rows and layout.real is None and meta.max_query_len <= self.held_rows:
+        if self.held_rows and meta.max_query_len <= self.held_rows:
             # speculation's short chunks (verification): token by token, no 64-token padding
             return self._rows_fn(conv, g, beta, self.ssm_state, rows, written, resumes.view(-1),
                                  meta.query_start_loc, self.num_k_heads, self.head_k_dim,
@@ -327,9 +327,10 @@ class PrefillLayout(NamedTuple):
     once (``AttentionMetadata.once_per_step``) with no device sync: their lengths, each
     chunk's state row, whether it resumes a state, the conv buffer's layout, and the varlen
     arguments of fla-core's kernel (int64 offsets on the device and the host, and its 64-token
-    chunk indices). In a prefill CUDA graph (one sequence padded to the graph's length, no host
-    lists) everything is built on the device, ``real`` marks the token rows, and fla-core runs
-    the chunk as a batch of one."""
+    chunk indices). In a CUDA graph (a prefill graph's one sequence, or a verification graph's
+    sequences, each padded to the graph's query length; no host lists) everything is built on
+    the device, ``real`` marks the token rows, and fla-core runs a prefill graph's chunk as a
+    batch of one."""
 
     lens: list[int]
     rows: torch.Tensor  # [N] long: each chunk's state row (-1 slots: the scratch row)
@@ -347,10 +348,10 @@ class PrefillLayout(NamedTuple):
         rows = meta.state_slots.long() % state_rows  # -1: the scratch row
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
         resumes = (meta.seq_lens > query_lens).view(-1, 1, 1)
-        if not meta.query_lens_cpu:  # a prefill CUDA graph's one padded sequence
-            length, real = meta.max_query_len, meta.real_tokens()
-            padding = length - real.sum()
-            return cls([length], rows, resumes, padded_conv_index(length, kernel, padding),
+        if meta.padded_rows or not meta.query_lens_cpu:  # a CUDA graph's padded sequences
+            length, real, num = meta.max_query_len, meta.real_tokens(), rows.shape[0]
+            padding = length - real.view(num, length).sum(1)
+            return cls([length] * num, rows, resumes, padded_conv_index(length, kernel, padding),
                        real.unsqueeze(-1).float())
         lens, device = meta.query_lens_cpu, meta.query_start_loc.device
         layout = cls(lens, rows, resumes, conv_index(lens, kernel, device))

@@ -33,7 +33,10 @@ plain decode; a short prompt chunk): every sequence gets ``verify_q`` query rows
 first and then padding as in a prefill graph (context length: the chunk's start + ``verify_q``);
 padding sequences attend over the first ``verify_q`` positions of the tables' padding row
 (block 0) and write nowhere. Without them several sequences' verification ran eagerly, about 3x a decode step
-on an 8B model (docs/speculative.md).
+on an 8B model (docs/speculative.md). A model with recurrent layers would read each token's held row
+(``state_held_at``, a static input) there, its padding rows neither decaying nor writing a state
+(held to the eager step on the CPU; ``ModelRunner`` captures none for such models until the
+layout has run on a GPU).
 """
 
 from __future__ import annotations
@@ -86,8 +89,8 @@ class StepGraphs:
         self.shapes = shapes
         self.verify_q = shapes.verify_q
         self.max_model_len = max_model_len
-        (self.ids, self.pos, self.seq_lens, self.rows, self.group_slots,
-         self.state_slots) = inputs.static_views()
+        (self.ids, self.pos, self.seq_lens, self.rows, self.group_slots, self.state_slots,
+         self.held_at) = inputs.static_views()
         cap = inputs.graph_capacity
         self.query_start_loc = torch.arange(cap + 1, dtype=torch.int32, device=inputs.device)
         self.out = torch.zeros(cap, *row_shape, dtype=dtype, device=inputs.device)
@@ -102,9 +105,9 @@ class StepGraphs:
         self.pool = None
 
     def _meta(self, num_tokens: int, num_seqs: int, query_start_loc: torch.Tensor,
-              max_query_len: int) -> AttentionMetadata:
+              max_query_len: int, holds: bool = False) -> AttentionMetadata:
         """A captured region's metadata: its block tables gathered inside the graph, one set
-        per block-table group."""
+        per block-table group; ``holds`` (verification): each token's held row too."""
         slots = [s[:num_tokens] for s in self.group_slots]
         tables = [t.index_select(0, self.rows[:num_seqs]) for t in self.inputs.tables.group_tables]
         meta = AttentionMetadata(
@@ -112,7 +115,9 @@ class StepGraphs:
             seq_lens=self.seq_lens[:num_seqs], block_tables=tables[0],
             max_query_len=max_query_len, max_seq_len=self.max_model_len, query_lens_cpu=[],
             seq_lens_cpu=[],
-            state_slots=None if self.state_slots is None else self.state_slots[:num_seqs])
+            state_slots=None if self.state_slots is None else self.state_slots[:num_seqs],
+            state_held_at=self.held_at[:num_tokens] if holds and self.held_at is not None
+            else None, padded_rows=True)
         return meta.with_groups(slots, tables) if len(tables) > 1 else meta
 
     def _run(self, bs: int) -> None:
@@ -129,7 +134,7 @@ class StepGraphs:
         """The captured region of a verification graph: ``bs`` sequences of ``verify_q`` query
         tokens each."""
         q = self.verify_q
-        meta = self._meta(bs * q, bs, self.verify_query_start[:bs + 1], q)
+        meta = self._meta(bs * q, bs, self.verify_query_start[:bs + 1], q, holds=True)
         self.out[:bs * q] = self.forward(self.ids[:bs * q], self.pos[:bs * q], meta)
 
     def _capture_one(self, run: Callable[[int], None], size: int) -> torch.cuda.CUDAGraph:
@@ -166,8 +171,9 @@ class StepGraphs:
         once and write nothing, attend to nothing (slot -1, seq_len 0); a verification batch's
         sequences and a prefill of q tokens attend over a context of q positions (row 0 of the
         tables: block 0)."""
-        for slots in [*self.group_slots, *([] if self.state_slots is None else [self.state_slots])]:
-            slots.fill_(-1)
+        for slots in [*self.group_slots, self.state_slots, self.held_at]:
+            if slots is not None:
+                slots.fill_(-1)
         self.seq_lens.zero_()
         self.rows.zero_()
         try:

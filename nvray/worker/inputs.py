@@ -18,7 +18,8 @@ group (the flat table's entry ``b * G + g``), and the metadata carries one per g
 A model with recurrent layers adds a field: each sequence's state slot (padding: -1, the
 layers' scratch row). With speculative decoding (``held_rows`` R) a step with drafts also gives
 each token of a drafting sequence its row in the layers' held buffers (``slot * R + j``; -1 for
-the others' tokens: ``AttentionMetadata.state_held_at``), and runs eagerly.
+the others' tokens: ``AttentionMetadata.state_held_at``), a static field of the verification
+graphs too; such a step runs eagerly where no verification graph holds it.
 A step that is one sequence's query chunk fitting a prefill graph (``cuda_graph.py``) writes its
 tokens there too, padded to the graph's query length with tokens that write nowhere; its
 context length is the chunk's start + the graph's query length.
@@ -95,6 +96,7 @@ class StaticInputs(NamedTuple):
     rows: torch.Tensor
     slots: list[torch.Tensor]  # one per block-table group
     state_slots: torch.Tensor | None  # models with recurrent layers: each sequence's slot
+    held_at: torch.Tensor | None  # ... with speculation: each token's held row (verification)
 
 
 class _HostLists(NamedTuple):
@@ -143,7 +145,7 @@ class InputBuilder:
                                                   -(-max_model_len // block_size), device,
                                                   num_groups)  # + its padding row
         self.graph_capacity = _aligned(graph_capacity)
-        self.static_fields = SHARED_FIELDS + num_groups + has_state
+        self.static_fields = SHARED_FIELDS + num_groups + has_state + bool(held_rows)
         self.static = torch.zeros(self.static_fields * self.graph_capacity, dtype=torch.int32,
                                   device=device)
         self.copy_done = torch.cuda.Event() if self.cuda else None
@@ -156,8 +158,10 @@ class InputBuilder:
             return None
         fields = self.static.view(self.static_fields, -1).unbind(0)
         groups = list(fields[SHARED_FIELDS:SHARED_FIELDS + self.num_groups])
-        return StaticInputs(*fields[:SHARED_FIELDS], groups,
-                            fields[-1] if self.has_state else None)
+        extra = list(fields[SHARED_FIELDS + self.num_groups:])
+        state = extra.pop(0) if self.has_state else None
+        return StaticInputs(*fields[:SHARED_FIELDS], groups, state,
+                            extra.pop(0) if self.held_rows else None)
 
     # ------------------------------------------------------------------ build
     def prepare(self, step: StepInput, shapes: GraphShapes = GraphShapes(),
@@ -172,13 +176,11 @@ class InputBuilder:
             assert prev_sampled is not None and max(lists.fill_src) < prev_sampled.numel(), (
                 "a placeholder token refers to no sampled id of the previous step")
         num_seqs, decode = len(lists.rows), shapes.decode
-        if lists.held:  # (the graphs have no held rows)
-            batch, fill = self._prepare_eager(lists)
-        elif decode and max(lists.q_lens) == 1 and num_seqs <= decode[-1]:
+        if decode and max(lists.q_lens) == 1 and num_seqs <= decode[-1]:  # (held: 2+ tokens)
             batch, fill = self._prepare_graph(lists, decode[bisect.bisect_left(decode, num_seqs)])
         elif verify_bs := self._verify_graph_for(lists, shapes):
             batch, fill = self._prepare_verify_graph(lists, verify_bs, shapes.verify_q)
-        elif prefill_q := self._prefill_graph_for(lists, shapes.prefill):
+        elif not lists.held and (prefill_q := self._prefill_graph_for(lists, shapes.prefill)):
             batch, fill = self._prepare_prefill_graph(lists, prefill_q)
         else:
             batch, fill = self._prepare_eager(lists)
@@ -301,6 +303,7 @@ class InputBuilder:
                   (seq_lens, q, bs), (h.rows, self.tables.pad_row, bs)]
         fields += [(spread(s, -1), -1, bs * q) for s in h.slots]
         fields += [(h.state, -1, bs)] if self.has_state else []
+        fields += [(spread(h.held or [-1] * len(h.ids), -1), -1, bs * q)] if self.held_rows else []
         sample, fill = self._write_static(h, fields, [where[j] for j in h.gathered],
                                           [where[j] for j in h.fill_dst])
         ids, pos = self.static_views()[:2]  # type: ignore[index]

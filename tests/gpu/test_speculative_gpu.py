@@ -171,7 +171,8 @@ def test_eagle3_eager_with_a_small_token_budget(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-moe"])
 def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
     """Greedy and seeded requests, a drafter always right then always wrong: the tokens of the
-    same engine without speculation (float32, decode graphs and the Triton kernels)."""
+    same engine without speculation (float32, decode graphs, the Triton kernels; verification
+    eager)."""
     from hf_checkpoints import HYBRID_SHAPES, write_hf_checkpoint
     from nvray.models.tiny import tiny_model_path
 
