@@ -4,7 +4,8 @@
 (``"ngram"``: prompt lookup on the host; ``"draft_model"``: a small model with the target's
 vocabulary, ``model``, run on the target's ranks: ``nvray/worker/drafter.py``; ``"eagle3"``:
 an EAGLE-3 head, ``model``, reading the target's hidden states on its ranks:
-``nvray/worker/eagle_drafter.py``),
+``nvray/worker/eagle_drafter.py``; ``"mtp"``: Qwen3.5's multi-token-prediction head from the
+target's own checkpoint, reading its final hidden states: ``nvray/worker/mtp_drafter.py``),
 ``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (the n-gram lengths tried, longest first), ``disable_by_batch_size``: no
 drafts in a step while more sequences than this run (default 32: past that a verification
@@ -46,9 +47,11 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle3")
-# drafts proposed on the ranks (nvray/worker/drafter.py, nvray/worker/eagle_drafter.py)
-MODEL_METHODS = ("draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# drafts proposed on the ranks (nvray/worker/drafter.py, eagle_drafter.py, mtp_drafter.py)
+MODEL_METHODS = ("draft_model", "eagle3", "mtp")
+# ... by a head reading the target's hidden states, its row at a position holding the next token
+HEAD_METHODS = ("eagle3", "mtp")
 _MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -83,12 +86,14 @@ class SpeculativeConfig:
 
     def validate(self) -> None:
         _require(self.method in METHODS, "method", self.method, f"must be one of {list(METHODS)}")
-        if self.method in MODEL_METHODS:
+        if self.method in MODEL_METHODS and self.method != "mtp":
             _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
                      f"method {self.method!r} needs the drafter's checkpoint directory")
         else:
             _require(self.model is None, "model", self.model,
-                     f"method {self.method!r} takes no model")
+                     f"method {self.method!r} takes no model"
+                     + (" (the head is the target checkpoint's own)" if self.method == "mtp"
+                        else ""))
         k = self.num_speculative_tokens
         _require(isinstance(k, int) and 1 <= k <= _MAX_SPECULATIVE_TOKENS,
                  "num_speculative_tokens", k, f"must be in [1, {_MAX_SPECULATIVE_TOKENS}]")
@@ -108,15 +113,16 @@ class SpeculativeConfig:
 
     @property
     def drafter_rows_lag(self) -> bool:
-        """Whether the drafter's row at a position holds the next token (EAGLE-3): a block's
-        last row then depends on the block after it."""
-        return self.method == "eagle3"
+        """Whether the drafter's row at a position holds the next token (EAGLE-3, MTP): a
+        block's last row then depends on the block after it."""
+        return self.method in HEAD_METHODS
 
     @property
     def refeeds_accepted(self) -> bool:
-        """Whether the drafter's rows of accepted drafts are fed again once verified (EAGLE-3:
-        they were computed from its own hidden states, the target's features now exist)."""
-        return self.method == "eagle3"
+        """Whether the drafter's rows of accepted drafts are fed again once verified (EAGLE-3,
+        MTP: they were computed from its own hidden states, the target's features now
+        exist)."""
+        return self.method in HEAD_METHODS
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

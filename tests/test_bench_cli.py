@@ -163,6 +163,27 @@ def test_serve_runs_chat_messages_and_responses_side_by_side(serve_http) -> None
     assert rows[0]["ttft_vs_chat"] == rows[0]["tok_per_s_vs_chat"] == 1.0
 
 
+def test_speculative_mtp_runs_the_targets_own_head_with_the_plain_engines_tokens(
+        tmp_path, family_path) -> None:
+    """``speculative --mtp`` on a Qwen3.5 checkpoint with an MTP head: random (never right on
+    the echoed target), then echoed (always right, the hybrid's state applied a whole verified
+    run at a time): every run gives the plain engine's tokens."""
+    from mtp_oracle import write_mtp_checkpoint
+
+    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path("qwen3_5"), seed=3)
+    out = tmp_path / "spec.json"
+    result = _bench("--model", path, "--mtp", "--no-host-drafters", "--concurrency", "1,2",
+                    "--input-len", "12", "--output-len", "21", "--repeats", "1", "--out",
+                    str(out), cmd="speculative")
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert {run["drafter"] for run in runs} == {"mtp_random_fixed", "mtp_random_adaptive",
+                                               "mtp_random_policy", "mtp_echo_fixed"}
+    assert all(run["same_tokens_share"] == 1.0 for run in runs), runs
+    echoed = [run for run in runs if run["drafter"] == "mtp_echo_fixed"]
+    assert all(run["mean_acceptance_length"] == 5.0 for run in echoed), echoed
+
+
 def test_speculative_runs_every_drafter_with_the_plain_engines_tokens(tmp_path) -> None:
     """``speculative --draft-model --eagle3``: the tiny model, echoed, drafting for an echoed
     target, and an EAGLE-3 head of its shape: every run gives the plain engine's tokens;

@@ -31,7 +31,7 @@ Subcommands:
 - ``speculative``: speculative decoding's machinery: output tok/s at each concurrency without
   speculation and with an oracle drafter of set mean acceptance length, one never right and
   the n-gram proposer, greedy; ``--draft-model 0.6b`` adds a draft model on the rank and
-  ``--eagle3`` an EAGLE-3 head
+  ``--eagle3`` an EAGLE-3 head, ``--mtp`` the target's own MTP head (Qwen3.5)
   (``nvray/bench/speculative.py``).
 - ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
   over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--eagle3", action="store_true",
                     help="also an EAGLE-3 head of the target's shape on its rank (draft "
                          "vocabulary 32000), random, then echoed")
+    sp.add_argument("--mtp", action="store_true",
+                    help="add the target's own MTP head (Qwen3.5) drafting on its rank")
     sp.add_argument("--no-host-drafters", dest="host_drafters", action="store_false",
                     help="skip the oracle, never-right and n-gram runs")
     ar = sub.add_parser("allreduce", parents=[common],
@@ -327,7 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return bench_speculative(args.model, args.shape, concurrencies,
                                  args.num_speculative_tokens, args.mean_acceptance_length,
                                  args.input_len, args.output_len, args.repeats, args.echo,
-                                 args.draft_model, args.host_drafters, args.eagle3)
+                                 args.draft_model, args.host_drafters, args.eagle3,
+                                 args.mtp)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

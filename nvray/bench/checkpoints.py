@@ -66,6 +66,7 @@ _QWEN3_5_COMMON: dict[str, Any] = {
     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
     "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "mtp_num_hidden_layers": 1,  # the released checkpoints' MTP head (speculative method mtp)
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                         "partial_rotary_factor": 0.25}}
 FAMILY_SHAPES.update({

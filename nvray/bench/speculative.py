@@ -33,6 +33,7 @@ target (k fixed, adaptive, the default policy), then echoed itself it is always 
 the drafter's forwards at full acceptance); ``--eagle3`` does the same with an EAGLE-3 head
 of the target's shape (``checkpoints.eagle3_checkpoint``: one layer, a draft vocabulary of
 32000 ids, as the published heads of Llama 3.1 8B and Qwen3 8B), echoed by ``echo_eagle3``;
+``--mtp`` the same with the target's own MTP head (Qwen3.5; echoed by ``echo_mtp``);
 ``--no-host-drafters`` skips the runs above.
 """
 
@@ -177,11 +178,11 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
 
     from nvray import LLM  # noqa: PLC0415
 
-    path = (draft_model if os.path.isdir(draft_model) or draft_model == "tiny"
-            else default_checkpoint(draft_model))
-    llm = LLM(model, speculative_config={"method": method, "model": path,
-                                         "num_speculative_tokens": k,
-                                         "disable_by_batch_size": max(workloads)}, **options)
+    spec = {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": max(workloads)}
+    if method != "mtp":  # (an MTP head is the target checkpoint's own)
+        spec["model"] = (draft_model if os.path.isdir(draft_model) or draft_model == "tiny"
+                         else default_checkpoint(draft_model))
+    llm = LLM(model, speculative_config=spec, **options)
     runs = []
     try:
         if echo:
@@ -197,6 +198,8 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
             runner = llm.engine.executor.runner
             if method == "eagle3":
                 echo_eagle3(runner.drafter.model, runner.model)
+            elif method == "mtp":
+                echo_mtp(runner.drafter.model)
             else:
                 echo_model(runner.drafter.model)
             speculator.config = configs["fixed"]
@@ -208,16 +211,12 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
     return runs
 
 
-def echo_eagle3(drafter: Any, target: Any) -> None:
-    """Make an EAGLE-3 drafter of an echo target (``echo_model``) always right: ``fc`` passes
-    the first feature on (the echo target's stream at a position is its token's embedding),
-    attention and MLP add nothing, and the LM head is the target's over the draft vocabulary
-    (its first ids: ``d2t`` zero; the prompts' ids are below 10000)."""
+def _echo_head(head: Any) -> dict[str, Any]:
+    """A head's ``fc`` passing its input's first part on, its layer adding nothing (output
+    projections zero); its parameters by name."""
     import torch  # noqa: PLC0415
 
-    params = dict(drafter.named_parameters())
-    head = dict(target.named_parameters()).get("lm_head.weight",
-                                               target.model.embed_tokens.weight)
+    params = dict(head.named_parameters())
     with torch.no_grad():
         fc = params["fc.weight"]
         fc.zero_()
@@ -225,6 +224,32 @@ def echo_eagle3(drafter: Any, target: Any) -> None:
         for name, param in params.items():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.zero_()
+    return params
+
+
+def echo_mtp(head: Any) -> None:
+    """Make Qwen3.5's MTP head of an echo target (``echo_model``) always right: ``fc`` passes
+    the normed embedding on, attention and MLP add nothing, its norms scale by one, so the
+    target's LM head (its embeddings scaled) proposes the token the row reads."""
+    import torch  # noqa: PLC0415
+
+    params = _echo_head(head)
+    with torch.no_grad():
+        for name in ("pre_fc_norm_embedding.weight", "norm.weight"):
+            params[name].fill_(1.0)  # (the loaded 1 + w)
+
+
+def echo_eagle3(drafter: Any, target: Any) -> None:
+    """Make an EAGLE-3 drafter of an echo target (``echo_model``) always right: ``fc`` passes
+    the first feature on (the echo target's stream at a position is its token's embedding),
+    attention and MLP add nothing, and the LM head is the target's over the draft vocabulary
+    (its first ids: ``d2t`` zero; the prompts' ids are below 10000)."""
+    import torch  # noqa: PLC0415
+
+    params = _echo_head(drafter)
+    head = dict(target.named_parameters()).get("lm_head.weight",
+                                               target.model.embed_tokens.weight)
+    with torch.no_grad():
         params["norm.weight"].fill_(1.0)
         lm_head = params["lm_head.weight"]
         lm_head.copy_(head[:lm_head.shape[0]])
@@ -236,7 +261,8 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
                       concurrencies: tuple[int, ...] = (1, 8, 32, 128), k: int = 4,
                       mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
                       repeats: int = 3, echo: bool = True, draft_model: str | None = None,
-                      host_drafters: bool = True, eagle3: bool = False) -> dict[str, Any]:
+                      host_drafters: bool = True, eagle3: bool = False,
+                      mtp: bool = False) -> dict[str, Any]:
     from nvray import LLM  # noqa: PLC0415
 
     keep = keep_probability(mean_length, k)
@@ -262,10 +288,13 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
         head = eagle3_checkpoint(model, with_weights=options.get("load_format") != "dummy")
         runs += draft_model_runs(model, head, options, k, workloads, answers, plain,
                                  output_len, repeats, echo, method="eagle3")
+    if mtp:
+        runs += draft_model_runs(model, "", options, k, workloads, answers, plain, output_len,
+                                 repeats, echo, method="mtp")
     if host_drafters:
         runs += _host_drafter_runs(model, options, k, keep, workloads, answers, plain,
                                    output_len, repeats, echo)
-    return {"model": model, "draft_model": draft_model, "eagle3": eagle3, "k": k,
+    return {"model": model, "draft_model": draft_model, "eagle3": eagle3, "mtp": mtp, "k": k,
             "target_mean_acceptance_length": mean_length,
             "keep_probability": round(keep, 4), "input_len": input_len,
             "output_len": output_len, "repeats": repeats, "echo": echo, "runs": runs}

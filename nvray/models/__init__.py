@@ -2,7 +2,7 @@
 share (``decoder.py``), Qwen3 and Qwen2 (``qwen3.py``), Qwen3-MoE (``qwen3_moe.py``), Llama 3.x and
 Mistral (``llama.py``), Gemma 3 text (``gemma3.py``), Qwen3.5 dense and MoE, hybrids of linear
 and full attention (``qwen3_5.py``; the language model of their vision-language checkpoints),
-EAGLE-3 drafters (``eagle3.py``), and the embedded tiny checkpoint
+EAGLE-3 drafters (``eagle3.py``), Qwen3.5's MTP head (``qwen3_5_mtp.py``), and the embedded tiny checkpoint
 (``tiny.py``: a small random-weight Qwen3 written in HF format on first use, loaded through the
 same code as a real model). ``model_class_for`` maps a checkpoint's HF
 ``architectures`` name to its nvray class; an unknown one is a ValueError naming it. A bare
@@ -31,6 +31,8 @@ MODEL_REGISTRY = {
     # EAGLE-3 drafters (speculative_config method "eagle3" only)
     "LlamaForCausalLMEagle3": ("nvray.models.eagle3", "Eagle3LlamaForCausalLM"),
     "Eagle3LlamaForCausalLM": ("nvray.models.eagle3", "Eagle3LlamaForCausalLM"),
+    # Qwen3.5's MTP head, read from the target's checkpoint (speculative_config method "mtp")
+    "Qwen3_5MTP": ("nvray.models.qwen3_5_mtp", "Qwen3_5MTP"),
 }
 
 BACKBONES = ("Qwen3Model",)

@@ -24,7 +24,9 @@ first reads its input, the previous stage's hidden states and residual, from ``s
 
 With an EAGLE-3 drafter (``nvray/models/eagle3.py``) each layer it names hands its
 ``aux_capture`` the residual stream entering it (the new residual its input norm returns, whole
-on every rank), stored at the forward's KV slots.
+on every rank), stored at the forward's KV slots; with Qwen3.5's MTP head
+(``nvray/models/qwen3_5_mtp.py``) the model hands its ``final_capture`` what its final norm
+returns.
 """
 
 from __future__ import annotations
@@ -237,6 +239,7 @@ class DecoderModel(nn.Module):
                                    for i in stage_layers(cfg.num_hidden_layers)})
         self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage() else None
         self.stage_input: torch.Tensor | None = None  # [tokens, 2, hidden], a later stage's
+        self.final_capture: Any = None  # a Qwen3.5 MTP drafter's FinalCapture (qwen3_5_mtp.py)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -255,6 +258,8 @@ class DecoderModel(nn.Module):
             out = torch.stack([finish(x), residual], dim=1)
         else:
             out, _ = self.norm(x, residual)
+            if self.final_capture is not None:  # the final hidden states, for an MTP head
+                self.final_capture.take(out, meta.slot_mapping)
         end_forward()  # the fused all-reduces' bookkeeping (layers/tp.py)
         return out
 

@@ -47,8 +47,7 @@ class Eagle3Drafter(Drafter):
         self.target = target
         super().__init__(*args, **kwargs)
         cfg = self.hf_config
-        self.capture = AuxCapture(aux_layer_ids(cfg, target.cfg.num_hidden_layers),
-                                  target.cfg.hidden_size)
+        self.capture = self._make_capture()
         self.capture.attach(target)
         self.feature_width = self.capture.feature_width
         rows = max(self.config.max_num_batched_tokens, self.inputs.graph_capacity)
@@ -56,6 +55,11 @@ class Eagle3Drafter(Drafter):
                                            device=self.device)
         self.features = torch.zeros(0, self.feature_width, dtype=self.dtype, device=self.device)
         self.carry: torch.Tensor | None = None  # the last pass's prenorm rows
+
+    def _make_capture(self) -> Any:
+        """The target's side, storing each computed slot's feature (``capture.cache``)."""
+        return AuxCapture(aux_layer_ids(self.hf_config, self.target.cfg.num_hidden_layers),
+                          self.target.cfg.hidden_size)
 
     def _check_reach(self, max_model_len: int) -> None:
         cfg = self.hf_config

@@ -25,6 +25,7 @@ its output on, and the last stage's first rank samples and answers (the others r
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import logging
 from typing import Any, NamedTuple
@@ -56,6 +57,7 @@ from nvray.worker.eagle_drafter import Eagle3Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.held_chunks import HeldChunks
+from nvray.worker.mtp_drafter import MtpDrafter
 from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
@@ -81,6 +83,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         point_compiler_caches()  # before the first Triton compile (the kernel warm-up)
         self.config = config
+        self.model_path = model_path
         self.device = torch_device(config.device)
         self.memory_baseline = 0  # in use on the device before this rank's work (memory.py)
         if self.device.type == "cuda":
@@ -167,18 +170,22 @@ class ModelRunner:
             self.device)
 
     def _drafter(self, graphs: bool) -> Drafter | None:
-        """The drafter on this rank (``speculative_config`` method ``draft_model`` or
-        ``eagle3``)."""
+        """The drafter on this rank (``speculative_config`` method ``draft_model``, ``eagle3``
+        or ``mtp``)."""
         spec = self.config.speculative
         if spec is None or not spec.drafts_on_ranks:
             return None
         if any(w is not None and w < self.max_model_len for w in self.kv_layout.group_windows):
             raise ValueError(f"speculative_config method {spec.method!r} needs a target whose "
                              "layers all attend fully: this model has sliding-window layers")
+        if spec.method == "mtp":  # the head is the target checkpoint's own
+            spec = dataclasses.replace(spec, model=self.model_path)
         args = (spec, self.config, self.hf_config.vocab_size, self.device, self.dtype,
                 self.kv_dtype, self.max_model_len, self.backend, self.inputs.tables, graphs)
         if spec.method == "eagle3":
             return Eagle3Drafter(*args, target=self.model)
+        if spec.method == "mtp":
+            return MtpDrafter(*args, target=self.model)
         return Drafter(*args)
 
     def reset_tables(self) -> None:
@@ -432,9 +439,15 @@ class ModelRunner:
         in every recurrent layer (``held_chunks.py``)."""
         if not commits:
             return
-        slots, starts, counts = torch.tensor(list(zip(*commits)), dtype=torch.int32).to(self.device)
+        slots, starts, counts = to_device(list(zip(*commits)), self.device, torch.int32)
         for layer in self.state_layers:
             layer.commit_held(slots, starts, counts)
+
+    def warm_held_commit(self) -> None:
+        """Compile the held rows' commit now, not at the first verified step: one row of the
+        scratch slot (whatever it holds) applied to itself."""
+        if self.held_rows and self.state_layers[0].conv_state.numel():
+            self._commit_held([(self.state_layers[0].conv_state.shape[0] - 1, 1, 1)])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""

@@ -677,10 +677,15 @@ def test_a_draft_model_drafts_for_penalized_requests_and_is_refused_by_name(fami
 def _eagle3_run(target: str, drafter: str, prompts: list[list[int]], max_tokens: int, **kwargs):
     """Greedy outputs of an EAGLE-3 engine, n=2 forks of the first prompt after them, and
     every verified run as (the sequence's tokens before it, its drafts)."""
+    return _head_run(target, {"method": "eagle3", "model": drafter}, prompts, max_tokens,
+                     **kwargs)
+
+
+def _head_run(target: str, method: dict, prompts: list[list[int]], max_tokens: int, **kwargs):
+    """``_eagle3_run`` for a head of any method (``method``: its speculative_config keys)."""
     llm = LLM(target, runtime="inprocess", max_model_len=256, overlap_scheduling=False,
               kvcache_block_size=16, speculative_config={
-                  "method": "eagle3", "model": drafter, "num_speculative_tokens": K,
-                  "adaptive": False}, **kwargs)
+                  **method, "num_speculative_tokens": K, "adaptive": False}, **kwargs)
     runs, speculator = [], llm.engine.speculator
     emitted = speculator.emitted
 
@@ -786,3 +791,54 @@ def test_eagle3_is_refused_by_name_where_it_cannot_run(tmp_path, tiny_path):
     with pytest.raises(ValueError, match="of hidden size 32 without embeddings of its own "
                                          "cannot share the target's"):
         LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle3", "model": wide})
+
+
+# --------------------------------------------------------------- Qwen3.5's MTP head (on the ranks)
+@pytest.mark.parametrize("echo", [False, True])
+def test_mtp_drafts_are_the_reference_heads_through_preemption_hits_and_forks(
+        tmp_path, family_path, echo):
+    """Qwen3.5's MTP head read from the target's checkpoint (``mtp.*``), random, then with an
+    echo target and head (every draft right): the tokens are HF's, and every verified run's
+    drafts are the reference head's after the same tokens (HF's final hidden states, HF's
+    decoder layer and norms), under preemption, prefix hits (one ending where the sharing
+    sequences' tokens part), chunked feeds and n=2 forks; no slot or block left held."""
+    from mtp_oracle import reference_mtp_drafts, write_mtp_checkpoint
+
+    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path("qwen3_5"), seed=3, echo=echo)
+    prompts = random_prompts(5, 40, 70, seed=5)
+    prompts += [prompts[0][:40] + [7, 8, 9], prompts[0][:32] + [11, 12, 13, 14] * 5]
+    outs, forks, runs, preemptions, hits = _head_run(
+        path, {"method": "mtp"}, prompts, 24, num_kvcache_blocks=24, max_num_batched_tokens=32,
+        max_num_seqs=8)
+    # (an echo head's runs are all accepted: sequences end before the cache fills)
+    assert (preemptions > 0 or echo) and hits > 0, "the workload must preempt and hit the cache"
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, 24)
+    assert [c.token_ids for c in forks] == [outs[0].token_ids] * 2
+    assert len(runs) > 30
+    for tokens, drafts in runs[::5]:
+        assert drafts == reference_mtp_drafts(path, tokens, len(drafts)), len(tokens)
+    drafted = sum(o.num_draft_tokens for o in outs)
+    accepted = sum(o.num_accepted_draft_tokens for o in outs)
+    assert accepted == drafted if echo else accepted < drafted, (accepted, drafted)
+
+
+def test_mtp_is_refused_by_name_where_it_cannot_run(family_path, tmp_path):
+    import shutil
+
+    headless = shutil.copytree(family_path("qwen3_5"), tmp_path / "headless")
+    config = json.loads((headless / "config.json").read_text())
+    (headless / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match=r"has no mtp\.\* tensors \(a checkpoint saved without "
+                                         r"its MTP head\)"):
+        LLM(str(headless), runtime="inprocess", max_model_len=128,
+            speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match=r"method 'mtp' needs a model with an MTP head .*"
+                                         r"\['Qwen3ForCausalLM'\] has none"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match=r"needs a model with an MTP head"):  # none in its config
+        LLM(family_path("qwen3_5"), runtime="inprocess", max_model_len=128,
+            speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match=r"method 'mtp' takes no model \(the head is the "
+                                         r"target checkpoint's own\)"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "mtp", "model": "tiny"})

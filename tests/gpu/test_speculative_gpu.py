@@ -168,6 +168,22 @@ def test_eagle3_eager_with_a_small_token_budget(tmp_path):
     assert sum(o.num_draft_tokens for o in got) > 0
 
 
+def _hybrid_plain_run(path: str, seed: int):  # noqa: ANN202
+    """Six prompts, greedy and seeded in turn, float32 options, and the tokens of the engine
+    without speculation."""
+    prompts = random_prompts(6, 10, 90, seed=seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
+              for i in range(len(prompts))]
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    plain = LLM(path, **options)
+    try:
+        expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    finally:
+        plain.shutdown()
+    return prompts, params, options, expected
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-moe"])
 def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
     """Greedy and seeded requests, a drafter always right then always wrong: the tokens of the
@@ -178,16 +194,7 @@ def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
 
     path = write_hf_checkpoint(str(tmp_path / family), HYBRID_SHAPES[family], tiny_model_path(),
                                seed=5)
-    prompts = random_prompts(6, 10, 90, seed=16)
-    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
-              SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
-              for i in range(len(prompts))]
-    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
-    plain = LLM(path, **options)
-    try:
-        expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    finally:
-        plain.shutdown()
+    prompts, params, options, expected = _hybrid_plain_run(path, seed=16)
     answers = [list(p) + list(t) for p, t in zip(prompts, expected)]
     spec = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                          "disable_by_batch_size": 8, "adaptive": False},
@@ -201,5 +208,32 @@ def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
         counters = spec.engine.speculator.counters
         assert counters.num_accepted_tokens > 0
         assert counters.num_draft_tokens > counters.num_accepted_tokens
+    finally:
+        spec.shutdown()
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_qwen3_5s_mtp_head_on_the_gpu_keeps_the_tokens(echo, tmp_path):
+    """Qwen3.5's MTP head from the target's checkpoint, random then an echo head for an echo
+    target: greedy and seeded tokens of the engine without speculation (float32, CUDA graphs
+    for the head's feeds and passes, the target storing its final states inside its graphs);
+    echoed, every greedy draft accepted."""
+    from hf_checkpoints import HYBRID_SHAPES, write_hf_checkpoint
+    from mtp_oracle import write_mtp_checkpoint
+    from nvray.models.tiny import tiny_model_path
+
+    target = write_hf_checkpoint(str(tmp_path / "target"), HYBRID_SHAPES["qwen3_5"],
+                                 tiny_model_path(), seed=5)
+    path = write_mtp_checkpoint(str(tmp_path / "mtp"), target, seed=3, echo=echo)
+    prompts, params, options, expected = _hybrid_plain_run(path, seed=17)
+    spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                         "adaptive": False}, **options)
+    try:
+        outs = spec.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == expected
+        greedy = outs[1::2]
+        drafted = sum(o.num_draft_tokens for o in greedy)
+        accepted = sum(o.num_accepted_draft_tokens for o in greedy)
+        assert drafted > 0 and (accepted == drafted if echo else accepted < drafted)
     finally:
         spec.shutdown()
