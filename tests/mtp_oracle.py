@@ -33,11 +33,15 @@ def _mtp_layer(cfg):  # noqa: ANN001, ANN202
     return hf.Qwen3_5DecoderLayer(cfg, 0), cfg
 
 
-def write_mtp_checkpoint(path: str, target_path: str, seed: int, echo: bool = False) -> str:
+def write_mtp_checkpoint(path: str, target_path: str, seed: int, echo: bool = False,
+                         noise: float = 0.0) -> str:
     """A copy of the Qwen3.5 checkpoint at ``target_path`` with a random one-layer MTP head.
     ``echo``: the target's output projections zero and its LM head its embeddings (it repeats
-    its last token), and the head's too with ``fc`` passing the normed embedding on (it
-    proposes the token its row reads): every draft right."""
+    its last token, and its final state at a position is that token's normed embedding), and
+    the head's projections zero too with ``fc`` passing that state on (``noise``: with random
+    weights of that scale added): it proposes the token the target's state holds, so every
+    draft is right (some, with noise) only where the stored states and the chained outputs
+    are."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(target_path, path)
@@ -65,8 +69,9 @@ def write_mtp_checkpoint(path: str, target_path: str, seed: int, echo: bool = Fa
         head = next((n for n in weights if n.endswith("lm_head.weight")), None)
         if head is not None:
             weights[head] = weights[embed_name].clone()
-        tensors["mtp.fc.weight"][:, :hidden] = torch.eye(hidden)
-        tensors["mtp.fc.weight"][:, hidden:] = 0
+        fc = torch.zeros(hidden, 2 * hidden)
+        fc[:, hidden:] = torch.eye(hidden)
+        tensors["mtp.fc.weight"] = fc + noise * torch.randn(fc.shape, generator=g)
     save_file({**weights, **{k: v.contiguous() for k, v in tensors.items()}}, file)
     return path
 

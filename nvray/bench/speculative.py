@@ -211,16 +211,18 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
     return runs
 
 
-def _echo_head(head: Any) -> dict[str, Any]:
-    """A head's ``fc`` passing its input's first part on, its layer adding nothing (output
-    projections zero); its parameters by name."""
+def _echo_head(head: Any, part: int = 0) -> dict[str, Any]:
+    """A head's ``fc`` passing its input's ``part``-th H-wide part on, its layer adding
+    nothing (output projections zero); its parameters by name."""
     import torch  # noqa: PLC0415
 
     params = dict(head.named_parameters())
     with torch.no_grad():
         fc = params["fc.weight"]
         fc.zero_()
-        fc[:, :fc.shape[0]].copy_(torch.eye(fc.shape[0], dtype=fc.dtype, device=fc.device))
+        width = fc.shape[0]
+        fc[:, part * width:(part + 1) * width].copy_(
+            torch.eye(width, dtype=fc.dtype, device=fc.device))
         for name, param in params.items():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.zero_()
@@ -229,13 +231,14 @@ def _echo_head(head: Any) -> dict[str, Any]:
 
 def echo_mtp(head: Any) -> None:
     """Make Qwen3.5's MTP head of an echo target (``echo_model``) always right: ``fc`` passes
-    the normed embedding on, attention and MLP add nothing, its norms scale by one, so the
-    target's LM head (its embeddings scaled) proposes the token the row reads."""
+    the target's stored final state on (its token's normed embedding: right only where the
+    stored states are), attention and MLP add nothing, its norms scale by one, so the target's
+    LM head (its embeddings scaled) proposes that token."""
     import torch  # noqa: PLC0415
 
-    params = _echo_head(head)
+    params = _echo_head(head, part=1)
     with torch.no_grad():
-        for name in ("pre_fc_norm_embedding.weight", "norm.weight"):
+        for name in ("pre_fc_norm_hidden.weight", "norm.weight"):
             params[name].fill_(1.0)  # (the loaded 1 + w)
 
 

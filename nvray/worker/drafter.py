@@ -59,7 +59,8 @@ def has_model_drafts(s: SeqStep) -> bool:
 
 class Drafter:
     """The draft model (method ``draft_model``); ``eagle_drafter.py`` subclasses it for EAGLE-3
-    through the hooks ``_check_reach``, ``_build``, ``row_shape``, ``_fed``, ``shift``,
+    through the hooks ``_load_config``, ``_check_reach``, ``_build``, ``row_shape``, ``_fed``,
+    ``shift``,
     ``_set_inputs`` and ``_greedy``."""
 
     shift = 0  # a drafter row's position before its token's (EAGLE-3: 1)
@@ -70,7 +71,7 @@ class Drafter:
                  graphs: bool) -> None:
         path = resolve_model(spec.model)  # type: ignore[arg-type]
         self.spec, self.config = spec, config
-        self.hf_config = load_model_config(path)
+        self.hf_config = self._load_config(path)
         vocab = self.hf_config.vocab_size
         if vocab != target_vocab:
             raise ValueError(f"speculative_config model={spec.model!r}: its vocabulary has {vocab} "
@@ -106,6 +107,10 @@ class Drafter:
         self.graphs: StepGraphs | None = None
         self.num_graph_replays = 0  # draft forwards that replayed a graph
         self.kv_caches: list[torch.Tensor] = []
+
+    def _load_config(self, path: str) -> Any:
+        """The drafter's config (its checkpoint's)."""
+        return load_model_config(path)
 
     def _check_reach(self, max_model_len: int) -> None:
         """Refuse a drafter whose positions reach less far than the target's requests."""

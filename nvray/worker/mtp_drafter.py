@@ -27,6 +27,14 @@ from nvray.worker.eagle_drafter import Eagle3Drafter
 
 
 class MtpDrafter(Eagle3Drafter):
+    def _load_config(self, path: str) -> Any:
+        """The target's own config (its ``hf_overrides`` too: a scaled rope reaches the head),
+        naming the head's architecture."""
+        cfg = copy.copy(self.target.cfg)
+        cfg.mtp_target_architectures = getattr(cfg, "architectures", None) or []
+        cfg.architectures = [ARCHITECTURE]
+        return cfg
+
     def _make_capture(self) -> Any:
         return FinalCapture(self.target.cfg.hidden_size)
 
@@ -34,7 +42,7 @@ class MtpDrafter(Eagle3Drafter):
         Drafter._check_reach(self, max_model_len)  # the target's positions: its own reach
 
     def _build(self, path: str, config: EngineConfig) -> torch.nn.Module:
-        archs = getattr(self.hf_config, "architectures", None) or []
+        archs = self.hf_config.mtp_target_architectures
         if not any(a.startswith("Qwen3_5") for a in archs) or not mtp_layers(self.hf_config):
             raise ValueError(f"speculative_config method 'mtp' needs a model with an MTP head "
                              f"(Qwen3.5: mtp_num_hidden_layers in its config); {archs} has none")
@@ -42,8 +50,6 @@ class MtpDrafter(Eagle3Drafter):
                 n.startswith(PREFIX) for n in checkpoint_tensor_names(path)):
             raise ValueError(f"speculative_config method 'mtp': {path} has no {PREFIX}* "
                              "tensors (a checkpoint saved without its MTP head)")
-        self.hf_config = copy.copy(self.hf_config)
-        self.hf_config.architectures = [ARCHITECTURE]
         model = super(Eagle3Drafter, self)._build(path, config)
         model.embed_tokens = self.target.model.embed_tokens
         model.logits_of = self.target.compute_logits

@@ -794,23 +794,29 @@ def test_eagle3_is_refused_by_name_where_it_cannot_run(tmp_path, tiny_path):
 
 
 # --------------------------------------------------------------- Qwen3.5's MTP head (on the ranks)
-@pytest.mark.parametrize("echo", [False, True])
+@pytest.mark.parametrize("family,echo,noise", [
+    ("qwen3_5", False, 0.0),  # random: drafts rejected
+    ("qwen3_5", True, 0.0),  # echo: every draft right
+    ("qwen3_5-vl", True, 0.1)])  # as Qwen3.5 ships (a language model in a VL checkpoint), in part
 def test_mtp_drafts_are_the_reference_heads_through_preemption_hits_and_forks(
-        tmp_path, family_path, echo):
-    """Qwen3.5's MTP head read from the target's checkpoint (``mtp.*``), random, then with an
-    echo target and head (every draft right): the tokens are HF's, and every verified run's
-    drafts are the reference head's after the same tokens (HF's final hidden states, HF's
-    decoder layer and norms), under preemption, prefix hits (one ending where the sharing
-    sequences' tokens part), chunked feeds and n=2 forks; no slot or block left held."""
+        tmp_path, family_path, family, echo, noise):
+    """Qwen3.5's MTP head read from the target's checkpoint (``mtp.*``): random; with an echo
+    target and a head passing the target's stored state on (every draft right only where the
+    stored states and chained outputs are); the same with noise (accepted in part, so accepted
+    drafts are fed again and held chunks applied in part). The tokens are HF's, and every
+    checked verified run's drafts are the reference head's after the same tokens (HF's final
+    hidden states, HF's decoder layer and norms), under preemption, prefix hits (one ending
+    where the sharing sequences' tokens part), chunked feeds and n=2 forks."""
     from mtp_oracle import reference_mtp_drafts, write_mtp_checkpoint
 
-    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path("qwen3_5"), seed=3, echo=echo)
+    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path(family), seed=3, echo=echo,
+                                noise=noise)
     prompts = random_prompts(5, 40, 70, seed=5)
     prompts += [prompts[0][:40] + [7, 8, 9], prompts[0][:32] + [11, 12, 13, 14] * 5]
     outs, forks, runs, preemptions, hits = _head_run(
         path, {"method": "mtp"}, prompts, 24, num_kvcache_blocks=24, max_num_batched_tokens=32,
         max_num_seqs=8)
-    # (an echo head's runs are all accepted: sequences end before the cache fills)
+    # (an echo head's runs are accepted: sequences end before the cache fills)
     assert (preemptions > 0 or echo) and hits > 0, "the workload must preempt and hit the cache"
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(path, prompt, 24)
@@ -820,11 +826,23 @@ def test_mtp_drafts_are_the_reference_heads_through_preemption_hits_and_forks(
         assert drafts == reference_mtp_drafts(path, tokens, len(drafts)), len(tokens)
     drafted = sum(o.num_draft_tokens for o in outs)
     accepted = sum(o.num_accepted_draft_tokens for o in outs)
-    assert accepted == drafted if echo else accepted < drafted, (accepted, drafted)
+    if not echo:
+        assert accepted < drafted, (accepted, drafted)
+    else:
+        assert (accepted == drafted) if not noise else (20 < accepted < drafted - 20), \
+            (accepted, drafted)
 
 
 def test_mtp_is_refused_by_name_where_it_cannot_run(family_path, tmp_path):
     import shutil
+
+    from mtp_oracle import write_mtp_checkpoint
+
+    # the head reads the target's config with its overrides: its positions reach as far
+    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path("qwen3_5"), seed=3)
+    LLM(path, runtime="inprocess", max_model_len=2048, num_kvcache_blocks=8,
+        hf_overrides={"max_position_embeddings": 4096},
+        speculative_config={"method": "mtp"}).shutdown()
 
     headless = shutil.copytree(family_path("qwen3_5"), tmp_path / "headless")
     config = json.loads((headless / "config.json").read_text())

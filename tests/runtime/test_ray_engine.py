@@ -160,11 +160,13 @@ def test_tp2_mtp_shards_the_head_and_drafts_as_one_rank_does(ray_cluster, tmp_pa
                                                             family_path):
     """Qwen3.5's MTP head on Ray ranks at TP=2 (its attention heads and MLP sharded as the
     target's, ``fc`` whole on each rank, the target's LM head vocab-parallel), an echo target
-    and head: HF's tokens, every draft accepted (so each rank applies whole held chunks to its
-    share of the linear-attention state), and each request's counts a one-rank engine's."""
+    and a head passing the stored states on, with noise: HF's tokens, drafts accepted in part
+    (each rank stores the target's final states and applies held chunks in part to its share
+    of the linear-attention state), and each request's counts a one-rank engine's."""
     from mtp_oracle import write_mtp_checkpoint
 
-    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path("qwen3_5"), seed=3, echo=True)
+    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path("qwen3_5"), seed=3, echo=True,
+                                noise=0.1)
     prompts = random_prompts(3, 20, 40, seed=37)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
@@ -179,7 +181,7 @@ def test_tp2_mtp_shards_the_head_and_drafts_as_one_rank_does(ray_cluster, tmp_pa
             assert out.token_ids == hf_greedy(path, prompt, 16)
         counts.append([(o.num_draft_tokens, o.num_accepted_draft_tokens) for o in outs])
     assert counts[0] == counts[1]
-    assert all(d == a > 0 for d, a in counts[0]), counts
+    assert 0 < sum(a for _, a in counts[0]) < sum(d for d, _ in counts[0]), counts
 
 
 def test_tp2_shards_the_heads_of_a_hybrid_model(ray_cluster, family_path):
