@@ -247,16 +247,17 @@ class GatedDeltaNet(nn.Module):
         layout is made once per step (``PrefillLayout``); a prefill CUDA graph's padding rows
         neither decay nor write the state (g = 0, beta = 0)."""
         layout = meta.once_per_step("gated_deltanet", lambda: PrefillLayout.of(
-            meta, self.kernel, self.conv_state.shape[0], self._chunk_rule is not None))
+            meta, self.kernel, self.conv_state.shape[0], self._chunk_rule is not None,
+            self.held_rows))
         rows, resumes = layout.rows, layout.resumes
         if layout.real is not None:
             g, beta = g * layout.real, beta * layout.real
         conv, conv_final = batched_causal_conv(
             mixed, self.conv_state.index_select(0, rows) * resumes, self.conv1d.weight,
             layout.lens, layout.conv)
-        written = rows
-        if meta.state_held_at is not None:  # held chunks: their rows kept, their slots as they were
-            written = self._hold(mixed, conv, g, beta, meta, rows)
+        written = layout.written
+        if layout.held_at is not None:  # held chunks: their rows kept, their slots as they were
+            self._hold(mixed, conv, g, beta, layout.held_at)
         self.conv_state.index_copy_(0, written, conv_final)
         if self.held_rows and meta.max_query_len <= self.held_rows:
             # speculation's short chunks (verification): token by token, no 64-token padding
@@ -272,17 +273,13 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _hold(self, mixed: torch.Tensor, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              meta: AttentionMetadata, rows: torch.Tensor) -> torch.Tensor:
+              held_at: torch.Tensor) -> None:
         """Keep the held tokens' conv inputs and outputs, decays and write strengths at their
-        held rows (-1: not held, the scratch row's last); returns the rows each chunk's final
-        state goes to (a held chunk's: the scratch row)."""
-        assert meta.state_held_at is not None and self.held_rows, "held rows were not allocated"
-        at = meta.state_held_at.long() % self.held_mixed.shape[0]
+        held rows (``PrefillLayout.held_at``; a token not held: the scratch row's last)."""
+        assert self.held_rows, "held rows were not allocated"
         for buffer, rows_of_step in ((self.held_mixed, mixed), (self.held_conv, conv),
                                      (self.held_g, g), (self.held_beta, beta)):
-            buffer.index_copy_(0, at, rows_of_step.to(buffer.dtype))
-        held = meta.state_held_at[meta.query_start_loc[:-1].long()] >= 0
-        return torch.where(held, self.conv_state.shape[0] - 1, rows)
+            buffer.index_copy_(0, held_at, rows_of_step.to(buffer.dtype))
 
     def commit_held(self, slots: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor
                     ) -> None:
@@ -340,10 +337,25 @@ class PrefillLayout(NamedTuple):
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_cpu: torch.Tensor | None = None
     chunk_indices: torch.Tensor | None = None
+    written: torch.Tensor | None = None  # [N] long: each chunk's row for its final state
+    held_at: torch.Tensor | None = None  # [T] long: each token's held row (held chunks only)
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, kernel: int, state_rows: int, fla: bool
-           ) -> "PrefillLayout":
+    def of(cls, meta: AttentionMetadata, kernel: int, state_rows: int, fla: bool,
+           held_rows: int = 0) -> "PrefillLayout":
+        """The layout, and where the step holds chunks (``state_held_at``): each token's row
+        in the held buffers of ``held_rows`` rows a state row (-1: the last) and each chunk's
+        row for its final state (a held chunk's: the scratch row)."""
+        layout = cls._chunks(meta, kernel, state_rows, fla)
+        if meta.state_held_at is None:
+            return layout._replace(written=layout.rows)
+        held = meta.state_held_at[meta.query_start_loc[:-1].long()] >= 0
+        return layout._replace(written=torch.where(held, state_rows - 1, layout.rows),
+                               held_at=meta.state_held_at.long() % (state_rows * held_rows))
+
+    @classmethod
+    def _chunks(cls, meta: AttentionMetadata, kernel: int, state_rows: int, fla: bool
+                ) -> "PrefillLayout":
         assert meta.state_slots is not None
         rows = meta.state_slots.long() % state_rows  # -1: the scratch row
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
