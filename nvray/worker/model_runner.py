@@ -267,11 +267,8 @@ class ModelRunner:
         """The graphs to capture: decode batches, short prefills and, with speculation,
         verification batches of k + 1 tokens a sequence."""
         config, spec = self.config, self.config.speculative
-        # recurrent layers: their verification layout (held rows in the static inputs) is held
-        # to the eager step on the CPU (test_verify_graph_layout.py) but not yet run on a GPU,
-        # so such models verify eagerly there
         verify = (verify_graph_sizes(config.max_num_seqs, spec.disable_by_batch_size)
-                  if spec is not None and not self.state_layers else [])
+                  if spec is not None else [])
         return GraphShapes(tuple(graph_batch_sizes(config.max_num_seqs)),
                            tuple(prefill_graph_sizes(config.max_prefill_graph_tokens)),
                            tuple(verify), spec.num_speculative_tokens + 1 if spec else 0)

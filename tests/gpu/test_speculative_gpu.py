@@ -4,8 +4,8 @@ fewer), a drafter that is always right and one that is always wrong, with fixed 
 draft counts, a JSON-schema request among them, against the same engine settings without speculation: greedy and seeded tokens
 equal. A draft model on the rank (the tiny model drafting for itself, and another random
 checkpoint that is never right), its mirror and draft forwards replaying its own graphs. An
-EAGLE-3 drafter, random and echoed. Qwen3.5 hybrids: verified chunks held and the kept rows
-applied to the linear-attention state by the decode kernels."""
+EAGLE-3 drafter, random and echoed. Qwen3.5 hybrids: verified chunks held, the kept rows
+applied to the linear-attention state, verification graphs replayed; Qwen3.5's MTP head."""
 
 from __future__ import annotations
 
@@ -187,8 +187,8 @@ def _hybrid_plain_run(path: str, seed: int):  # noqa: ANN202
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-moe"])
 def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
     """Greedy and seeded requests, a drafter always right then always wrong: the tokens of the
-    same engine without speculation (float32, decode graphs, the Triton kernels; verification
-    eager)."""
+    same engine without speculation (float32, the Triton kernels; verification steps replay
+    their graphs, each token's held row a static input)."""
     from hf_checkpoints import HYBRID_SHAPES, write_hf_checkpoint
     from nvray.models.tiny import tiny_model_path
 
@@ -205,6 +205,7 @@ def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
             spec.engine.speculator.proposer = Recorded(answers, vocab, wrong)
             got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
             assert got == expected, f"wrong drafter: {wrong}"
+        assert spec.engine.executor.runner.num_verify_replays > 0, "no verification graph ran"
         counters = spec.engine.speculator.counters
         assert counters.num_accepted_tokens > 0
         assert counters.num_draft_tokens > counters.num_accepted_tokens
@@ -235,5 +236,7 @@ def test_qwen3_5s_mtp_head_on_the_gpu_keeps_the_tokens(echo, tmp_path):
         drafted = sum(o.num_draft_tokens for o in greedy)
         accepted = sum(o.num_accepted_draft_tokens for o in greedy)
         assert drafted > 0 and (accepted == drafted if echo else accepted < drafted)
+        runner = spec.engine.executor.runner
+        assert runner.num_verify_replays > 0 and runner.drafter.num_graph_replays > 0
     finally:
         spec.shutdown()
