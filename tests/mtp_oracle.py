@@ -2,8 +2,9 @@
 (``mtp.*`` tensors as the released checkpoints name them, ``mtp_num_hidden_layers: 1``), an echo
 variant (a target that repeats its last token and a head that proposes the token it reads), and
 the oracle of its drafts: the target's final hidden states from HF transformers
-(``last_hidden_state``), the head's layer HF's own ``Qwen3_5DecoderLayer`` and norms, ``fc`` a
-matmul, over the whole sequence at once (no cache)."""
+(``last_hidden_state``), the head's layer HF's own ``Qwen3_5DecoderLayer`` (on MoE targets
+``Qwen3_5MoeDecoderLayer``, its experts stored one by one as checkpoints store them) and norms,
+``fc`` a matmul, over the whole sequence at once (no cache)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,60 @@ def _hf_config(path: str):  # noqa: ANN202
     return getattr(cfg, "text_config", cfg)
 
 
-def _mtp_layer(cfg):  # noqa: ANN001, ANN202
-    """HF's decoder layer of the head: a full-attention layer of the target's shape."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+def _hf_module(cfg):  # noqa: ANN001, ANN202
+    """HF's modelling module of the target's family (dense or MoE Qwen3.5)."""
+    if getattr(cfg, "num_experts", 0):
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+    else:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+    return hf
 
+
+def _mtp_layer(cfg):  # noqa: ANN001, ANN202
+    """HF's decoder layer of the head: a full-attention layer of the target's shape (its MLP
+    the target's: routed and shared experts on MoE)."""
+    hf = _hf_module(cfg)
     cfg = type(cfg).from_dict({**cfg.to_dict(), "layer_types": ["full_attention"],
                                "num_hidden_layers": 1})
     cfg._attn_implementation = "eager"
-    return hf.Qwen3_5DecoderLayer(cfg, 0), cfg
+    layer = getattr(hf, "Qwen3_5MoeDecoderLayer", None) or hf.Qwen3_5DecoderLayer
+    return layer(cfg, 0), cfg
+
+
+def _checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF's in-memory layer tensors under the names checkpoints store: fused experts
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) one by one."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e, w in enumerate(t):
+                out[f"{base}{e}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
+
+
+def _layer_state(layer, stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """The layer's state dict from the stored tensors (experts stacked back as HF holds them)."""
+    state = {}
+    for name, t in layer.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            t = torch.stack([torch.cat([stored[f"{base}{e}.gate_proj.weight"],
+                                        stored[f"{base}{e}.up_proj.weight"]]) for e in range(len(t))])
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            t = torch.stack([stored[f"{base}{e}.down_proj.weight"] for e in range(len(t))])
+        else:
+            t = stored[name]
+        state[name] = t
+    return state
 
 
 def write_mtp_checkpoint(path: str, target_path: str, seed: int, echo: bool = False,
@@ -54,8 +101,8 @@ def write_mtp_checkpoint(path: str, target_path: str, seed: int, echo: bool = Fa
     g = torch.Generator().manual_seed(seed)
     layer, _ = _mtp_layer(_hf_config(path))
     hidden = text["hidden_size"]
-    tensors = {f"mtp.layers.0.{name}": torch.randn(t.shape, generator=g) * 0.1
-               for name, t in layer.state_dict().items()}
+    random = {name: torch.randn(t.shape, generator=g) * 0.1 for name, t in layer.state_dict().items()}
+    tensors = {f"mtp.layers.0.{name}": t for name, t in _checkpoint_names(random).items()}
     tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
                     **{f"mtp.{n}.weight": torch.randn(hidden, generator=g) * 0.1
                        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
@@ -81,7 +128,6 @@ def reference_mtp_drafts(path: str, tokens: list[int], k: int) -> list[int]:
     p - 1 with the target's final hidden state there; then each draft with the row before's
     normed output)."""
     from safetensors.torch import load_file
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     from oracle import hf_model
 
@@ -89,11 +135,13 @@ def reference_mtp_drafts(path: str, tokens: list[int], k: int) -> list[int]:
     w = {n.removeprefix("mtp."): t for n, t in load_file(os.path.join(path, "model.safetensors")).items()
          if n.startswith("mtp.")}
     layer, cfg = _mtp_layer(_hf_config(path))
-    layer.load_state_dict({n.removeprefix("layers.0."): t for n, t in w.items()
-                           if n.startswith("layers.0.")})
+    layer.load_state_dict(_layer_state(layer, {n.removeprefix("layers.0."): t for n, t in w.items()
+                                               if n.startswith("layers.0.")}))
+    hf = _hf_module(cfg)
+    norm_class = getattr(hf, "Qwen3_5MoeRMSNorm", None) or hf.Qwen3_5RMSNorm
     norms = {}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = hf.Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norms[name] = norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         norms[name].weight.data.copy_(w[f"{name}.weight"])
     decoder = getattr(target.model, "language_model", target.model)
     embed = target.get_input_embeddings()

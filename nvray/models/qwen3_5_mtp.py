@@ -5,7 +5,8 @@ The head (``mtp_num_hidden_layers: 1`` in the released checkpoints) takes, at po
 i + 1's embedding and the target's final hidden state at i (after its final norm), each
 through its own norm (``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``), concatenated and
 projected back to the hidden size by ``fc``; then one of Qwen3.5's full-attention decoder
-layers (gated attention, partial rotary, its MLP: ``mtp.layers.0.*``) and ``mtp.norm``; the
+layers (gated attention, partial rotary, its MLP: ``mtp.layers.0.*``; on Qwen3.5-MoE the
+routed experts and the shared expert of the target's layers) and ``mtp.norm``; the
 target's LM head proposes token i + 2. Every norm scales by ``1 + w`` as the target's do. The
 embeddings and the LM head are the target's. The next draft's row (position i + 1) reads the
 proposed token and, instead of a target hidden state, the head's own normed output at i, as
@@ -29,7 +30,7 @@ from nvray.layers.linear import ReplicatedLinear
 from nvray.layers.norm import ZeroCenteredRMSNorm
 from nvray.layers.tp import end_forward
 from nvray.models.decoder import PACKED_QKV_GATE_UP, GatedMLP
-from nvray.models.qwen3_5 import GatedAttention, HybridDecoderLayer
+from nvray.models.qwen3_5 import GatedAttention, HybridDecoderLayer, SharedExpertMoeBlock
 
 ARCHITECTURE = "Qwen3_5MTP"
 PREFIX = "mtp."
@@ -76,9 +77,6 @@ class Qwen3_5MTP(nn.Module):
         if mtp_layers(cfg) != 1:
             raise ValueError(f"a Qwen3.5 MTP head of {mtp_layers(cfg)} layers: nvray reads "
                              "one-layer heads (mtp.layers.0.*)")
-        if getattr(cfg, "num_experts", 0):
-            raise ValueError("speculative_config method 'mtp' on a Qwen3.5 MoE model: its MTP "
-                             "head's experts are not read yet (dense Qwen3.5 only)")
         self.cfg = cfg
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.embed_tokens: nn.Module | None = None
@@ -87,9 +85,10 @@ class Qwen3_5MTP(nn.Module):
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps)
         self.fc = ReplicatedLinear(2 * hidden, hidden, bias=False)
         prefix = PREFIX + "layers.0"
+        mlp = (SharedExpertMoeBlock(cfg, quant, f"{prefix}.mlp") if getattr(cfg, "num_experts", 0)
+               else GatedMLP(cfg, quant, f"{prefix}.mlp"))
         self.layers = nn.ModuleList([HybridDecoderLayer(
-            "self_attn", GatedAttention(cfg, quant, f"{prefix}.self_attn"),
-            GatedMLP(cfg, quant, f"{prefix}.mlp"), hidden, eps)])
+            "self_attn", GatedAttention(cfg, quant, f"{prefix}.self_attn"), mlp, hidden, eps)])
         self.norm = ZeroCenteredRMSNorm(hidden, eps)
         self.hidden_in: torch.Tensor | None = None  # [tokens, hidden], the drafter's buffer
 

@@ -213,17 +213,19 @@ def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
         spec.shutdown()
 
 
-@pytest.mark.parametrize("echo", [False, True])
-def test_qwen3_5s_mtp_head_on_the_gpu_keeps_the_tokens(echo, tmp_path):
+@pytest.mark.parametrize("family,echo", [("qwen3_5", False), ("qwen3_5", True),
+                                         ("qwen3_5-moe", False)])
+def test_qwen3_5s_mtp_head_on_the_gpu_keeps_the_tokens(family, echo, tmp_path):
     """Qwen3.5's MTP head from the target's checkpoint, random then an echo head for an echo
-    target: greedy and seeded tokens of the engine without speculation (float32, CUDA graphs
-    for the head's feeds and passes, the target storing its final states inside its graphs);
-    echoed, every greedy draft accepted."""
+    target, and a random head of Qwen3.5-MoE (its experts through the fused MoE kernel):
+    greedy and seeded tokens of the engine without speculation (float32, CUDA graphs for the
+    head's feeds and passes, the target storing its final states inside its graphs); echoed,
+    every greedy draft accepted."""
     from hf_checkpoints import HYBRID_SHAPES, write_hf_checkpoint
     from mtp_oracle import write_mtp_checkpoint
     from nvray.models.tiny import tiny_model_path
 
-    target = write_hf_checkpoint(str(tmp_path / "target"), HYBRID_SHAPES["qwen3_5"],
+    target = write_hf_checkpoint(str(tmp_path / "target"), HYBRID_SHAPES[family],
                                  tiny_model_path(), seed=5)
     path = write_mtp_checkpoint(str(tmp_path / "mtp"), target, seed=3, echo=echo)
     prompts, params, options, expected = _hybrid_plain_run(path, seed=17)
