@@ -15,7 +15,8 @@ counts, held_rows, num_k_heads, head_k_dim, head_v_dim) -> None``
   head_v_dim]`` float32, contiguous.
 * ``slots``, ``starts``, ``counts``: ``[N]`` int32: the slots to commit, the position of their
   held chunk's first token (0: the chunk started the sequence, from zero state) and how many
-  of its first tokens to apply (1..R).
+  of its first tokens to apply (1..R; 0: the entry does nothing, as a CUDA graph's padding
+  entries).
 * Each slot's conv window becomes the last K - 1 entries of its old window followed by the kept
   inputs; its S takes each kept token's gated delta rule update in order (q and k of the conv
   output L2-normalised, value head h reading key head ``h // (HV / num_k_heads)``), as
@@ -55,7 +56,7 @@ def _window_kernel(held_ptr, state_ptr, slots_ptr, starts_ptr, counts_ptr, chann
     resumes = tl.load(starts_ptr + n) > 0
     i = tl.arange(0, KP)  # the new window's entries
     t = count + i  # ... taken from [old window (K - 1) | held inputs (R)]
-    real = cmask[:, None] & (i < K - 1)[None, :]
+    real = cmask[:, None] & ((i < K - 1) & (i * 0 + count > 0))[None, :]  # count 0: none
     from_old = (t < K - 1)[None, :]
     base = state_ptr + row * channels * (K - 1) + c[:, None] * (K - 1)
     old = tl.load(base + t[None, :], mask=real & from_old, other=0.0)
@@ -79,6 +80,7 @@ def _rule_kernel(conv_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, starts_ptr, co
     row = tl.load(slots_ptr + n).to(tl.int64)
     count = tl.load(counts_ptr + n)
     resumes = tl.load(starts_ptr + n) > 0
+    vmask = vmask & (vs * 0 + count > 0)  # 0 kept: the entry does nothing
     tile = state_ptr + ((row * num_v_heads + h) * DK + dk[:, None]) * DV + vs[None, :]
     s = tl.load(tile, mask=vmask[None, :], other=0.0)
     s = tl.where(resumes, s, 0.0)

@@ -184,7 +184,10 @@ def commit_reference(held_mixed: torch.Tensor, held_conv: torch.Tensor, held_g: 
     ``held_mixed`` [rows * R, C] the tokens' conv inputs, ``held_conv`` their conv outputs
     (SiLU'd), ``held_g`` / ``held_beta`` [rows * R, HV]. The conv window becomes the last K - 1
     of the old window and the kept inputs; S takes the kept tokens' updates in order. A chunk
-    that started at position 0 (``starts``) starts from zero state."""
+    that started at position 0 (``starts``) starts from zero state. An entry of count 0 does
+    nothing (a CUDA graph's padding)."""
+    kept = counts > 0
+    slots, starts, counts = slots[kept], starts[kept], counts[kept]
     rows, channels, r = slots.long(), held_mixed.shape[1], held_rows
     resumes = (starts > 0).view(-1, 1, 1)
     old = conv_state.index_select(0, rows) * resumes  # [N, C, K-1]

@@ -57,6 +57,7 @@ from nvray.worker.eagle_drafter import Eagle3Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.held_chunks import HeldChunks
+from nvray.worker.held_commit import HeldCommit
 from nvray.worker.mtp_drafter import MtpDrafter
 from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.logits_processors import adjust_logits
@@ -137,6 +138,8 @@ class ModelRunner:
         # speculation over recurrent layers: a verified chunk's rows held a slot (held_chunks.py)
         self.held_rows = spec.num_speculative_tokens + 1 if spec and self.state_layers else 0
         self.held_chunks = HeldChunks(self.held_rows)
+        self.held_commit = (HeldCommit(self.state_layers, config.max_num_seqs, self.device)
+                            if self.held_rows else None)
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    graph_capacity(self.graph_shapes), self.device,
                                    self.kv_layout.num_groups, has_state=bool(self.state_layers),
@@ -319,6 +322,8 @@ class ModelRunner:
                           self.max_model_len)
 
     def _release_graphs(self) -> None:
+        if self.held_commit is not None:
+            self.held_commit.release()
         if self.drafter is not None:
             self.drafter.release_graphs()
         if self.graphs is not None:
@@ -376,7 +381,7 @@ class ModelRunner:
         when S is 0; hidden states [R + P, H] of the prompt rows to score, then of the rows to
         pool, None when R + P is 0 or before the last stage)."""
         if self.held_rows:  # the rows of held chunks the engine kept, before any state is read
-            self._commit_held(self.held_chunks.commits(step))
+            self.held_commit.apply(self.held_chunks.commits(step))  # type: ignore[union-attr]
             self.held_chunks.record(step)
         if step.block_copies:
             self.copy_blocks(step.block_copies)
@@ -431,20 +436,10 @@ class ModelRunner:
         self.step_drafts_host = host.tolist()
         return self.step_drafts_host
 
-    def _commit_held(self, commits: list[tuple[int, int, int]]) -> None:
-        """Apply each ``(slot, start, count)``'s first ``count`` held rows to its slot's state,
-        in every recurrent layer (``held_chunks.py``)."""
-        if not commits:
-            return
-        slots, starts, counts = to_device(list(zip(*commits)), self.device, torch.int32)
-        for layer in self.state_layers:
-            layer.commit_held(slots, starts, counts)
-
     def warm_held_commit(self) -> None:
-        """Compile the held rows' commit now, not at the first verified step: one row of the
-        scratch slot (whatever it holds) applied to itself."""
-        if self.held_rows and self.state_layers[0].conv_state.numel():
-            self._commit_held([(self.state_layers[0].conv_state.shape[0] - 1, 1, 1)])
+        """Compile the held rows' commit now, not at the first verified step."""
+        if self.held_commit is not None:
+            self.held_commit.warm()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""

@@ -186,6 +186,8 @@ def capture_graphs(runner: ModelRunner) -> None:
     before = measure_used(runner.device)
     runner.graphs = runner.new_graphs()
     seconds = runner.graphs.capture()
+    if runner.held_commit is not None:  # the held rows' commit (recurrent layers), too
+        runner.held_commit.capture(runner.graphs.pool)
     if runner.drafter is not None:  # the draft model's, in the same pool
         runner.drafter.capture_graphs(runner.graphs.pool)
         logger.info("captured %d CUDA graphs of the draft model", runner.drafter.num_graphs)

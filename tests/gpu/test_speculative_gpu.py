@@ -205,7 +205,9 @@ def test_a_hybrid_speculates_on_the_gpu_with_the_plain_tokens(family, tmp_path):
             spec.engine.speculator.proposer = Recorded(answers, vocab, wrong)
             got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
             assert got == expected, f"wrong drafter: {wrong}"
-        assert spec.engine.executor.runner.num_verify_replays > 0, "no verification graph ran"
+        runner = spec.engine.executor.runner
+        assert runner.num_verify_replays > 0, "no verification graph ran"
+        assert runner.held_commit.num_replays > 0, "no commit graph ran"
         counters = spec.engine.speculator.counters
         assert counters.num_accepted_tokens > 0
         assert counters.num_draft_tokens > counters.num_accepted_tokens

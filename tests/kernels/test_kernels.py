@@ -792,7 +792,8 @@ def test_gdn_rows_match_reference_and_the_chunked_form(num_k_heads, num_v_heads,
 def test_gdn_commit_matches_reference_and_decode_steps(num_k_heads, num_v_heads, dk, dv, kernel):
     """Held rows committed: the kernel equals the torch reference, which equals ``count``
     decode steps of the same tokens (the reference's own oracle); counts 1..R, a chunk that
-    started at position 0 (zero state whatever its row held), rows not named untouched."""
+    started at position 0 (zero state whatever its row held), rows not named untouched, nor
+    those of entries that keep nothing (count 0: a CUDA graph's padding)."""
     gen = torch.Generator().manual_seed(1)
     rows, r, conv_dim = 6, 3, 2 * num_k_heads * dk + num_v_heads * dv
     dtype = torch.float32
@@ -805,9 +806,9 @@ def test_gdn_commit_matches_reference_and_decode_steps(num_k_heads, num_v_heads,
     conv_state, ssm = rand(rows, conv_dim, kernel - 1).to(dtype), rand(rows, num_v_heads, dk, dv)
     g = -rand(rows * r, num_v_heads).abs()
     beta = torch.sigmoid(rand(rows * r, num_v_heads))
-    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
-    starts = torch.tensor([9, 0, 5], dtype=torch.int32, device=DEVICE)
-    counts = torch.tensor([3, 2, 1], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([4, 0, 2, 1, 3], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([9, 0, 5, 0, 7], dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([3, 2, 1, 0, 0], dtype=torch.int32, device=DEVICE)
     # the held conv outputs: each slot's rows run through the conv from its window; the
     # first ``count`` of them as decode steps too
     decoded = (conv_state.clone(), ssm.clone())
