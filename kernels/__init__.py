@@ -60,6 +60,7 @@ from .fused_moe import fused_moe, fused_moe_ref, moe_align, moe_align_ref  # noq
 from .gdn_commit import gdn_commit, gdn_commit_ref  # noqa: E402
 from .gdn_decode import gdn_decode, gdn_decode_ref  # noqa: E402
 from .gdn_rows import gdn_rows, gdn_rows_ref  # noqa: E402
+from .gdn_short_conv import gdn_short_conv, gdn_short_conv_ref  # noqa: E402
 from .grammar_mask import mask_logits, mask_logits_ref  # noqa: E402
 from .decode_attention import (decode_scratch_bytes, paged_decode_attention,  # noqa: E402
                                paged_decode_attention_ref)
@@ -105,6 +106,8 @@ __all__ = [
     "gdn_decode_ref",
     "gdn_rows",
     "gdn_rows_ref",
+    "gdn_short_conv",
+    "gdn_short_conv_ref",
     "mask_logits",
     "mask_logits_ref",
     "race_sample",

@@ -205,6 +205,30 @@ def commit_reference(held_mixed: torch.Tensor, held_conv: torch.Tensor, held_g: 
     ssm_state.index_copy_(0, rows, state)
 
 
+def short_conv_reference(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         read_rows: torch.Tensor, write_rows: torch.Tensor, resumes: torch.Tensor,
+                         query_start_loc: torch.Tensor, real_lens: torch.Tensor,
+                         held_at: torch.Tensor | None, held_mixed: torch.Tensor,
+                         held_conv: torch.Tensor) -> torch.Tensor:
+    """The causal conv (SiLU after) of N short chunks (``kernels/gdn_short_conv.py``'s
+    contract) through ``batched_causal_conv``: chunk i's rows (``query_start_loc``) after the
+    window of row ``read_rows[i]`` (zero where ``resumes[i]`` is false), its new window (the
+    last K - 1 inputs of its first ``real_lens[i]`` rows) stored at ``write_rows[i]``, each
+    row's input and output kept at its ``held_at`` row too. Returns the outputs [T, C]."""
+    starts = query_start_loc.long()
+    lens = (starts[1:] - starts[:-1]).tolist()
+    kernel = weight.shape[1]
+    prev = conv_state.index_select(0, read_rows.long()) * resumes.view(-1, 1, 1)
+    out, _ = batched_causal_conv(mixed, prev, weight, lens, conv_index(lens, kernel, mixed.device))
+    for i, n in enumerate(real_lens.tolist()):  # the last K - 1 of window and tokens
+        line = torch.cat([prev[i], mixed[starts[i]:starts[i] + n].t().to(prev.dtype)], -1)
+        conv_state[write_rows[i]] = line[:, line.shape[1] - (kernel - 1):]
+    if held_at is not None:
+        held_mixed.index_copy_(0, held_at.long(), mixed.to(held_mixed.dtype))
+        held_conv.index_copy_(0, held_at.long(), out.to(held_conv.dtype))
+    return out
+
+
 def rows_reference(conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    ssm_state: torch.Tensor, read_rows: torch.Tensor, write_rows: torch.Tensor,
                    resumes: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int,

@@ -58,7 +58,7 @@ from nvray.layers.attention import AttentionMetadata
 from nvray.layers.gated_delta_rule import (CHUNK, ConvIndex, batched_causal_conv,
                                            chunked_gated_delta, commit_reference, conv_index,
                                            decode_reference, padded_conv_index, rows_reference,
-                                           split_heads)
+                                           short_conv_reference, split_heads)
 from nvray.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from nvray.layers.tp import PartialSum, divide, tp_rank, tp_size
 from nvray.quantization import Fp8Config
@@ -177,6 +177,7 @@ class GatedDeltaNet(nn.Module):
         self._decode_fn = decode_reference  # use_triton_kernels(): kernels/gdn_decode.py
         self._commit_fn = commit_reference  # use_triton_kernels(): kernels/gdn_commit.py
         self._rows_fn = rows_reference  # use_triton_kernels(): kernels/gdn_rows.py
+        self._short_conv_fn = short_conv_reference  # use_triton_kernels(): gdn_short_conv.py
         self._chunk_rule: Any = None  # use_triton_kernels(): fla-core's, where installed
 
     def use_triton_kernels(self) -> None:
@@ -188,6 +189,7 @@ class GatedDeltaNet(nn.Module):
             self._decode_fn = kernels.gdn_decode
             self._commit_fn = kernels.gdn_commit
             self._rows_fn = kernels.gdn_rows
+            self._short_conv_fn = kernels.gdn_short_conv
         if importlib.util.find_spec("fla") is not None:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: PLC0415
 
@@ -249,21 +251,17 @@ class GatedDeltaNet(nn.Module):
         layout = meta.once_per_step("gated_deltanet", lambda: PrefillLayout.of(
             meta, self.kernel, self.conv_state.shape[0], self._chunk_rule is not None,
             self.held_rows))
-        rows, resumes = layout.rows, layout.resumes
+        rows, resumes, written = layout.rows, layout.resumes, layout.written
         if layout.real is not None:
             g, beta = g * layout.real, beta * layout.real
+        if self.held_rows and meta.max_query_len <= self.held_rows:
+            return self._short_chunks(mixed, g, beta, meta, layout)
         conv, conv_final = batched_causal_conv(
             mixed, self.conv_state.index_select(0, rows) * resumes, self.conv1d.weight,
             layout.lens, layout.conv)
-        written = layout.written
         if layout.held_at is not None:  # held chunks: their rows kept, their slots as they were
             self._hold(mixed, conv, g, beta, layout.held_at)
         self.conv_state.index_copy_(0, written, conv_final)
-        if self.held_rows and meta.max_query_len <= self.held_rows:
-            # speculation's short chunks (verification): token by token, no 64-token padding
-            return self._rows_fn(conv, g, beta, self.ssm_state, rows, written, resumes.view(-1),
-                                 meta.query_start_loc, self.num_k_heads, self.head_k_dim,
-                                 self.head_v_dim)
         initial = self.ssm_state.index_select(0, rows) * resumes.unsqueeze(-1)
         if self._chunk_rule is not None:
             out, final = self._fla_rule(conv, g, beta, initial, layout)
@@ -271,6 +269,21 @@ class GatedDeltaNet(nn.Module):
             out, final = self._torch_rule(conv, g, beta, initial, layout.lens)
         self.ssm_state.index_copy_(0, written, final)
         return out
+
+    def _short_chunks(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      meta: AttentionMetadata, layout: "PrefillLayout") -> torch.Tensor:
+        """Speculation's short chunks (verification steps): the conv, the held rows kept and
+        the new windows in one kernel, then the rule token by token (no 64-token padding)."""
+        rows, written, resumes = layout.rows, layout.written, layout.resumes.view(-1)
+        conv = self._short_conv_fn(mixed, self.conv_state, self.conv1d.weight, rows, written,
+                                   resumes, meta.query_start_loc, layout.real_lens,
+                                   layout.held_at, self.held_mixed, self.held_conv)
+        if layout.held_at is not None:
+            self.held_g.index_copy_(0, layout.held_at, g)
+            self.held_beta.index_copy_(0, layout.held_at, beta)
+        return self._rows_fn(conv, g, beta, self.ssm_state, rows, written, resumes,
+                             meta.query_start_loc, self.num_k_heads, self.head_k_dim,
+                             self.head_v_dim)
 
     def _hold(self, mixed: torch.Tensor, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               held_at: torch.Tensor) -> None:
@@ -337,6 +350,7 @@ class PrefillLayout(NamedTuple):
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_cpu: torch.Tensor | None = None
     chunk_indices: torch.Tensor | None = None
+    real_lens: torch.Tensor | None = None  # [N]: each chunk's tokens (before a graph's padding)
     written: torch.Tensor | None = None  # [N] long: each chunk's row for its final state
     held_at: torch.Tensor | None = None  # [T] long: each token's held row (held chunks only)
 
@@ -364,9 +378,9 @@ class PrefillLayout(NamedTuple):
             length, real, num = meta.max_query_len, meta.real_tokens(), rows.shape[0]
             padding = length - real.view(num, length).sum(1)
             return cls([length] * num, rows, resumes, padded_conv_index(length, kernel, padding),
-                       real.unsqueeze(-1).float())
+                       real.unsqueeze(-1).float(), real_lens=length - padding)
         lens, device = meta.query_lens_cpu, meta.query_start_loc.device
-        layout = cls(lens, rows, resumes, conv_index(lens, kernel, device))
+        layout = cls(lens, rows, resumes, conv_index(lens, kernel, device), real_lens=query_lens)
         if not fla:
             return layout
         from fla.ops.utils.index import prepare_chunk_indices  # noqa: PLC0415

@@ -788,6 +788,50 @@ def test_gdn_rows_match_reference_and_the_chunked_form(num_k_heads, num_v_heads,
     torch.testing.assert_close(states[0][[1, 3]], ssm[[1, 3]])
 
 
+@pytest.mark.parametrize("channels,kernel", [(96, 4), (300, 3)])
+@pytest.mark.parametrize("held", [False, True])
+def test_gdn_short_conv_matches_reference_and_the_conv_by_definition(channels, kernel, held):
+    """Short chunks' causal conv: the kernel equals the torch reference, and both equal the
+    contract's sum over each chunk's window and rows; a chunk from a zero window, one whose
+    new window keeps entries of its old one (one token), one with padding rows (its new window
+    ends before them), a held chunk's new window to another row, the held rows' inputs and
+    outputs kept, rows not named untouched."""
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    rows, lens, real = 7, [3, 1, 5], [3, 1, 2]
+    qsl = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=DEVICE)
+    mixed, weight = rand(9, channels), rand(channels, kernel)
+    conv_state = rand(rows, channels, kernel - 1)
+    read = torch.tensor([4, 0, 2], device=DEVICE)
+    write = torch.tensor([4, 0, 6], device=DEVICE)  # the third: held, to the scratch row
+    resumes = torch.tensor([True, False, True], device=DEVICE)
+    held_at = torch.arange(9, device=DEVICE) * 2 if held else None
+    results = []
+    for fn in (kernels.gdn_short_conv, kernels.gdn_short_conv_ref):
+        state, held_x, held_out = conv_state.clone(), torch.zeros(20, channels, device=DEVICE), \
+            torch.zeros(20, channels, device=DEVICE)
+        out = fn(mixed, state, weight, read, write, resumes, qsl,
+                 torch.tensor(real, device=DEVICE), held_at, held_x, held_out)
+        results.append((out, state, held_x, held_out))
+    for ours, ref in zip(*results):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    out, state, held_x, held_out = results[1]
+    for i, (start, n) in enumerate(zip([0, 3, 4], lens)):
+        line = torch.cat([conv_state[read[i]] * resumes[i], mixed[start:start + n].t()], -1)
+        for t in range(n):
+            want = torch.nn.functional.silu((line[:, t:t + kernel] * weight).sum(-1))
+            torch.testing.assert_close(out[start + t], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(state[write[i]], line[:, real[i]:real[i] + kernel - 1])
+    torch.testing.assert_close(state[[1, 3, 5]], conv_state[[1, 3, 5]])
+    if held:
+        torch.testing.assert_close(held_x[::2][:9], mixed)
+        torch.testing.assert_close(held_out[::2][:9], out)
+        assert not held_x[1::2].any()
+
+
 @pytest.mark.parametrize("num_k_heads,num_v_heads,dk,dv,kernel", [(2, 4, 16, 8, 4), (1, 1, 32, 40, 3)])
 def test_gdn_commit_matches_reference_and_decode_steps(num_k_heads, num_v_heads, dk, dv, kernel):
     """Held rows committed: the kernel equals the torch reference, which equals ``count``
