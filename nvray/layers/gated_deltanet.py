@@ -320,6 +320,9 @@ class GatedDeltaNet(nn.Module):
     def _fla_rule(self, conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   initial: torch.Tensor, layout: "PrefillLayout"
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        # no offsets (a CUDA graph's layout): the step's rows are one chunk (a prefill graph's)
+        assert layout.cu_seqlens is not None or len(layout.lens) == 1, \
+            "fla-core's rule over a graph layout of several chunks"
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = conv.split([key_dim, key_dim, conv.shape[1] - 2 * key_dim], -1)
         out, final = self._chunk_rule(

@@ -52,6 +52,7 @@ from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capaci
 from nvray.grammar import grammar_compiler
 from nvray.worker.device_lists import copy_cache_blocks, to_device
 from nvray.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
+from nvray.models.qwen3_5_mtp import ARCHITECTURE as MTP_ARCHITECTURE
 from nvray.worker.drafter import Drafter
 from nvray.worker.eagle_drafter import Eagle3Drafter
 from nvray.worker.step_profiler import StepProfiler
@@ -80,6 +81,19 @@ class Forwarded(NamedTuple):
     read_hidden: torch.Tensor | None
 
 
+def _refuse_drafter(model_path: str, hf_config: Any) -> None:
+    """A drafter's checkpoint given as the model to serve: say where it goes."""
+    archs = set(getattr(hf_config, "architectures", None) or [])
+    if archs & set(EAGLE3_ARCHITECTURES):
+        raise ValueError(f"{model_path} is an EAGLE-3 drafter, not a model to serve: pass it "
+                         "beside its target as speculative_config={'method': 'eagle3', "
+                         f"'model': {model_path!r}}}")
+    if MTP_ARCHITECTURE in archs:
+        raise ValueError(f"{model_path} names Qwen3.5's MTP head ({MTP_ARCHITECTURE}), not a "
+                         "model to serve: serve the Qwen3.5 checkpoint that holds it, with "
+                         "speculative_config={'method': 'mtp'}")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         point_compiler_caches()  # before the first Triton compile (the kernel warm-up)
@@ -91,10 +105,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             self.memory_baseline = measure_used(self.device)
         self.hf_config = load_model_config(model_path, config.hf_overrides)  # no transformers import
-        if set(getattr(self.hf_config, "architectures", None) or []) & set(EAGLE3_ARCHITECTURES):
-            raise ValueError(f"{model_path} is an EAGLE-3 drafter, not a model to serve: pass it "
-                             "beside its target as speculative_config={'method': 'eagle3', "
-                             f"'model': {model_path!r}}}")
+        _refuse_drafter(model_path, self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)
         fp8_kv = config.kv_cache_dtype == "fp8"

@@ -861,3 +861,9 @@ def test_mtp_is_refused_by_name_where_it_cannot_run(family_path, tmp_path):
     with pytest.raises(ValueError, match=r"method 'mtp' takes no model \(the head is the "
                                          r"target checkpoint's own\)"):
         LLM("tiny", runtime="inprocess", speculative_config={"method": "mtp", "model": "tiny"})
+    head = shutil.copytree(path, tmp_path / "head")  # the head's architecture named to serve
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3_5MTP"]}))
+    with pytest.raises(ValueError, match=r"names Qwen3.5's MTP head \(Qwen3_5MTP\), not a model "
+                                         r"to serve: .*'method': 'mtp'"):
+        LLM(str(head), runtime="inprocess", max_model_len=128)
