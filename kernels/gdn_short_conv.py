@@ -19,6 +19,10 @@ real_lens, held_at, held_mixed, held_conv) -> conv``
 * returns ``[T, C]`` in ``mixed``'s dtype: ``SiLU(sum_m weight[:, m] * x[t - K + 1 + m])``
   over the chunk's window followed by its rows; a chunk's new window is its last K - 1 inputs
   before its padding (window entries where it has fewer tokens).
+* No chunk that resumes may read a row another chunk writes (each program reads its window and
+  then writes its new one, in no order across programs): the engine's chunks read and write
+  their own slots, held chunks write the scratch row, which only chunks that do not resume
+  read (a graph's padding sequences).
 
 One kernel, grid ``(N, cdiv(C, BLOCK_C))``: each program loads its window once and walks its
 chunk's rows. ``gdn_short_conv_ref`` is the torch reference (``nvray/layers/gated_delta_rule.py``:
@@ -102,9 +106,10 @@ def gdn_short_conv(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.
     if num == 0:
         return out
     hold = held_at is not None
+    read_rows, write_rows = read_rows.long(), write_rows.long()  # int64 row offsets
     _short_conv_kernel[(num, triton.cdiv(channels, _BLOCK_C))](
         mixed, conv_state, weight, out, read_rows, write_rows, resumes, query_start_loc,
-        real_lens, held_at if hold else read_rows, held_mixed if hold else mixed,
+        real_lens, held_at.long() if hold else read_rows, held_mixed if hold else mixed,
         held_conv if hold else out, channels, HOLD=hold, K=weight.shape[1],
         KP=triton.next_power_of_2(weight.shape[1]), BLOCK_C=_BLOCK_C)
     return out

@@ -219,10 +219,15 @@ def short_conv_reference(mixed: torch.Tensor, conv_state: torch.Tensor, weight: 
     lens = (starts[1:] - starts[:-1]).tolist()
     kernel = weight.shape[1]
     prev = conv_state.index_select(0, read_rows.long()) * resumes.view(-1, 1, 1)
-    out, _ = batched_causal_conv(mixed, prev, weight, lens, conv_index(lens, kernel, mixed.device))
-    for i, n in enumerate(real_lens.tolist()):  # the last K - 1 of window and tokens
-        line = torch.cat([prev[i], mixed[starts[i]:starts[i] + n].t().to(prev.dtype)], -1)
-        conv_state[write_rows[i]] = line[:, line.shape[1] - (kernel - 1):]
+    index = conv_index(lens, kernel, mixed.device)
+    # each chunk's new window: the K - 1 buffer rows before its padding (a chunk's rows start
+    # K - 1 rows after its window's, and each window takes K - 1 rows of the buffer)
+    window_at = starts[:-1] + torch.arange(len(lens), device=mixed.device) * (kernel - 1)
+    last_at = window_at.unsqueeze(1) + real_lens.long().unsqueeze(1) + torch.arange(
+        kernel - 1, device=mixed.device)
+    out, final = batched_causal_conv(mixed, prev, weight, lens,
+                                     index._replace(last_at=last_at.flatten()))
+    conv_state.index_copy_(0, write_rows.long(), final.to(conv_state.dtype))
     if held_at is not None:
         held_mixed.index_copy_(0, held_at.long(), mixed.to(held_mixed.dtype))
         held_conv.index_copy_(0, held_at.long(), out.to(held_conv.dtype))

@@ -33,10 +33,8 @@ plain decode; a short prompt chunk): every sequence gets ``verify_q`` query rows
 first and then padding as in a prefill graph (context length: the chunk's start + ``verify_q``);
 padding sequences attend over the first ``verify_q`` positions of the tables' padding row
 (block 0) and write nowhere. Without them several sequences' verification ran eagerly, about 3x a decode step
-on an 8B model (docs/speculative.md). A model with recurrent layers would read each token's held row
-(``state_held_at``, a static input) there, its padding rows neither decaying nor writing a state
-(held to the eager step on the CPU; ``ModelRunner`` captures none for such models until the
-layout has run on a GPU).
+on an 8B model (docs/speculative.md). A model with recurrent layers reads each token's held row
+(``state_held_at``, a static input) there, its padding rows neither decaying nor writing a state.
 """
 
 from __future__ import annotations

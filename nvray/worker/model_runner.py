@@ -149,7 +149,7 @@ class ModelRunner:
         # speculation over recurrent layers: a verified chunk's rows held a slot (held_chunks.py)
         self.held_rows = spec.num_speculative_tokens + 1 if spec and self.state_layers else 0
         self.held_chunks = HeldChunks(self.held_rows)
-        self.held_commit = (HeldCommit(self.state_layers, config.max_num_seqs, self.device)
+        self.held_commit = (HeldCommit(self.state_layers, self.graph_shapes.verify, self.device)
                             if self.held_rows else None)
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    graph_capacity(self.graph_shapes), self.device,

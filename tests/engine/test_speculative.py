@@ -798,7 +798,8 @@ def test_eagle3_is_refused_by_name_where_it_cannot_run(tmp_path, tiny_path):
     ("qwen3_5", False, 0.0),  # random: drafts rejected
     ("qwen3_5", True, 0.0),  # echo: every draft right
     ("qwen3_5-vl", True, 0.1),  # as Qwen3.5 ships (a language model in a VL checkpoint), in part
-    ("qwen3_5-moe", False, 0.0)])  # random: its routed and shared experts
+    ("qwen3_5-moe", False, 0.0),  # random: its routed and shared experts
+    ("qwen3_5-moe", True, 0.1)])  # the stored states of a MoE target, in part
 def test_mtp_drafts_are_the_reference_heads_through_preemption_hits_and_forks(
         tmp_path, family_path, family, echo, noise):
     """Qwen3.5's MTP head read from the target's checkpoint (``mtp.*``): random; with an echo

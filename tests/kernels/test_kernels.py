@@ -788,36 +788,43 @@ def test_gdn_rows_match_reference_and_the_chunked_form(num_k_heads, num_v_heads,
     torch.testing.assert_close(states[0][[1, 3]], ssm[[1, 3]])
 
 
-@pytest.mark.parametrize("channels,kernel", [(96, 4), (300, 3)])
+@pytest.mark.parametrize("channels,kernel,dtype", [(96, 4, torch.float32), (300, 3, torch.float32),
+                                                   (96, 4, torch.bfloat16)])
 @pytest.mark.parametrize("held", [False, True])
-def test_gdn_short_conv_matches_reference_and_the_conv_by_definition(channels, kernel, held):
+def test_gdn_short_conv_matches_reference_and_the_conv_by_definition(channels, kernel, dtype,
+                                                                     held):
     """Short chunks' causal conv: the kernel equals the torch reference, and both equal the
     contract's sum over each chunk's window and rows; a chunk from a zero window, one whose
     new window keeps entries of its old one (one token), one with padding rows (its new window
     ends before them), a held chunk's new window to another row, the held rows' inputs and
-    outputs kept, rows not named untouched."""
+    outputs kept, rows not named untouched. In bf16 the lists come as an eager step gives them
+    (int32 lengths and rows); the kernel sums in float32, torch in bf16."""
     gen = torch.Generator().manual_seed(3)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(DEVICE)
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
 
     rows, lens, real = 7, [3, 1, 5], [3, 1, 2]
+    index = torch.int32 if dtype == torch.bfloat16 else torch.int64
     qsl = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=DEVICE)
     mixed, weight = rand(9, channels), rand(channels, kernel)
     conv_state = rand(rows, channels, kernel - 1)
-    read = torch.tensor([4, 0, 2], device=DEVICE)
-    write = torch.tensor([4, 0, 6], device=DEVICE)  # the third: held, to the scratch row
+    read = torch.tensor([4, 0, 2], dtype=index, device=DEVICE)
+    write = torch.tensor([4, 0, 6], dtype=index, device=DEVICE)  # the third: held, to scratch
     resumes = torch.tensor([True, False, True], device=DEVICE)
-    held_at = torch.arange(9, device=DEVICE) * 2 if held else None
+    held_at = torch.arange(9, dtype=index, device=DEVICE) * 2 if held else None
     results = []
     for fn in (kernels.gdn_short_conv, kernels.gdn_short_conv_ref):
-        state, held_x, held_out = conv_state.clone(), torch.zeros(20, channels, device=DEVICE), \
-            torch.zeros(20, channels, device=DEVICE)
+        state = conv_state.clone()
+        held_x, held_out = (torch.zeros(20, channels, dtype=dtype, device=DEVICE) for _ in "xo")
         out = fn(mixed, state, weight, read, write, resumes, qsl,
-                 torch.tensor(real, device=DEVICE), held_at, held_x, held_out)
+                 torch.tensor(real, dtype=index, device=DEVICE), held_at, held_x, held_out)
         results.append((out, state, held_x, held_out))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     for ours, ref in zip(*results):
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+    if dtype != torch.float32:
+        return
     out, state, held_x, held_out = results[1]
     for i, (start, n) in enumerate(zip([0, 3, 4], lens)):
         line = torch.cat([conv_state[read[i]] * resumes[i], mixed[start:start + n].t()], -1)
