@@ -36,7 +36,8 @@ Contract:
   sequence's save points are where its prompt leaves the cached KV, if that is past the deepest
   kept state (after a system prompt an earlier prompt shared: the next prompt that shares it
   resumes there), and its prompt's last block boundary before the last prompt token (where the
-  same prompt, or the conversation's next turn, would resume); the scheduler ends a chunk at
+  same prompt, or the conversation's next turn, would resume; one block earlier with
+  ``hits_skip_last_block``, where such a hit ends); the scheduler ends a chunk at
   each (``state_save_point``), and the step after it copies the state into a row kept under that
   block's hash (``save_state``).
   A cached prefix is served to the deepest block whose state is kept (its KV blocks cached
@@ -366,10 +367,12 @@ class BlockManager:
         (-1: nowhere further; no prefix caching of states): where it diverges from the cached
         KV (``diverges_at``, ``CachedPrefix.kv_cached_tokens``: a prompt that shares a system
         prompt with an earlier one keeps the state at its end for the next), else its prompt's
-        last block boundary before its last token (where the same prompt would resume)."""
+        last block boundary before its last token (where the same prompt would resume; a block
+        before it where hits leave their last block out)."""
         if self.prefix_states is None:
             return -1
-        last = (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+        blocks = (seq.num_prompt_tokens - 1) // self.block_size - self.hits_skip_last_block
+        last = blocks * self.block_size
         point = diverges_at if start < diverges_at < last else last
         return point if point > start else -1
 

@@ -835,6 +835,27 @@ def test_mtp_drafts_are_the_reference_heads_through_preemption_hits_and_forks(
             (accepted, drafted)
 
 
+def test_a_hybrid_with_a_head_serves_a_repeated_prompt_from_a_kept_state(tmp_path, family_path):
+    """MTP on Qwen3.5 (a head: prefix hits leave their last block out) with prefix caching: the
+    first repeat of a prompt is already served from the cache (its state kept one block before
+    the prompt's last boundary, where such a hit ends), with HF's tokens."""
+    from mtp_oracle import write_mtp_checkpoint
+
+    path = write_mtp_checkpoint(str(tmp_path / "mtp"), family_path("qwen3_5"), seed=3, echo=True,
+                                noise=0.1)
+    prompt = random_prompts(1, 70, 71, seed=9)[0]
+    llm = LLM(path, runtime="inprocess", max_model_len=256, kvcache_block_size=16,
+              speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        first, again = (llm.generate([prompt], greedy, use_tqdm=False)[0] for _ in range(2))
+    finally:
+        llm.shutdown()
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == 48  # 4 full blocks before the last token, less the last
+    assert first.token_ids == again.token_ids == hf_greedy(path, prompt, 8)
+
+
 def test_mtp_is_refused_by_name_where_it_cannot_run(family_path, tmp_path):
     import shutil
 
