@@ -52,10 +52,10 @@ class HeldCommit:
         self.num_replays += 1
 
     def warm(self) -> None:
-        """Compile the commit's kernels now, not at the first verified step (an entry of the
-        scratch row that keeps nothing)."""
+        """Compile the commit's kernels now, not at the first verified step (entries of the
+        scratch row that keep nothing, laid out as the graphs' list is: the same alignment)."""
         if self._has_state():
-            self._run(*self._padding(1).to(self.device))
+            self._run(*self._padding(max(self.sizes, default=1)).to(self.device))
 
     def capture(self, pool: Any = None) -> None:
         """Capture every layer's commit as one graph for each size, over the static list (a

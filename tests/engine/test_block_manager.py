@@ -47,6 +47,22 @@ def test_a_hit_leaves_its_last_block_out_for_a_drafter_whose_rows_lag():
         assert b.block_table[2 * len(windows)] != a.block_table[2 * len(windows)]
 
 
+def test_states_are_kept_where_hits_end_with_and_without_the_last_block_left_out():
+    """A model with recurrent state keeps a prompt's state at its last block boundary before its
+    last token, or where it leaves the cached KV (a shared system prompt); where hits leave
+    their last block out (a head drafting), the prompt's own point is a block earlier, where a
+    repeat's hit ends. A prompt too short for a hit keeps none."""
+    for skip, last in ((False, 12), (True, 8)):
+        bm = BlockManager(num_blocks=20, block_size=4, num_state_slots=6, num_live_states=2,
+                          hits_skip_last_block=skip)
+        prompt = seq_of(list(range(14)))  # 3 full blocks before its last token
+        assert bm.state_save_point(prompt, 0) == last
+        assert bm.state_save_point(prompt, 0, diverges_at=4) == 4  # then `last` after it
+        assert bm.state_save_point(prompt, 4) == last
+        assert bm.state_save_point(prompt, last) == -1
+        assert bm.state_save_point(seq_of(list(range(5))), 0) == (-1 if skip else 4)
+
+
 def test_chained_hash_does_not_match_a_block_with_a_different_prefix():
     bm = BlockManager(num_blocks=10, block_size=4)
     run_prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9]))

@@ -1,7 +1,8 @@
 """HeldCommit's graphs (``nvray/worker/held_commit.py``) on CUDA: commit lists of growing and
-shrinking lengths replayed through the graph that holds each (the last step's entries left in
-the static list must keep nothing), and one longer than the largest graph run eagerly; after
-each, every layer's states equal the torch reference's."""
+shrinking lengths replayed through the graph that holds each (a shorter list through the same
+graph as a longer one before it: the entry left in the static list must keep nothing), and one
+longer than the largest graph run eagerly; after each, every layer's states equal the torch
+reference's."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def test_commit_graphs_apply_each_steps_entries_and_nothing_left_from_the_last()
     commit.warm()
     commit.capture()
     steps = [[(3, 5, 2), (0, 0, 3), (7, 9, 1)],  # the graph of 4
-             [(5, 2, 1)],  # of 1: the three entries before must keep nothing
+             [(2, 5, 2), (4, 3, 1), (6, 8, 3), (8, 1, 2)],  # of 4, every entry
+             [(1, 4, 3), (3, 7, 2), (5, 2, 1)],  # of 4: the 4th entry before keeps nothing
+             [(5, 2, 1)],  # of 1
              [(1, 4, 3), (3, 7, 2)],  # of 2
              [(s, 6, 1 + s % R) for s in range(6)]]  # more than 4: eagerly
     for entries in steps:
@@ -58,4 +61,4 @@ def test_commit_graphs_apply_each_steps_entries_and_nothing_left_from_the_last()
         for a, b in zip(ours, refs):
             torch.testing.assert_close(a.conv_state, b.conv_state, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(a.ssm_state, b.ssm_state, atol=1e-4, rtol=1e-4)
-    assert commit.num_replays == 3
+    assert commit.num_replays == 5

@@ -797,8 +797,8 @@ def test_gdn_short_conv_matches_reference_and_the_conv_by_definition(channels, k
     contract's sum over each chunk's window and rows; a chunk from a zero window, one whose
     new window keeps entries of its old one (one token), one with padding rows (its new window
     ends before them), a held chunk's new window to another row, the held rows' inputs and
-    outputs kept, rows not named untouched. In bf16 the lists come as an eager step gives them
-    (int32 lengths and rows); the kernel sums in float32, torch in bf16."""
+    outputs kept, rows not named untouched. In bf16 with int32 lists (the wrapper widens the
+    row offsets); the kernel sums in float32, torch in bf16."""
     gen = torch.Generator().manual_seed(3)
 
     def rand(*shape):
