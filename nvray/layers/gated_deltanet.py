@@ -254,7 +254,7 @@ class GatedDeltaNet(nn.Module):
         rows, resumes, written = layout.rows, layout.resumes, layout.written
         if layout.real is not None:
             g, beta = g * layout.real, beta * layout.real
-        if self.held_rows and meta.max_query_len <= self.held_rows:
+        if layout.short:
             return self._short_chunks(mixed, g, beta, meta, layout)
         conv, conv_final = batched_causal_conv(
             mixed, self.conv_state.index_select(0, rows) * resumes, self.conv1d.weight,
@@ -343,12 +343,14 @@ class PrefillLayout(NamedTuple):
     chunk indices). In a CUDA graph (a prefill graph's one sequence, or a verification graph's
     sequences, each padded to the graph's query length; no host lists) everything is built on
     the device, ``real`` marks the token rows, and fla-core runs a prefill graph's chunk as a
-    batch of one."""
+    batch of one. A step of speculation's short chunks (``short``: every chunk at most the
+    held rows) takes the short path, which needs neither the conv buffer's layout nor
+    fla-core's arguments."""
 
     lens: list[int]
     rows: torch.Tensor  # [N] long: each chunk's state row (-1 slots: the scratch row)
     resumes: torch.Tensor  # [N, 1, 1] bool: the chunk starts past position 0
-    conv: ConvIndex
+    conv: ConvIndex | None  # None on the short path
     real: torch.Tensor | None = None  # [T, 1]: 1 on tokens, 0 on padding (a graph's)
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_cpu: torch.Tensor | None = None
@@ -356,6 +358,7 @@ class PrefillLayout(NamedTuple):
     real_lens: torch.Tensor | None = None  # [N]: each chunk's tokens (before a graph's padding)
     written: torch.Tensor | None = None  # [N] long: each chunk's row for its final state
     held_at: torch.Tensor | None = None  # [T] long: each token's held row (held chunks only)
+    short: bool = False  # every chunk at most the held rows: GatedDeltaNet._short_chunks
 
     @classmethod
     def of(cls, meta: AttentionMetadata, kernel: int, state_rows: int, fla: bool,
@@ -363,7 +366,8 @@ class PrefillLayout(NamedTuple):
         """The layout, and where the step holds chunks (``state_held_at``): each token's row
         in the held buffers of ``held_rows`` rows a state row (-1: the last) and each chunk's
         row for its final state (a held chunk's: the scratch row)."""
-        layout = cls._chunks(meta, kernel, state_rows, fla)
+        short = bool(held_rows) and meta.max_query_len <= held_rows
+        layout = cls._chunks(meta, kernel, state_rows, fla and not short, short)
         if meta.state_held_at is None:
             return layout._replace(written=layout.rows)
         held = meta.state_held_at[meta.query_start_loc[:-1].long()] >= 0
@@ -371,8 +375,8 @@ class PrefillLayout(NamedTuple):
                                held_at=meta.state_held_at.long() % (state_rows * held_rows))
 
     @classmethod
-    def _chunks(cls, meta: AttentionMetadata, kernel: int, state_rows: int, fla: bool
-                ) -> "PrefillLayout":
+    def _chunks(cls, meta: AttentionMetadata, kernel: int, state_rows: int, fla: bool,
+                short: bool) -> "PrefillLayout":
         assert meta.state_slots is not None
         rows = meta.state_slots.long() % state_rows  # -1: the scratch row
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
@@ -380,10 +384,12 @@ class PrefillLayout(NamedTuple):
         if meta.padded_rows or not meta.query_lens_cpu:  # a CUDA graph's padded sequences
             length, real, num = meta.max_query_len, meta.real_tokens(), rows.shape[0]
             padding = length - real.view(num, length).sum(1)
-            return cls([length] * num, rows, resumes, padded_conv_index(length, kernel, padding),
-                       real.unsqueeze(-1).float(), real_lens=length - padding)
+            conv = None if short else padded_conv_index(length, kernel, padding)
+            return cls([length] * num, rows, resumes, conv, real.unsqueeze(-1).float(),
+                       real_lens=length - padding, short=short)
         lens, device = meta.query_lens_cpu, meta.query_start_loc.device
-        layout = cls(lens, rows, resumes, conv_index(lens, kernel, device), real_lens=query_lens)
+        conv = None if short else conv_index(lens, kernel, device)
+        layout = cls(lens, rows, resumes, conv, real_lens=query_lens, short=short)
         if not fla:
             return layout
         from fla.ops.utils.index import prepare_chunk_indices  # noqa: PLC0415

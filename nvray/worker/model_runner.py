@@ -391,8 +391,8 @@ class ModelRunner:
         """(logits [S, V] of the rows to sample: rank 0 of the last stage, None elsewhere or
         when S is 0; hidden states [R + P, H] of the prompt rows to score, then of the rows to
         pool, None when R + P is 0 or before the last stage)."""
-        if self.held_rows:  # the rows of held chunks the engine kept, before any state is read
-            self.held_commit.apply(self.held_chunks.commits(step))  # type: ignore[union-attr]
+        if self.held_commit is not None:  # the rows of held chunks the engine kept, first
+            self.held_commit.apply(self.held_chunks.commits(step))
             self.held_chunks.record(step)
         if step.block_copies:
             self.copy_blocks(step.block_copies)
@@ -446,11 +446,6 @@ class ModelRunner:
             done.synchronize()
         self.step_drafts_host = host.tolist()
         return self.step_drafts_host
-
-    def warm_held_commit(self) -> None:
-        """Compile the held rows' commit now, not at the first verified step."""
-        if self.held_commit is not None:
-            self.held_commit.warm()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""

@@ -237,5 +237,6 @@ def warm_kernel_steps(runner: ModelRunner) -> None:
                     for i in range(1 + (query_len == 33))]  # and one step of 2 rows
             runner.execute(StepInput(seqs))
     runner.reset_tables()
-    runner.warm_held_commit()
+    if runner.held_commit is not None:  # the held rows' commit (recurrent layers)
+        runner.held_commit.warm()
     runner.grammar_masks.warm(runner.hf_config.vocab_size, (runner.dtype, torch.float32))
