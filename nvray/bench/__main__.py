@@ -215,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add the target's own MTP head (Qwen3.5) drafting on its rank")
     sp.add_argument("--no-host-drafters", dest="host_drafters", action="store_false",
                     help="skip the oracle, never-right and n-gram runs")
+    sp.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="the target's ranks (>1: rank actors on Ray, the engine in this process)")
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
@@ -324,13 +326,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from nvray.bench.speculative import bench_speculative  # noqa: PLC0415
 
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
-        if min(*concurrencies, args.input_len, args.output_len, args.repeats) < 1:
-            raise SystemExit("speculative: concurrencies, lengths and --repeats must be >= 1")
+        if min(*concurrencies, args.input_len, args.output_len, args.repeats,
+               args.tensor_parallel_size) < 1:
+            raise SystemExit("speculative: concurrencies, lengths, --repeats and "
+                             "--tensor-parallel-size must be >= 1")
         return bench_speculative(args.model, args.shape, concurrencies,
                                  args.num_speculative_tokens, args.mean_acceptance_length,
                                  args.input_len, args.output_len, args.repeats, args.echo,
                                  args.draft_model, args.host_drafters, args.eagle3,
-                                 args.mtp)
+                                 args.mtp, args.tensor_parallel_size)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

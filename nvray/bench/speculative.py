@@ -35,6 +35,10 @@ of the target's shape (``checkpoints.eagle3_checkpoint``: one layer, a draft voc
 32000 ids, as the published heads of Llama 3.1 8B and Qwen3 8B), echoed by ``echo_eagle3``;
 ``--mtp`` the same with the target's own MTP head (Qwen3.5; echoed by ``echo_mtp``);
 ``--no-host-drafters`` skips the runs above.
+
+``--tensor-parallel-size`` n > 1: every engine's target (and drafter) runs on n rank actors on
+Ray, the engine itself in this process (``engine_here``), so the oracle is swapped in as at
+TP=1 and the echo reaches every rank's shards (``on_ranks``).
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ import time
 from typing import Any
 
 from nvray.bench.checkpoints import default_checkpoint, eagle3_checkpoint, is_config_only
+from nvray.bench.engine_here import engine_here, on_ranks
 from nvray.speculative import SpeculativeConfig
+
+_WARM_TOKENS = 16  # a warm-up's tokens a sequence
 
 
 def keep_probability(mean_length: float, k: int) -> float:
@@ -92,8 +99,24 @@ def _prompts(c: int, input_len: int, vocab: int) -> list[list[int]]:
 
 
 def echo_weights(llm: Any, margin: float = 50.0) -> None:
-    """Make the in-process engine's target weights repeat the last token (``echo_model``)."""
-    echo_model(llm.engine.executor.runner.model, margin)
+    """Make the target's weights on every rank of ``llm`` (``engine_here``) repeat the last
+    token (``echo_model``; each rank's shards: a vocabulary shard's scale from its own rows)."""
+    on_ranks(llm, _echo_target, margin)
+
+
+def _echo_target(runner: Any, margin: float) -> None:
+    echo_model(runner.model, margin)
+
+
+def _echo_drafter(runner: Any, method: str) -> None:
+    """Make a rank's drafter always right on its echo target (``echo_eagle3``, ``echo_mtp``;
+    a draft model: ``echo_model``)."""
+    if method == "eagle3":
+        echo_eagle3(runner.drafter.model, runner.model)
+    elif method == "mtp":
+        echo_mtp(runner.drafter.model)
+    else:
+        echo_model(runner.drafter.model)
 
 
 def echo_model(model: Any, margin: float = 50.0) -> None:
@@ -127,8 +150,11 @@ def _greedy(c: int, output_len: int) -> list[Any]:
 
 def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int
            ) -> tuple[float, list[list[int]], dict[str, Any]]:
-    """Median output tok/s over ``repeats`` passes, the outputs, speculation's counts over them."""
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
+    """Median output tok/s over ``repeats`` passes, the outputs, speculation's counts over them.
+    The warm-up runs the whole batch, a few tokens each: kernels that compile or autotune per
+    shape (fla-core's chunked ones, at the batch's prefill length) do so outside the timing."""
+    llm.generate(prompts, [dataclasses.replace(p, max_tokens=min(p.max_tokens, _WARM_TOKENS))
+                           for p in params], use_tqdm=False)
     before = llm.stats().get("speculative", {})
     rates, outs = [], []
     for _ in range(repeats):
@@ -176,13 +202,11 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
     network too (always right: what the drafter's own forwards cost at full acceptance)."""
     import os  # noqa: PLC0415
 
-    from nvray import LLM  # noqa: PLC0415
-
     spec = {"method": method, "num_speculative_tokens": k, "disable_by_batch_size": max(workloads)}
     if method != "mtp":  # (an MTP head is the target checkpoint's own)
         spec["model"] = (draft_model if os.path.isdir(draft_model) or draft_model == "tiny"
                          else default_checkpoint(draft_model))
-    llm = LLM(model, speculative_config=spec, **options)
+    llm = engine_here(model, speculative_config=spec, **options)
     runs = []
     try:
         if echo:
@@ -195,13 +219,7 @@ def draft_model_runs(model: str, draft_model: str, options: dict[str, Any], k: i
                 runs.append(_run(llm, c, f"{method}_random_{name}", prompts, answers[c],
                                  plain[c], output_len, repeats))
         if echo:
-            runner = llm.engine.executor.runner
-            if method == "eagle3":
-                echo_eagle3(runner.drafter.model, runner.model)
-            elif method == "mtp":
-                echo_mtp(runner.drafter.model)
-            else:
-                echo_model(runner.drafter.model)
+            on_ranks(llm, _echo_drafter, method)
             speculator.config = configs["fixed"]
             for c, prompts in workloads.items():
                 runs.append(_run(llm, c, f"{method}_echo_fixed", prompts, answers[c],
@@ -265,15 +283,14 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
                       mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
                       repeats: int = 3, echo: bool = True, draft_model: str | None = None,
                       host_drafters: bool = True, eagle3: bool = False,
-                      mtp: bool = False) -> dict[str, Any]:
-    from nvray import LLM  # noqa: PLC0415
-
+                      mtp: bool = False, tensor_parallel_size: int = 1) -> dict[str, Any]:
     keep = keep_probability(mean_length, k)
-    options: dict[str, Any] = {"runtime": "inprocess", "max_model_len": input_len + output_len + 8}
+    options: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size,
+                               "max_model_len": input_len + output_len + 8}
     if model is None and is_config_only(shape):
         options["load_format"] = "dummy"
     model = model or default_checkpoint(shape)
-    plain_llm = LLM(model, **options)
+    plain_llm = engine_here(model, **options)
     if echo:
         echo_weights(plain_llm)
     vocab = plain_llm.engine.limits.vocab_size
@@ -297,7 +314,8 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
     if host_drafters:
         runs += _host_drafter_runs(model, options, k, keep, workloads, answers, plain,
                                    output_len, repeats, echo)
-    return {"model": model, "draft_model": draft_model, "eagle3": eagle3, "mtp": mtp, "k": k,
+    return {"model": model, "tensor_parallel_size": tensor_parallel_size,
+            "draft_model": draft_model, "eagle3": eagle3, "mtp": mtp, "k": k,
             "target_mean_acceptance_length": mean_length,
             "keep_probability": round(keep, 4), "input_len": input_len,
             "output_len": output_len, "repeats": repeats, "echo": echo, "runs": runs}
@@ -309,10 +327,8 @@ def _host_drafter_runs(model: str, options: dict[str, Any], k: int, keep: float,
                        echo: bool) -> list[dict[str, Any]]:
     """The oracle, the never-right proposer (k fixed, adaptive, policy) and the n-gram
     proposer, drafting on the engine's host."""
-    from nvray import LLM  # noqa: PLC0415
-
     input_len = len(next(iter(workloads.values()))[0])
-    spec_llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+    spec_llm = engine_here(model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                               "disable_by_batch_size": max(workloads)},
                    **options)
     if echo:
