@@ -93,13 +93,14 @@ def hash_blocks(prev_hash: int, token_ids: list[int], block_size: int) -> list[i
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "drafted")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None  # its prefix-cache key (``group_key``)
         self.token_ids: tuple[int, ...] | None = None
+        self.drafted = False  # the draft cache's twin holds its tokens' rows (``mark_drafted``)
 
 
 class CachedPrefix(NamedTuple):
@@ -334,6 +335,7 @@ class BlockManager:
         seq.state_save_at = self.state_save_point(seq, seq.num_computed_tokens,
                                                   cached.kv_cached_tokens)
         seq.num_cached_tokens = seq.num_computed_tokens
+        seq.draft_len = self._drafted_tokens(cached)
         self.seq_block_hashes[seq.seq_id] = list(cached.hashes)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
@@ -469,6 +471,31 @@ class BlockManager:
                     block.hash, block.token_ids = key, tuple(tokens[i * bs:(i + 1) * bs])
                     self.hash_to_block.setdefault(key, block_id)
 
+    def mark_drafted(self, seq: Sequence) -> None:
+        """Note the blocks of ``seq`` whose rows the draft cache now holds (after a step): those
+        wholly before position ``draft_len - 1`` (a head's row at p is token p + 1's, so the
+        row at ``draft_len - 1`` waits for the next feed; a draft model's rows are one ahead of
+        that). A block keeps the mark until it is reused, so a prefix hit on it need not feed
+        the drafter those tokens again (``allocate_prefix``)."""
+        if self.num_groups != 1:  # (drafters run beside targets without windowed layers)
+            return
+        for i in range(max(seq.draft_len - 1, 0) // self.block_size - 1, -1, -1):
+            block = self.blocks[seq.block_table[i]]
+            if block.drafted:  # marked up to here by an earlier step (or another sequence)
+                return
+            block.drafted = True
+
+    def _drafted_tokens(self, cached: CachedPrefix) -> int:
+        """How much of a cached prefix the draft cache holds: its leading drafted blocks."""
+        if self.num_groups != 1:
+            return 0
+        count = 0
+        for block_id in cached.blocks:
+            if not self.blocks[block_id].drafted:
+                break
+            count += 1
+        return count * self.block_size
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; cached content stays until evicted."""
         for block_id in reversed(seq.block_table):
@@ -501,6 +528,7 @@ class BlockManager:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
             block.hash = block.token_ids = None
+        block.drafted = False
         block.ref_count = 1
         self.peak_held = max(self.peak_held, self.num_blocks - len(self.free_blocks))
         return block_id

@@ -461,6 +461,7 @@ class LLMEngine:
                 seq.draft_len = seq.num_computed_tokens - (
                     accepted if speculator.config.refeeds_accepted  # type: ignore[union-attr]
                     else rejected == 0)
+                self.block_manager.mark_drafted(seq)  # a later prefix hit skips these rows
             self.block_manager.cache_full_blocks(seq, min(kv_end - rejected, len(seq.token_ids)))
         if state.finish_reason is not None:
             finished.append(state)

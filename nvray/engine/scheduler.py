@@ -210,7 +210,7 @@ class Scheduler:
         self._stop_running(seq)
         seq.status = SequenceStatus.WAITING
         seq.drafts = []  # it computes its tokens again first
-        seq.draft_len = seq.draft_feed = 0  # its blocks are gone: it feeds the drafter anew
+        seq.draft_len = seq.draft_feed = 0  # its blocks are gone: a hit's drafted ones count again
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -22,11 +22,11 @@ each sequence gets, not what they are: ``Sequence.drafts`` holds that many ``MOD
 marks, the step builder sends them as placeholders the ranks' drafter fills
 (``nvray/step_protocol.py``), and the step's answer says what they were. The draft model's
 cache is fed only in steps where a sequence drafts, with what it lacks of that sequence
-(``Sequence.draft_len``: its tokens before that are in the draft cache; 0 again after a
-preemption): steps without drafts (large batches, pauses, overlapped steps) cost the draft
-model nothing, and a sequence that drafts again first feeds the tokens it missed (its whole
-prompt the first time: prefix-cache hits are the target's only), up to ``feed_budget`` tokens a
-step. A draft position's penalties and grammar mask follow the drafts before it: the ranks
+(``Sequence.draft_len``: its tokens before that are in the draft cache; a prefix hit's blocks
+whose draft rows an earlier sequence fed count, ``BlockManager.mark_drafted``; after a
+preemption, those of its hit again): steps without drafts (large batches, pauses, overlapped
+steps) cost the draft model nothing, and a sequence that drafts again first feeds the tokens it
+missed (its prompt past those blocks the first time), up to ``feed_budget`` tokens a step. A draft position's penalties and grammar mask follow the drafts before it: the ranks
 read the drafts back for them (``step_protocol.sample_specs``,
 ``nvray/worker/grammar_masks.py``).
 

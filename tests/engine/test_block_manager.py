@@ -285,3 +285,27 @@ def test_blocks_of_one_slot_cache_every_token_but_the_last():
     again = seq_of([5, 6, 7])
     run_prefill(bm, again)
     assert again.num_cached_tokens == 2 and bm.num_free_blocks == 8 - 4
+
+
+def test_a_hit_counts_the_leading_blocks_fed_to_the_drafter_until_they_are_reused():
+    """A sequence whose draft rows reach position 9 (``draft_len`` 10: its rows before position
+    9 are final) marks its first two blocks of four tokens; a prompt hitting three of its blocks
+    starts with those two drafted (8 tokens). Blocks reused for other tokens lose the mark, so
+    a hit on what they hold then counts none."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq_of(list(range(14)))
+    run_prefill(bm, a)
+    a.draft_len = 10
+    bm.mark_drafted(a)
+    bm.free(a)
+    hit = seq_of(list(range(13)) + [99])
+    run_prefill(bm, hit)
+    assert hit.num_cached_tokens == 12 and hit.draft_len == 8
+    bm.free(hit)
+    other = seq_of([50 + i for i in range(16)])  # takes every block: the marked ones too
+    run_prefill(bm, other)
+    assert not any(bm.blocks[block].drafted for block in other.block_table)
+    bm.free(other)
+    again = seq_of([50 + i for i in range(12)] + [7])
+    run_prefill(bm, again)
+    assert again.num_cached_tokens == 12 and again.draft_len == 0
