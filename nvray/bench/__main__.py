@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mean-acceptance-length", type=float, default=3.0,
                     help="the oracle drafter's accepted drafts + 1, on average")
     sp.add_argument("--input-len", type=int, default=256)
+    sp.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every prompt starts with (a system prompt), before its own")
     sp.add_argument("--output-len", type=int, default=256)
     sp.add_argument("--repeats", type=int, default=3, help="timed passes (after one warm-up)")
     sp.add_argument("--no-echo", dest="echo", action="store_false",
@@ -327,14 +329,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         concurrencies = tuple(int(c) for c in args.concurrency.split(","))
         if min(*concurrencies, args.input_len, args.output_len, args.repeats,
-               args.tensor_parallel_size) < 1:
+               args.tensor_parallel_size, args.shared_prefix + 1) < 1:
             raise SystemExit("speculative: concurrencies, lengths, --repeats and "
-                             "--tensor-parallel-size must be >= 1")
+                             "--tensor-parallel-size must be >= 1 (--shared-prefix >= 0)")
         return bench_speculative(args.model, args.shape, concurrencies,
                                  args.num_speculative_tokens, args.mean_acceptance_length,
                                  args.input_len, args.output_len, args.repeats, args.echo,
                                  args.draft_model, args.host_drafters, args.eagle3,
-                                 args.mtp, args.tensor_parallel_size)
+                                 args.mtp, args.tensor_parallel_size, args.shared_prefix)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

@@ -1,7 +1,8 @@
 """``python -m nvray.bench speculative``: the machinery of speculative decoding, measured with a
 drafter whose acceptance is a parameter (random weights cannot show real acceptance).
 
-Workload, per concurrency c: c prompts of ``input_len`` random token ids, greedy,
+Workload, per concurrency c: c prompts of ``input_len`` random token ids (after
+``shared_prefix`` tokens they all share, as a system prompt: 0 by default), greedy,
 ``output_len`` tokens each, ``ignore_eos``, all submitted at once (``LLM.generate``). First the
 plain engine (no speculation, overlapped steps: the engine's default) runs each concurrency
 after a warm-up, and its outputs are recorded. Then one engine with ``speculative_config``
@@ -93,9 +94,12 @@ class OracleProposer:
         return drafts
 
 
-def _prompts(c: int, input_len: int, vocab: int) -> list[list[int]]:
+def _prompts(c: int, input_len: int, vocab: int, shared: int = 0) -> list[list[int]]:
+    """``c`` prompts of ``shared`` tokens they all start with, then ``input_len`` of their own."""
+    prefix = [random.Random(-1).randrange(min(vocab, 10000)) for _ in range(shared)]
     rng = random.Random(c)
-    return [[rng.randrange(min(vocab, 10000)) for _ in range(input_len)] for _ in range(c)]
+    return [prefix + [rng.randrange(min(vocab, 10000)) for _ in range(input_len)]
+            for _ in range(c)]
 
 
 def echo_weights(llm: Any, margin: float = 50.0) -> None:
@@ -283,10 +287,11 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
                       mean_length: float = 3.0, input_len: int = 256, output_len: int = 256,
                       repeats: int = 3, echo: bool = True, draft_model: str | None = None,
                       host_drafters: bool = True, eagle3: bool = False,
-                      mtp: bool = False, tensor_parallel_size: int = 1) -> dict[str, Any]:
+                      mtp: bool = False, tensor_parallel_size: int = 1,
+                      shared_prefix: int = 0) -> dict[str, Any]:
     keep = keep_probability(mean_length, k)
     options: dict[str, Any] = {"tensor_parallel_size": tensor_parallel_size,
-                               "max_model_len": input_len + output_len + 8}
+                               "max_model_len": shared_prefix + input_len + output_len + 8}
     if model is None and is_config_only(shape):
         options["load_format"] = "dummy"
     model = model or default_checkpoint(shape)
@@ -294,7 +299,7 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
     if echo:
         echo_weights(plain_llm)
     vocab = plain_llm.engine.limits.vocab_size
-    workloads = {c: _prompts(c, input_len, vocab) for c in concurrencies}
+    workloads = {c: _prompts(c, input_len, vocab, shared_prefix) for c in concurrencies}
     plain, answers = {}, {}
     try:
         for c, prompts in workloads.items():
@@ -318,6 +323,7 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
             "draft_model": draft_model, "eagle3": eagle3, "mtp": mtp, "k": k,
             "target_mean_acceptance_length": mean_length,
             "keep_probability": round(keep, 4), "input_len": input_len,
+            "shared_prefix": shared_prefix,
             "output_len": output_len, "repeats": repeats, "echo": echo, "runs": runs}
 
 
