@@ -35,16 +35,20 @@ class _RanksLLM(LLM):
         self.config = resolve_device(EngineConfig.from_kwargs(model, runtime="ray", **options))
         self.client, self._ids = None, itertools.count()
         self.pg = create_engine_placement_group(self.config, self.config.device == "cuda")
+        def ranks(cfg: EngineConfig, path: str) -> RayExecutor:
+            return RayExecutor(cfg, path, start_rank_actors(cfg, self.pg))
+
         try:
-            self.engine = create_engine(
-                self.config, lambda cfg, path: RayExecutor(cfg, path, start_rank_actors(cfg, self.pg)))
+            self.engine = create_engine(self.config, ranks)
         except BaseException:
             self._remove_placement_group()
             raise
 
     def shutdown(self) -> None:
-        super().shutdown()
-        self._remove_placement_group()
+        try:
+            super().shutdown()
+        finally:
+            self._remove_placement_group()
 
     def _remove_placement_group(self) -> None:
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415

@@ -94,12 +94,15 @@ class OracleProposer:
         return drafts
 
 
-def _prompts(c: int, input_len: int, vocab: int, shared: int = 0) -> list[list[int]]:
-    """``c`` prompts of ``shared`` tokens they all start with, then ``input_len`` of their own."""
-    prefix = [random.Random(-1).randrange(min(vocab, 10000)) for _ in range(shared)]
-    rng = random.Random(c)
-    return [prefix + [rng.randrange(min(vocab, 10000)) for _ in range(input_len)]
-            for _ in range(c)]
+def _prompts(c: int, input_len: int, vocab: int, shared: int = 0, ranks: int = 1
+             ) -> list[list[int]]:
+    """``c`` prompts of ``shared`` tokens they all start with, then ``input_len`` of their own;
+    ids below 10000 / ``ranks`` (within rank 0's shard of an echoed EAGLE-3 head's vocabulary:
+    ``echo_eagle3``)."""
+    top = min(vocab, 10000 // ranks)
+    shared_rng, rng = random.Random(-1), random.Random(c)
+    prefix = [shared_rng.randrange(top) for _ in range(shared)]
+    return [prefix + [rng.randrange(top) for _ in range(input_len)] for _ in range(c)]
 
 
 def echo_weights(llm: Any, margin: float = 50.0) -> None:
@@ -268,7 +271,9 @@ def echo_eagle3(drafter: Any, target: Any) -> None:
     """Make an EAGLE-3 drafter of an echo target (``echo_model``) always right: ``fc`` passes
     the first feature on (the echo target's stream at a position is its token's embedding),
     attention and MLP add nothing, and the LM head is the target's over the draft vocabulary
-    (its first ids: ``d2t`` zero; the prompts' ids are below 10000)."""
+    (its first ids: ``d2t`` zero). Both heads are split by vocabulary over the ranks, and each
+    rank copies its target shard's first rows: right for the ids of rank 0's draft shard, where
+    the prompts' ids are (below 10000 / ranks, ``_prompts``)."""
     import torch  # noqa: PLC0415
 
     params = _echo_head(drafter)
@@ -299,7 +304,8 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
     if echo:
         echo_weights(plain_llm)
     vocab = plain_llm.engine.limits.vocab_size
-    workloads = {c: _prompts(c, input_len, vocab, shared_prefix) for c in concurrencies}
+    workloads = {c: _prompts(c, input_len, vocab, shared_prefix, tensor_parallel_size)
+                 for c in concurrencies}
     plain, answers = {}, {}
     try:
         for c, prompts in workloads.items():
@@ -334,9 +340,9 @@ def _host_drafter_runs(model: str, options: dict[str, Any], k: int, keep: float,
     """The oracle, the never-right proposer (k fixed, adaptive, policy) and the n-gram
     proposer, drafting on the engine's host."""
     input_len = len(next(iter(workloads.values()))[0])
-    spec_llm = engine_here(model, speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                              "disable_by_batch_size": max(workloads)},
-                   **options)
+    spec_llm = engine_here(model, speculative_config={
+        "method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": max(workloads)},
+        **options)
     if echo:
         echo_weights(spec_llm)
     runs = []

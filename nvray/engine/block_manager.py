@@ -93,7 +93,7 @@ def hash_blocks(prev_hash: int, token_ids: list[int], block_size: int) -> list[i
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "drafted")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "drafted", "drafted_next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -101,6 +101,7 @@ class Block:
         self.hash: int | None = None  # its prefix-cache key (``group_key``)
         self.token_ids: tuple[int, ...] | None = None
         self.drafted = False  # the draft cache's twin holds its tokens' rows (``mark_drafted``)
+        self.drafted_next = -1  # the token after it when they were fed (a head's last row's)
 
 
 class CachedPrefix(NamedTuple):
@@ -335,7 +336,7 @@ class BlockManager:
         seq.state_save_at = self.state_save_point(seq, seq.num_computed_tokens,
                                                   cached.kv_cached_tokens)
         seq.num_cached_tokens = seq.num_computed_tokens
-        seq.draft_len = self._drafted_tokens(cached)
+        seq.draft_len = self._drafted_tokens(seq, cached)
         self.seq_block_hashes[seq.seq_id] = list(cached.hashes)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_computed_tokens
@@ -475,26 +476,36 @@ class BlockManager:
         """Note the blocks of ``seq`` whose rows the draft cache now holds (after a step): those
         wholly before position ``draft_len - 1`` (a head's row at p is token p + 1's, so the
         row at ``draft_len - 1`` waits for the next feed; a draft model's rows are one ahead of
-        that). A block keeps the mark until it is reused, so a prefix hit on it need not feed
-        the drafter those tokens again (``allocate_prefix``)."""
+        that), with the token after each (its last row's, for a head). A block keeps the mark
+        until it is reused, so a prefix hit on it need not feed the drafter those tokens again
+        (``allocate_prefix``)."""
         if self.num_groups != 1:  # (drafters run beside targets without windowed layers)
             return
-        for i in range(max(seq.draft_len - 1, 0) // self.block_size - 1, -1, -1):
+        bs = self.block_size
+        for i in range(max(seq.draft_len - 1, 0) // bs - 1, -1, -1):
             block = self.blocks[seq.block_table[i]]
             if block.drafted:  # marked up to here by an earlier step (or another sequence)
                 return
-            block.drafted = True
+            block.drafted, block.drafted_next = True, seq.token_ids[(i + 1) * bs]
 
-    def _drafted_tokens(self, cached: CachedPrefix) -> int:
-        """How much of a cached prefix the draft cache holds: its leading drafted blocks."""
+    def _drafted_tokens(self, seq: Sequence, cached: CachedPrefix) -> int:
+        """How much of a cached prefix the draft cache holds for ``seq``: its leading drafted
+        blocks. A head's rows lag (``hits_skip_last_block``): a block's last row was fed the
+        token after it, so a block counts only where that token is ``seq``'s too, and a marked
+        block whose last row ``seq`` will feed again from another token loses its mark (the
+        prefix's hash may lead to a block another sequence continued differently)."""
         if self.num_groups != 1:
             return 0
-        count = 0
-        for block_id in cached.blocks:
-            if not self.blocks[block_id].drafted:
-                break
-            count += 1
-        return count * self.block_size
+        bs, count = self.block_size, None
+        for i, block_id in enumerate(cached.blocks):
+            block = self.blocks[block_id]
+            same_row = not self.hits_skip_last_block or (
+                block.drafted_next == seq.token_ids[(i + 1) * bs])
+            if count is None and not (block.drafted and same_row):
+                count = i
+            if count is not None and not same_row:
+                block.drafted = False
+        return (len(cached.blocks) if count is None else count) * bs
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; cached content stays until evicted."""

@@ -26,9 +26,9 @@ cache is fed only in steps where a sequence drafts, with what it lacks of that s
 whose draft rows an earlier sequence fed count, ``BlockManager.mark_drafted``; after a
 preemption, those of its hit again): steps without drafts (large batches, pauses, overlapped
 steps) cost the draft model nothing, and a sequence that drafts again first feeds the tokens it
-missed (its prompt past those blocks the first time), up to ``feed_budget`` tokens a step. A draft position's penalties and grammar mask follow the drafts before it: the ranks
-read the drafts back for them (``step_protocol.sample_specs``,
-``nvray/worker/grammar_masks.py``).
+missed (its prompt past those blocks the first time), up to ``feed_budget`` tokens a step. A
+draft position's penalties and grammar mask follow the drafts before it: the ranks read the
+drafts back for them (``step_protocol.sample_specs``, ``nvray/worker/grammar_masks.py``).
 
 With ``adaptive`` (the default), a sequence's ``DraftPace`` sets how many drafts it proposes:
 the runs it verifies cost a forward pass over every draft, so a sequence whose drafts fail

@@ -288,16 +288,23 @@ def test_blocks_of_one_slot_cache_every_token_but_the_last():
 
 
 def test_a_hit_counts_the_leading_blocks_fed_to_the_drafter_until_they_are_reused():
-    """A sequence whose draft rows reach position 9 (``draft_len`` 10: its rows before position
-    9 are final) marks its first two blocks of four tokens; a prompt hitting three of its blocks
-    starts with those two drafted (8 tokens). Blocks reused for other tokens lose the mark, so
-    a hit on what they hold then counts none."""
+    """A sequence with ``draft_len`` 8 (a head's rows before position 7 final: the row at 7,
+    its second block's last, waits for token 8) marks its first block of four tokens, so a
+    prompt hitting three of its blocks starts with one drafted; once that prompt's drafter
+    reaches 10 the second block is marked too, and the next hit starts with two. Blocks reused
+    for other tokens lose the mark, so a hit on what they hold then counts none."""
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq_of(list(range(14)))
     run_prefill(bm, a)
-    a.draft_len = 10
+    a.draft_len = 8
     bm.mark_drafted(a)
     bm.free(a)
+    early = seq_of(list(range(13)) + [98])
+    run_prefill(bm, early)
+    assert early.num_cached_tokens == 12 and early.draft_len == 4
+    early.draft_len = 10
+    bm.mark_drafted(early)
+    bm.free(early)
     hit = seq_of(list(range(13)) + [99])
     run_prefill(bm, hit)
     assert hit.num_cached_tokens == 12 and hit.draft_len == 8
@@ -309,3 +316,28 @@ def test_a_hit_counts_the_leading_blocks_fed_to_the_drafter_until_they_are_reuse
     again = seq_of([50 + i for i in range(12)] + [7])
     run_prefill(bm, again)
     assert again.num_cached_tokens == 12 and again.draft_len == 0
+
+
+def test_a_heads_hit_counts_a_block_only_where_the_token_after_it_is_the_sequences():
+    """A head's row at a block's last position was fed the token after the block. X = P + A...
+    drafts through its blocks; Y = P + B... hits X's first block (its last one left out) and
+    drafts through blocks of its own, P's second among them, whose hash keeps leading to X's
+    copy; Y's next turn hits X's two blocks of P (Y's third left out): the draft cache counts
+    only the first (X's copy of P's second block ends in a row fed token A, Y's turn goes on
+    with B), and that copy loses its mark, as the turn feeds its last row again."""
+    bm = BlockManager(num_blocks=12, block_size=4, hits_skip_last_block=True)
+    p = [1, 2, 3, 4, 5, 6, 7, 8]
+    x = seq_of(p + [20, 21, 22, 23, 24])
+    run_prefill(bm, x)
+    x.draft_len = 13
+    bm.mark_drafted(x)
+    y = seq_of(p + [30, 31, 32, 33, 34])
+    run_prefill(bm, y)
+    assert y.num_cached_tokens == 4 and y.draft_len == 4
+    y.draft_len = 13
+    bm.mark_drafted(y)
+    turn = seq_of(y.token_ids + [35, 36, 37, 38, 39])
+    run_prefill(bm, turn)
+    assert turn.block_table[:2] == x.block_table[:2]  # (Y's third block is its hit's last)
+    assert turn.num_cached_tokens == 8 and turn.draft_len == 4
+    assert not bm.blocks[x.block_table[1]].drafted
