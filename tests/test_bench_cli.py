@@ -1,7 +1,8 @@
-"""``python -m nvray.bench throughput``, ``startup``, ``embed`` and ``serve``: arguments they cannot
-run are refused before anything starts, with a message naming the problem; ``startup`` starts a
-real engine in a new process and reports it; ``embed`` embeds real batches and reports them;
-``serve --api chat,messages,responses`` loads a real app through the three APIs (the benchmarks'
+"""``python -m nvray.bench``'s subcommands: arguments they cannot run are refused before
+anything starts, with a message naming the problem; ``startup`` starts a real engine in a new
+process and reports it; ``embed`` embeds real batches and reports them; ``serve --api
+chat,messages,responses`` loads a real app through the three APIs; ``speculative`` and
+``step-gap`` run every drafter they name with the plain engine's tokens (the benchmarks'
 figures themselves are not tested: tests never time things)."""
 
 import json
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def _bench(*args: str, cmd: str = "throughput") -> subprocess.CompletedProcess:
@@ -204,3 +206,24 @@ def test_speculative_runs_every_drafter_with_the_plain_engines_tokens(tmp_path) 
     echoed = [run for run in runs if run["drafter"] in ("draft_model_echo_fixed",
                                                          "eagle3_echo_fixed")]
     assert all(run["mean_acceptance_length"] == 5.0 for run in echoed), echoed
+
+
+def test_step_gap_times_a_drafting_step_beside_a_plain_one(tmp_path) -> None:
+    """``step-gap`` on the tiny model (echoed): a plain pass and one drafting with the oracle at
+    each concurrency, every host piece timed (proposing only where drafts are), fewer steps for
+    the same tokens where drafts are accepted; a device span with CUDA only."""
+    out = tmp_path / "gap.json"
+    result = _bench("--model", "tiny", "--concurrency", "1,2", "--input-len", "12",
+                    "--output-len", "21", "--out", str(out), cmd="step-gap")
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(run["mode"], run["concurrency"]) for run in runs] == [
+        ("plain", 1), ("plain", 2), ("speculative", 1), ("speculative", 2)]
+    pieces = ("step_us", "schedule_us", "step_input_us", "apply_answer_us", "rank_forward_us",
+              "rank_sample_us", "wait_for_ids_us")
+    for run in runs:
+        assert run["tok_per_s"] > 0
+        assert (run["device_span_ms"] is None) == (not torch.cuda.is_available())
+        assert all(run[piece] > 0 for piece in pieces), run
+        assert ("propose_us" in run) == (run["mode"] == "speculative")
+    assert runs[2]["steps"] < runs[0]["steps"] and runs[3]["steps"] < runs[1]["steps"]

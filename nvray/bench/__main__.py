@@ -31,8 +31,12 @@ Subcommands:
 - ``speculative``: speculative decoding's machinery: output tok/s at each concurrency without
   speculation and with an oracle drafter of set mean acceptance length, one never right and
   the n-gram proposer, greedy; ``--draft-model 0.6b`` adds a draft model on the rank and
-  ``--eagle3`` an EAGLE-3 head, ``--mtp`` the target's own MTP head (Qwen3.5)
-  (``nvray/bench/speculative.py``).
+  ``--eagle3`` an EAGLE-3 head, ``--mtp`` the target's own MTP head (Qwen3.5);
+  ``--tensor-parallel-size 2`` on two ranks; ``--shared-prefix 4096`` prompts that share a
+  system prompt (``nvray/bench/speculative.py``).
+- ``step-gap``: where a drafting step's time goes beside a plain step's: the host's pieces
+  timed by wrapping them, each step's device span by CUDA events, in-process
+  (``nvray/bench/step_gap.py``).
 - ``allreduce``: the TP all-reduce by message size, NCCL against the P2P one-shot and two-shot
   over symmetric memory, CUDA-graph captured, one process per GPU (``nvray/bench/allreduce.py``);
   ``throughput --all-reduce auto,nccl`` compares them in the engine; ``throughput --profile DIR``
@@ -219,6 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the oracle, never-right and n-gram runs")
     sp.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="the target's ranks (>1: rank actors on Ray, the engine in this process)")
+    sg = sub.add_parser("step-gap", parents=[common],
+                        help="a drafting step's host pieces and device span, beside a plain step's")
+    sg.add_argument("--model", default=None,
+                    help="checkpoint directory or 'tiny' (default: a random checkpoint of --shape)")
+    sg.add_argument("--shape", default="0.6b", choices=SHAPES)
+    sg.add_argument("--concurrency", default="1,32", help="comma-separated")
+    sg.add_argument("--num-speculative-tokens", type=int, default=4, help="k")
+    sg.add_argument("--mean-acceptance-length", type=float, default=3.0)
+    sg.add_argument("--input-len", type=int, default=256)
+    sg.add_argument("--output-len", type=int, default=128)
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
@@ -337,6 +351,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  args.input_len, args.output_len, args.repeats, args.echo,
                                  args.draft_model, args.host_drafters, args.eagle3,
                                  args.mtp, args.tensor_parallel_size, args.shared_prefix)
+    if args.cmd == "step-gap":
+        from nvray.bench.step_gap import bench_step_gap  # noqa: PLC0415
+
+        concurrencies = tuple(int(c) for c in args.concurrency.split(","))
+        if min(*concurrencies, args.input_len, args.output_len) < 1:
+            raise SystemExit("step-gap: concurrencies and lengths must be >= 1")
+        return bench_step_gap(args.model, args.shape, concurrencies, args.num_speculative_tokens,
+                              args.mean_acceptance_length, args.input_len, args.output_len)
     if args.cmd == "allreduce":
         from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
 

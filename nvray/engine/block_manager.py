@@ -359,6 +359,8 @@ class BlockManager:
         child.num_computed_tokens = num_tokens
         child.shares_blocks = parent.shares_blocks = True
         child.num_cached_tokens = num_tokens
+        # the draft cache's rows of the shared tokens are the parent's (copied on write with them)
+        child.draft_len = min(parent.draft_len, num_tokens)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write pairs since the last call (the next launched step copies them)."""

@@ -609,30 +609,34 @@ def test_a_prefix_hit_feeds_the_draft_model_only_past_the_blocks_it_was_fed_befo
     """Prefix caching with the tiny model drafting for itself: a prompt that opted out of
     speculation leaves its blocks without draft rows, so a repeat that hits them feeds the draft
     model from its first token; one that drafted leaves them fed, so the next repeat's first
-    feed starts where its hit ends (64 tokens: four blocks). Every draft is accepted (the rows
-    it reads there are the earlier sequence's) and the tokens are HF's."""
+    feed starts where its hit ends (64 tokens: four blocks), for both choices of an n = 2
+    request (the second forked from the first). Every draft is accepted (the rows read there
+    are the earlier sequences') and the tokens are HF's."""
     prompt = random_prompts(1, 70, 70, seed=29)[0]
     llm = LLM("tiny", runtime="inprocess", max_model_len=256, kvcache_block_size=16,
               overlap_scheduling=False,
               speculative_config={"method": "draft_model", "model": "tiny",
                                   "num_speculative_tokens": 3, "adaptive": False})
-    feeds: list[int] = []  # each step's first feed's start (a sequence's draft_start)
+    feeds: dict[int, int] = {}  # each sequence's first feed's start (its first draft_start)
     execute = llm.engine.executor.execute
 
     def recording(step):  # noqa: ANN001, ANN202
-        feeds.extend(s.draft_start for s in step.seqs if s.draft_tokens)
+        for s in step.seqs:
+            if s.draft_tokens:
+                feeds.setdefault(s.seq_id, s.draft_start)
         return execute(step)
 
     llm.engine.executor.execute = recording
     runs = []
     try:
-        for ending, speculate in (([1, 2], False), ([3, 4], True), ([5, 6, 7], True)):
-            del feeds[:]
+        for ending, speculate, n in (([1, 2], False, 1), ([3, 4], True, 1), ([5, 6, 7], True, 1),
+                                     ([8, 9], True, 2)):
+            feeds.clear()
             tokens = prompt[:64] + ending
             params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
-                                    speculate=speculate)
-            out = llm.generate(tokens, params, use_tqdm=False)[0]
-            runs.append((tokens, out, list(feeds)))
+                                    speculate=speculate, n=n)
+            outs = llm.generate(tokens, params, use_tqdm=False)
+            runs += [(tokens, out, sorted(feeds.values())) for out in outs]
     finally:
         llm.shutdown()
     for tokens, out, _ in runs:
@@ -642,6 +646,7 @@ def test_a_prefix_hit_feeds_the_draft_model_only_past_the_blocks_it_was_fed_befo
         assert out.num_accepted_draft_tokens == out.num_draft_tokens > 10, out.request_id
     assert runs[1][2][0] == 0  # the hit's blocks hold no draft rows: fed from the start
     assert runs[2][2][0] == 64  # the hit's four blocks were fed by the run before
+    assert runs[3][2] == [64, 64]  # n = 2: the choice forked from the hit's one too
 
 
 def test_a_draft_model_of_another_family_whose_drafts_fail_keeps_the_tokens(engines,
