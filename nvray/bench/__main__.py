@@ -121,6 +121,21 @@ def _names(flag: str, text: str, known: list[str]) -> tuple[str, ...]:
     return names
 
 
+def _add_drafting_workload(parser: argparse.ArgumentParser, concurrency: str,
+                           output_len: int) -> None:
+    """The workload options of ``speculative`` and ``step-gap``."""
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or 'tiny' (default: a random checkpoint of "
+                             "--shape)")
+    parser.add_argument("--shape", default="0.6b", choices=SHAPES)
+    parser.add_argument("--concurrency", default=concurrency, help="comma-separated")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k")
+    parser.add_argument("--mean-acceptance-length", type=float, default=3.0,
+                        help="the oracle drafter's accepted drafts + 1, on average")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=output_len)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nvray.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,17 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="token budgets per step to compare, comma-separated (default: the engine's)")
     sp = sub.add_parser("speculative", parents=[common],
                         help="speculative decoding with a drafter of set acceptance, against none")
-    sp.add_argument("--model", default=None,
-                    help="checkpoint directory or 'tiny' (default: a random checkpoint of --shape)")
-    sp.add_argument("--shape", default="0.6b", choices=SHAPES)
-    sp.add_argument("--concurrency", default="1,8,32,128", help="comma-separated")
-    sp.add_argument("--num-speculative-tokens", type=int, default=4, help="k")
-    sp.add_argument("--mean-acceptance-length", type=float, default=3.0,
-                    help="the oracle drafter's accepted drafts + 1, on average")
-    sp.add_argument("--input-len", type=int, default=256)
+    _add_drafting_workload(sp, concurrency="1,8,32,128", output_len=256)
     sp.add_argument("--shared-prefix", type=int, default=0,
                     help="tokens every prompt starts with (a system prompt), before its own")
-    sp.add_argument("--output-len", type=int, default=256)
     sp.add_argument("--repeats", type=int, default=3, help="timed passes (after one warm-up)")
     sp.add_argument("--no-echo", dest="echo", action="store_false",
                     help="keep the loaded weights (default: turn them into a network that "
@@ -225,14 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the target's ranks (>1: rank actors on Ray, the engine in this process)")
     sg = sub.add_parser("step-gap", parents=[common],
                         help="a drafting step's host pieces and device span, beside a plain step's")
-    sg.add_argument("--model", default=None,
-                    help="checkpoint directory or 'tiny' (default: a random checkpoint of --shape)")
-    sg.add_argument("--shape", default="0.6b", choices=SHAPES)
-    sg.add_argument("--concurrency", default="1,32", help="comma-separated")
-    sg.add_argument("--num-speculative-tokens", type=int, default=4, help="k")
-    sg.add_argument("--mean-acceptance-length", type=float, default=3.0)
-    sg.add_argument("--input-len", type=int, default=256)
-    sg.add_argument("--output-len", type=int, default=128)
+    _add_drafting_workload(sg, concurrency="1,32", output_len=128)
     ar = sub.add_parser("allreduce", parents=[common],
                         help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
     ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
