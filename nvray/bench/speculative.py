@@ -94,7 +94,7 @@ class OracleProposer:
         return drafts
 
 
-def _prompts(c: int, input_len: int, vocab: int, shared: int = 0, ranks: int = 1
+def random_prompts(c: int, input_len: int, vocab: int, shared: int = 0, ranks: int = 1
              ) -> list[list[int]]:
     """``c`` prompts of ``shared`` tokens they all start with, then ``input_len`` of their own;
     ids below 10000 / ``ranks`` (within rank 0's shard of an echoed EAGLE-3 head's vocabulary:
@@ -148,7 +148,7 @@ def echo_model(model: Any, margin: float = 50.0) -> None:
         params.get("lm_head.weight", embed).copy_((embed.float() * alpha).to(embed.dtype))
 
 
-def _greedy(c: int, output_len: int) -> list[Any]:
+def greedy_params(c: int, output_len: int) -> list[Any]:
     from nvray import SamplingParams  # noqa: PLC0415
 
     return [SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -177,7 +177,7 @@ def _timed(llm: Any, prompts: list[list[int]], params: Any, repeats: int
 def _run(llm: Any, c: int, name: str, prompts: list[list[int]], answers: list[list[int]],
          plain: float, output_len: int, repeats: int) -> dict[str, Any]:
     """One drafter at one concurrency: tok/s against plain decoding, acceptance, same tokens."""
-    rate, outs, counted = _timed(llm, prompts, _greedy(c, output_len), repeats)
+    rate, outs, counted = _timed(llm, prompts, greedy_params(c, output_len), repeats)
     same = sum(a == b for a, b in zip(outs, answers)) / c
     drafts = counted.get("num_drafts", 0)
     run = {"concurrency": c, "drafter": name, "tok_per_s": round(rate, 1),
@@ -273,7 +273,7 @@ def echo_eagle3(drafter: Any, target: Any) -> None:
     attention and MLP add nothing, and the LM head is the target's over the draft vocabulary
     (its first ids: ``d2t`` zero). Both heads are split by vocabulary over the ranks, and each
     rank copies its target shard's first rows: right for the ids of rank 0's draft shard, where
-    the prompts' ids are (below 10000 / ranks, ``_prompts``)."""
+    the prompts' ids are (below 10000 / ranks, ``random_prompts``)."""
     import torch  # noqa: PLC0415
 
     params = _echo_head(drafter)
@@ -304,12 +304,12 @@ def bench_speculative(model: str | None = None, shape: str = "0.6b",
     if echo:
         echo_weights(plain_llm)
     vocab = plain_llm.engine.limits.vocab_size
-    workloads = {c: _prompts(c, input_len, vocab, shared_prefix, tensor_parallel_size)
+    workloads = {c: random_prompts(c, input_len, vocab, shared_prefix, tensor_parallel_size)
                  for c in concurrencies}
     plain, answers = {}, {}
     try:
         for c, prompts in workloads.items():
-            plain[c], answers[c], _ = _timed(plain_llm, prompts, _greedy(c, output_len), repeats)
+            plain[c], answers[c], _ = _timed(plain_llm, prompts, greedy_params(c, output_len), repeats)
             print(f"c={c}: plain {plain[c]:,.0f} tok/s", flush=True)
     finally:
         plain_llm.shutdown()

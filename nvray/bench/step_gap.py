@@ -30,8 +30,8 @@ from typing import Any
 
 from nvray.bench.checkpoints import default_checkpoint, is_config_only
 from nvray.bench.engine_here import engine_here
-from nvray.bench.speculative import (OracleProposer, _greedy, _prompts, echo_weights,
-                                     keep_probability)
+from nvray.bench.speculative import (OracleProposer, echo_weights, greedy_params,
+                                     keep_probability, random_prompts)
 
 
 def bench_step_gap(model: str | None = None, shape: str = "0.6b",
@@ -54,7 +54,7 @@ def bench_step_gap(model: str | None = None, shape: str = "0.6b",
             echo_weights(llm)
             vocab = llm.engine.limits.vocab_size
             for c in concurrencies:
-                prompts, params = _prompts(c, input_len, vocab), _greedy(c, output_len)
+                prompts, params = random_prompts(c, input_len, vocab), greedy_params(c, output_len)
                 if mode == "plain":
                     outs = llm.generate(prompts, params, use_tqdm=False)  # (also a warm-up)
                     answers[c] = [list(o.token_ids) for o in outs]

@@ -501,12 +501,10 @@ class BlockManager:
         bs, count = self.block_size, None
         for i, block_id in enumerate(cached.blocks):
             block = self.blocks[block_id]
-            same_row = not self.hits_skip_last_block or (
-                block.drafted_next == seq.token_ids[(i + 1) * bs])
-            if count is None and not (block.drafted and same_row):
-                count = i
-            if count is not None and not same_row:
+            if self.hits_skip_last_block and block.drafted_next != seq.token_ids[(i + 1) * bs]:
                 block.drafted = False
+            if count is None and not block.drafted:
+                count = i
         return (len(cached.blocks) if count is None else count) * bs
 
     def free(self, seq: Sequence) -> None:

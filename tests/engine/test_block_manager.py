@@ -287,6 +287,12 @@ def test_blocks_of_one_slot_cache_every_token_but_the_last():
     assert again.num_cached_tokens == 2 and bm.num_free_blocks == 8 - 4
 
 
+def drafted_through(bm: BlockManager, seq: Sequence, draft_len: int) -> None:
+    """``seq``'s drafter fed up to ``draft_len``, as a drafting step's answer leaves it."""
+    seq.draft_len = draft_len
+    bm.mark_drafted(seq)
+
+
 def test_a_hit_counts_the_leading_blocks_fed_to_the_drafter_until_they_are_reused():
     """A sequence with ``draft_len`` 8 (a head's rows before position 7 final: the row at 7,
     its second block's last, waits for token 8) marks its first block of four tokens, so a
@@ -296,14 +302,12 @@ def test_a_hit_counts_the_leading_blocks_fed_to_the_drafter_until_they_are_reuse
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq_of(list(range(14)))
     run_prefill(bm, a)
-    a.draft_len = 8
-    bm.mark_drafted(a)
+    drafted_through(bm, a, 8)
     bm.free(a)
     early = seq_of(list(range(13)) + [98])
     run_prefill(bm, early)
     assert early.num_cached_tokens == 12 and early.draft_len == 4
-    early.draft_len = 10
-    bm.mark_drafted(early)
+    drafted_through(bm, early, 10)
     bm.free(early)
     hit = seq_of(list(range(13)) + [99])
     run_prefill(bm, hit)
@@ -329,13 +333,11 @@ def test_a_heads_hit_counts_a_block_only_where_the_token_after_it_is_the_sequenc
     p = [1, 2, 3, 4, 5, 6, 7, 8]
     x = seq_of(p + [20, 21, 22, 23, 24])
     run_prefill(bm, x)
-    x.draft_len = 13
-    bm.mark_drafted(x)
+    drafted_through(bm, x, 13)
     y = seq_of(p + [30, 31, 32, 33, 34])
     run_prefill(bm, y)
     assert y.num_cached_tokens == 4 and y.draft_len == 4
-    y.draft_len = 13
-    bm.mark_drafted(y)
+    drafted_through(bm, y, 13)
     turn = seq_of(y.token_ids + [35, 36, 37, 38, 39])
     run_prefill(bm, turn)
     assert turn.block_table[:2] == x.block_table[:2]  # (Y's third block is its hit's last)
