@@ -4,6 +4,7 @@ and a local Ray cluster that owns the GPU. The bf16 oracle lives in ``gpu_oracle
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -29,3 +30,33 @@ def gpu_ray():
                      "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
+
+
+# -- one line per file as each finishes, so a cut run still says what passed ---------------------
+
+_FILE_RESULTS: dict[str, dict[str, float]] = {}
+
+
+def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest's TestReport
+    if "tests/gpu/" not in report.nodeid:
+        return
+    tally = _FILE_RESULTS.setdefault(report.nodeid.split("::")[0], {"start": time.monotonic()})
+    if report.when == "call" or report.outcome != "passed":
+        outcome = "error" if report.when != "call" and report.outcome == "failed" else report.outcome
+        tally[outcome] = tally.get(outcome, 0) + 1
+
+
+def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201 - pytest's hook
+    path = item.nodeid.split("::")[0]
+    _FILE_RESULTS.setdefault(path, {"start": time.monotonic()})
+    yield
+    if nextitem is None or nextitem.nodeid.split("::")[0] != path:
+        tally = _FILE_RESULTS.get(path)
+        if tally is not None:
+            counts = ", ".join(f"{int(v)} {k}" for k, v in tally.items() if k != "start")
+            reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+            reporter.write_line(f"\n[gpu tier] {path}: {counts} in "
+                                f"{time.monotonic() - tally['start']:.1f} s")
+
+
+pytest_runtest_protocol = pytest.hookimpl(wrapper=True)(pytest_runtest_protocol)

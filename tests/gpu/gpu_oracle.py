@@ -53,11 +53,19 @@ def check_greedy_near_argmax(path: str, prompt: list[int], output: list[int],
     return {"fp32_argmax_rate": exact, "max_gap_over_noise": float((gap / noise).max())}
 
 
-def wait_gpu_memory_below(used_bytes: int, timeout_s: float = 60.0) -> None:
-    """Ray ranks give their memory back when their process exits, a moment after shutdown."""
+def wait_gpu_memory_below(used_bytes: int, timeout_s: float = 60.0, settle_s: float = 3.0) -> None:
+    """Ray ranks give their memory back when their process exits, a moment after shutdown.
+    Returns once the device's use is at most ``used_bytes``, or once it has stopped falling for
+    ``settle_s`` (what is left then, a CUDA context or the allocator's cache, never comes back:
+    waiting the whole ``timeout_s`` for it cost a minute a call)."""
     deadline = time.monotonic() + timeout_s
+    lowest, since = None, time.monotonic()
     while time.monotonic() < deadline:
         free, total = torch.cuda.mem_get_info()
         if total - free <= used_bytes:
             return
-        time.sleep(0.5)
+        if lowest is None or total - free < lowest - (16 << 20):
+            lowest, since = total - free, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            return
+        time.sleep(0.25)

@@ -94,7 +94,7 @@ def test_sampling_at_temperature_gives_finite_in_vocab_tokens(qwen3_06b_path):
     prompts = random_prompts(16, 10, 200, seed=5, vocab=VOCAB)
     params = SamplingParams(temperature=0.6, top_p=0.9, top_k=50, max_tokens=32, ignore_eos=True)
     outs, _ = run(qwen3_06b_path, prompts, params, runtime="inprocess", num_kvcache_blocks=512,
-                  max_model_len=1024)
+                  max_model_len=1024, max_num_seqs=16)
     for o in outs:
         assert len(o.token_ids) == 32 and all(0 <= t < 151936 for t in o.token_ids)
 

@@ -43,13 +43,15 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_prefill_and_graph_decode_logits_match_hf_in_float32(family_path):
     from nvray.worker.model_runner import ModelRunner
-    from nvray.worker.startup import prepare_kv_cache
+    from nvray.worker.startup import num_kvcache_blocks, prepare_kv_cache
 
+    # no prefill graphs: this test's prefill is a batch (the hybrids' test below replays them)
     config = EngineConfig(model=family_path, max_model_len=512, max_num_seqs=4,
-                          num_kvcache_blocks=128, dtype="float32")
+                          num_kvcache_blocks=128, dtype="float32", max_prefill_graph_tokens=0)
     runner = ModelRunner(config, family_path)
     try:
-        prepare_kv_cache(runner, 128)
+        # as an engine starts: the kernels compiled ahead, side by side, then the cache
+        prepare_kv_cache(runner, num_kvcache_blocks(runner))
         assert runner.graphs is not None
         prompts = [random_prompts(1, n, n, seed=i)[0] for i, n in enumerate([5, 37, 130, 200])]
         # 32 shuffled blocks each: a block-table entry per group for each logical block (Gemma's
@@ -82,8 +84,8 @@ def test_greedy_continuations_are_fp32_argmaxes_up_to_bf16_noise(family_path):
     # differ in order): a token then differs by far more than the noise at its position, though
     # each computes its experts right. MoE families run in fp32 here (the fp32 oracle exactly).
     moe = "moe" in family_path
-    llm = LLM(family_path, runtime="inprocess", max_model_len=512,
-              dtype="float32" if moe else "bfloat16")
+    llm = LLM(family_path, runtime="inprocess", max_model_len=512, max_num_seqs=8,
+              num_kvcache_blocks=512, dtype="float32" if moe else "bfloat16")
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24,
                                                     ignore_eos=True), use_tqdm=False)
@@ -100,13 +102,13 @@ def test_a_hybrids_one_sequence_chunks_replay_prefill_graphs_and_match_hf(family
     if "qwen3_5" not in family_path:
         pytest.skip("the hybrids' padded prefill graphs")
     from nvray.worker.model_runner import ModelRunner
-    from nvray.worker.startup import prepare_kv_cache
+    from nvray.worker.startup import num_kvcache_blocks, prepare_kv_cache
 
     config = EngineConfig(model=family_path, max_model_len=512, max_num_seqs=4,
                           num_kvcache_blocks=64, dtype="float32", max_prefill_graph_tokens=64)
     runner = ModelRunner(config, family_path)
     try:
-        prepare_kv_cache(runner, 64)
+        prepare_kv_cache(runner, num_kvcache_blocks(runner))
         prompt = random_prompts(1, 100, 100, seed=8)[0]
         table = list(range(31, -1, -1))
         ids, replays = list(prompt), runner.num_graph_replays

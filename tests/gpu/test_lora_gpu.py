@@ -24,7 +24,10 @@ from oracle import random_prompts
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-OPTIONS = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+# a few hundred KV blocks: sized from an H200's memory, the tiny model's cache is millions of
+# blocks (20 s of the block manager's start-up)
+OPTIONS = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256,
+           "num_kvcache_blocks": 512, "max_num_seqs": 8}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 KINDS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
          "attn": ["q_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"]}

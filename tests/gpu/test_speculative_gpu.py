@@ -18,6 +18,9 @@ from oracle import random_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# a tiny model's KV cache sized from the device's memory is millions of blocks on an H200 (20 s
+# of the block manager's start-up and 5 s of its shutdown): these batches need a few hundred
+SMALL = {"num_kvcache_blocks": 512, "max_num_seqs": 8}
 
 
 @pytest.mark.parametrize("batch,adaptive", [(1, False), (6, False), (6, True)])
@@ -29,7 +32,7 @@ def test_speculation_on_the_gpu_keeps_the_tokens(batch, adaptive):
     if batch > 2:  # a JSON-schema request drafts too: each draft row masked on the GPU
         params[2] = SamplingParams(temperature=0.0, max_tokens=32, structured_outputs={
             "json": {"type": "object", "properties": {"n": {"type": "integer"}}}})
-    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256, **SMALL}
     plain = LLM("tiny", **options)
     try:
         expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
@@ -61,7 +64,7 @@ def test_a_draft_model_on_the_gpu_keeps_the_tokens(drafter, tmp_path):
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
               for i in range(6)]
-    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256, **SMALL}
     plain = LLM("tiny", **options)
     try:
         expected = plain.generate(prompts, params, use_tqdm=False)
@@ -108,7 +111,7 @@ def test_eagle3_on_the_gpu_keeps_the_tokens(echo, tmp_path):
         "json": {"type": "object", "properties": {"n": {"type": "integer"}}}})  # drafts masked
     params[4] = SamplingParams(temperature=1.0, seed=4, max_tokens=32, ignore_eos=True,
                                presence_penalty=0.5, frequency_penalty=0.2)  # drafts penalized
-    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256, **SMALL}
     drafter = write_eagle3_checkpoint(str(tmp_path / "eagle"), resolve_model("tiny"), seed=5,
                                       aux_ids=[0, 1, 1])
     plain = LLM("tiny", **options)
@@ -150,7 +153,7 @@ def test_eagle3_eager_with_a_small_token_budget(tmp_path):
     prompts = random_prompts(3, 10, 40, seed=16)
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256,
-               "enforce_eager": True, "max_num_batched_tokens": 32}
+               "enforce_eager": True, "max_num_batched_tokens": 32, **SMALL}
     drafter = write_eagle3_checkpoint(str(tmp_path / "eagle"), resolve_model("tiny"), seed=6,
                                       aux_ids=[0, 1, 1])
     plain = LLM("tiny", **options)
@@ -175,7 +178,7 @@ def _hybrid_plain_run(path: str, seed: int):  # noqa: ANN202
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=1.0, seed=i, max_tokens=32, ignore_eos=True)
               for i in range(len(prompts))]
-    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256}
+    options = {"runtime": "inprocess", "dtype": "float32", "max_model_len": 256, **SMALL}
     plain = LLM(path, **options)
     try:
         expected = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

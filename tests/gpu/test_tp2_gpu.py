@@ -117,7 +117,7 @@ def test_expert_parallel_moe_with_graphs_gives_oracle_tokens_and_counts_real_tok
                                seed=5)
     prompts = random_prompts(3, 10, 16, seed=23)
     llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, max_model_len=256,
-              dtype="float32", gpu_memory_utilization=0.3)
+              dtype="float32", num_kvcache_blocks=512, max_num_seqs=8)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40,
                                                     ignore_eos=True), use_tqdm=False)
