@@ -29,6 +29,7 @@ from deployments.server import NvrayServer
 from nvray.config import EngineConfig
 from nvray.runtime.cluster import (hide_token_auth_notice, resolve_device,
                                    skip_a_dead_recorded_head)
+from nvray.preflight import check_model
 from nvray.runtime.placement import engine_bundles
 
 __all__ = ["AppArgs", "NvrayEngine", "NvrayServer", "app", "build_app"]
@@ -83,6 +84,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     hide_token_auth_notice()  # which would print Ray's notice that token auth is on
     quiet_serve_shutdown_notice()  # and prints Serve's shutdown notice after a clean Ctrl-C
     parsed = parse_args(args)
+    check_model(parsed.engine_config())  # before anything deploys: a running app stays up
     config = resolve_device(parsed.engine_config())
     parsed = parsed.model_copy(update={"device": config.device})
     if not parsed.routes_by_prefix():

@@ -140,3 +140,74 @@ print("FINISHED", len(out.token_ids))
     assert "FINISHED 4" in proc.stdout and "Started a local Ray instance" in console
     assert "Token authentication is enabled" not in console
     assert "compiled DAG" not in console and "Teardown complete" not in console, console[-3000:]
+
+
+def _hold_all_but(ray_module, keep: float):  # noqa: ANN001, ANN202
+    """A placement group holding every free CPU of the session's cluster but ``keep`` (once a
+    group the test before removed has given its CPUs back)."""
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    deadline = time.monotonic() + 10
+    while True:
+        live = sum(b.get("CPU", 0.0) for g in placement_group_table().values()
+                   if g["state"] != "REMOVED" for b in g["bundles"].values())
+        free = ray_module.available_resources().get("CPU", 0.0)
+        if free + live >= ray_module.cluster_resources()["CPU"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    group = placement_group([{"CPU": round(free - keep, 3)}])
+    ray_module.get(group.ready(), timeout=30)
+    return group
+
+
+def test_resources_a_live_group_holds_fail_a_start_at_once_naming_them(ray_cluster):
+    from ray.util.placement_group import remove_placement_group
+
+    from nvray import EngineConfig
+    from nvray.runtime.placement import check_engines_fit
+
+    group = _hold_all_but(ray_cluster, keep=0.5)  # an engine at TP=1 needs 1.0
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="are free now .*live placement groups hold"):
+            check_engines_fit(EngineConfig(model="tiny"), use_gpu=False, free_now=True)
+        assert time.monotonic() - start < 10  # no wait for what a live group holds
+    finally:
+        remove_placement_group(group)
+
+
+def test_a_start_right_after_a_group_is_removed_waits_for_its_resources(ray_cluster):
+    """An app stopped a moment ago: its groups are removed before their CPUs come back. The
+    check waits for them (bounded) instead of refusing the start (the README's batch job
+    submitted right after Ctrl-C of the app was refused this way)."""
+    from ray.util.placement_group import remove_placement_group
+
+    from nvray import EngineConfig
+    from nvray.runtime.placement import check_engines_fit
+
+    for _ in range(3):  # the removal and the check race: each round one chance to lose it
+        remove_placement_group(_hold_all_but(ray_cluster, keep=0.5))
+        check_engines_fit(EngineConfig(model="tiny"), use_gpu=False, free_now=True)
+
+
+def test_resources_outside_any_group_are_waited_for_then_named(ray_cluster):
+    from nvray import EngineConfig
+    from nvray.runtime.placement import check_engines_fit
+
+    free = ray_cluster.available_resources()["CPU"]
+
+    @ray_cluster.remote(num_cpus=round(free - 0.5, 3))
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray_cluster.get(holder.ready.remote(), timeout=30)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="nothing gave them back within 1 s"):
+            check_engines_fit(EngineConfig(model="tiny"), use_gpu=False, free_now=True,
+                              release_wait_s=1.0)
+        assert 1.0 <= time.monotonic() - start < 10
+    finally:
+        ray_cluster.kill(holder)

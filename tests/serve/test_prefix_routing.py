@@ -175,6 +175,17 @@ def _changes(url: str, name: str, before: dict[str, float], **labels: str) -> di
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
+def wait_for_metric(read, done, timeout_s: float = 30.0):  # noqa: ANN001, ANN201
+    """``read()`` again until ``done(value)`` or the deadline; the last value. The ingress's
+    /metrics shows an engine's adapters and loads as of its latest stats, a moment behind."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = read()
+    return value
+
+
 def test_requests_for_an_adapter_go_where_it_is_loaded_and_a_burst_spreads(apps):
     url = apps["on"]
     loads = counter(url, "nvray_lora_loads_total", reads=16)
@@ -183,9 +194,12 @@ def test_requests_for_an_adapter_go_where_it_is_loaded_and_a_burst_spreads(apps)
                 "max_tokens": 4, "temperature": 0}
         r = requests.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["model"] == "ad-a", r.text
-    loaded = _changes(url, "nvray_lora_loads_total", loads)
+    loaded = wait_for_metric(lambda: _changes(url, "nvray_lora_loads_total", loads),
+                             lambda v: sum(v.values()) >= 1)
     assert sum(loaded.values()) == 1, loaded  # one engine loaded it, once
-    assert len(counter(url, "nvray_lora_resident", reads=16, adapter="ad-a")) == 1
+    resident = wait_for_metric(lambda: counter(url, "nvray_lora_resident", reads=16,
+                                               adapter="ad-a"), lambda v: len(v) >= 1)
+    assert len(resident) == 1, resident
     # a burst all in flight at once (each stream holds its connection after its first event
     # until every one has started): the engine that loaded the adapter runs past the
     # imbalance bound, so the burst spreads and the other engine loads it too
@@ -198,7 +212,8 @@ def test_requests_for_an_adapter_go_where_it_is_loaded_and_a_burst_spreads(apps)
         t.start()
     try:
         assert all(event.wait(timeout=120) for event in started), "a stream never started"
-        resident = counter(url, "nvray_lora_resident", reads=16, adapter="ad-b")
+        resident = wait_for_metric(lambda: counter(url, "nvray_lora_resident", reads=16,
+                                                   adapter="ad-b"), lambda v: len(v) >= 2)
     finally:
         hold.set()
         for t in threads:

@@ -166,3 +166,17 @@ def test_serve_run_answers_the_openai_client(served):
     chat = client.chat.completions.create(model="tiny", max_tokens=4,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert chat.choices[0].message.role == "assistant"
+
+
+def test_a_mistyped_second_serve_run_fails_at_once_and_leaves_the_app_up(served, tmp_path):
+    """A second `serve run` naming a missing checkpoint fails in its own process, before
+    deploying anything: the running app still answers (it replaced app `default` before, and
+    /health then answered nothing)."""
+    serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
+    missing = str(tmp_path / "no-such-model")
+    done = subprocess.run([serve_bin, "run", "deployments:build_app", f"model={missing}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert done.returncode != 0
+    assert f"model='{missing}' is not a local checkpoint directory" in done.stdout + done.stderr
+    assert requests.get(f"{served}/health", timeout=10).status_code == 200
