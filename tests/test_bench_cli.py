@@ -34,6 +34,16 @@ def test_throughput_refuses_what_it_cannot_run(args: tuple[str, ...], message: s
     assert "Traceback" not in result.stderr
 
 
+def test_throughput_runs_the_tiny_model_with_its_own_defaults() -> None:
+    """``--model tiny`` with the default --max-model-len (4096, past the tiny model's 2048)
+    and the workload's ids (up to 10000, past its vocabulary): said and fitted, then run."""
+    result = _bench("--model", "tiny", "--runtimes", "inprocess", "--num-seqs", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "running with 2048" in result.stderr
+    runs = json.loads(result.stdout[result.stdout.index("\n{\n") + 1:])["runs"]  # the summary
+    assert runs and all(run["output_tokens"] > 0 for run in runs), runs
+
+
 def test_allreduce_needs_two_gpus() -> None:
     result = _bench(cmd="allreduce")
     assert result.returncode != 0

@@ -111,6 +111,28 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_working(llm, prompt, par
     assert llm.generate("still fine", SamplingParams(max_tokens=2))[0].finish_reason in ("length", "stop")
 
 
+def test_a_huge_prompt_is_refused_from_its_head_without_tokenizing_it_all(llm, monkeypatch):
+    """A megabyte of text against max_model_len=256: refused by name, and the tokenizer never
+    sees more than the head the refusal needs (it tokenized all of it before: 14.5 s of the
+    engine's process for a 10 MB prompt)."""
+    tokenizer = llm.engine.intake.tokenizer
+    seen: list[int] = []
+    encode = tokenizer.encode
+
+    def counting_encode(text, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counting_encode)
+    prompt = "many words of a prompt far too long " * 30000  # ~1 MB
+    with pytest.raises(ValueError, match="prompt is longer than max_model_len=256 tokens: its "
+                                         "first 2,048 of 1,080,000 characters alone are"):
+        llm.generate(prompt, SamplingParams(max_tokens=4))
+    assert seen and max(seen) <= 8 * 256, seen
+    monkeypatch.undo()
+    assert llm.generate("still fine", SamplingParams(max_tokens=2))[0].token_ids
+
+
 def test_request_that_can_never_fit_the_kv_cache_is_rejected():
     small = LLM("tiny", runtime="inprocess", num_kvcache_blocks=4, kvcache_block_size=16,
                 max_model_len=128)

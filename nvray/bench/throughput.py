@@ -55,13 +55,17 @@ class LoRAWorkload:
     base_share: float = 0.1  # requests on the base model
 
 
-def bench_workload(num_seqs: int = 256, seed: int = 0, **extra: Any
-                   ) -> tuple[list[list[int]], list[SamplingParams]]:
+def bench_workload(num_seqs: int = 256, seed: int = 0, vocab_size: int | None = None,
+                   **extra: Any) -> tuple[list[list[int]], list[SamplingParams]]:
     """nano-vllm's bench.py workload, drawn with the same calls to ``random`` (``extra``:
-    more SamplingParams fields for every request)."""
+    more SamplingParams fields for every request); ids wrapped into a ``vocab_size`` of 10000
+    or fewer (the tiny model's), the same draws otherwise."""
     rng = random.Random(seed)
+    wrap = vocab_size if vocab_size is not None and vocab_size <= 10000 else None
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))]
                for _ in range(num_seqs)]
+    if wrap is not None:
+        prompts = [[t % wrap for t in p] for p in prompts]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024),
                              **extra)
               for _ in range(num_seqs)]
@@ -76,17 +80,42 @@ def _gpu_memory_used() -> list[int]:
             (torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))]
 
 
-def _wait_gpu_memory_released(baseline_used: list[int], timeout_s: float = 60.0) -> None:
-    """A Ray rank's memory goes back when its process exits, a moment after shutdown."""
+def _wait_gpu_memory_released(baseline_used: list[int], timeout_s: float = 60.0,
+                              settle_s: float = 3.0) -> None:
+    """A Ray rank's memory goes back when its process exits, a moment after shutdown. Returns
+    once every GPU is back at its baseline, or once use has stopped falling for ``settle_s``:
+    an in-process run's CUDA context and allocator cache stay in this process and never come
+    back (waiting the whole ``timeout_s`` for them cost a minute of every in-process run)."""
     deadline = time.monotonic() + timeout_s
+    lowest, since = None, time.monotonic()
     while time.monotonic() < deadline:
         used = _gpu_memory_used()
         if all(now <= base + (512 << 20) for now, base in zip(used, baseline_used)):
             return
-        time.sleep(0.5)
+        if lowest is None or sum(used) < lowest - (16 << 20):
+            lowest, since = sum(used), time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            return
+        time.sleep(0.25)
     print(f"GPU memory in use after {timeout_s:.0f} s: {[round(u / 2**30, 1) for u in used]} GiB "
           f"against {[round(b / 2**30, 1) for b in baseline_used]} GiB before the first run",
           file=sys.stderr, flush=True)
+
+
+def _fit_to_model(model: str, max_model_len: int) -> tuple[int, int]:
+    """``max_model_len`` within what the model's positions reach (the tiny model's 2048 under
+    the default 4096: said, not refused), and its vocabulary size."""
+    from nvray.layers.rotary import rope_max_positions  # noqa: PLC0415
+    from nvray.model_config import load_model_config  # noqa: PLC0415
+    from nvray.models.tiny import resolve_model  # noqa: PLC0415
+
+    config = load_model_config(resolve_model(model))
+    reach = rope_max_positions(config, getattr(config, "layer_types", None))
+    if max_model_len > reach:
+        print(f"max_model_len {max_model_len} is past the model's reach of {reach} positions: "
+              f"running with {reach}", file=sys.stderr, flush=True)
+        max_model_len = reach
+    return max_model_len, config.vocab_size
 
 
 def _lora_options(lora: LoRAWorkload | None) -> dict[str, Any]:
@@ -209,6 +238,7 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     placements = resolve_placements(runtimes, tensor_parallel_sizes, pipeline_parallel_sizes)
     dummy = model is None and is_config_only(shape)  # random weights made on the GPU
     model = model or default_checkpoint(shape)
+    max_model_len, vocab_size = _fit_to_model(model, max_model_len)
     if "ray" in runtimes:
         from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
 
@@ -224,7 +254,7 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     runs = []
     for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
                                    for f in features):
-        prompts, params = bench_workload(num_seqs, **FEATURES[feature])
+        prompts, params = bench_workload(num_seqs, vocab_size=vocab_size, **FEATURES[feature])
         split = [(a, ep) for a in all_reduces for ep in expert_parallels]  # how TP>1 splits
         for (runtime, tp, pp), overlap, budget, quant, kv, (reduce, ep) in (
                 (p, o, b, q, kv, s) for s in split for kv in kv_cache_dtypes

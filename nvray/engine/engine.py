@@ -154,7 +154,8 @@ class LLMEngine:
         # a pooling prompt is tokenized as its checkpoint's own pipeline does (an embedding
         # model's tokenizer may end it with EOS, which last-token pooling reads)
         adapter = self.loras.resolve(lora_request)
-        token_ids = self.intake.tokenize(prompt, getattr(params, "pool", None) is not None)
+        token_ids = self.intake.tokenize(prompt, getattr(params, "pool", None) is not None,
+                                         within_max_model_len=True)
         if isinstance(params, BeamSearchParams):
             if adapter is not None:
                 raise ValueError("beam search with a LoRA adapter is not supported")
