@@ -48,8 +48,10 @@ def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 - pytest's TestRep
 
 def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201 - pytest's hook
     path = item.nodeid.split("::")[0]
+    if "tests/gpu/" not in path:  # this conftest's hooks see every test of the session
+        return (yield)
     _FILE_RESULTS.setdefault(path, {"start": time.monotonic()})
-    yield
+    result = yield
     if nextitem is None or nextitem.nodeid.split("::")[0] != path:
         tally = _FILE_RESULTS.get(path)
         if tally is not None:
@@ -57,6 +59,7 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ANN001, ANN201 - pytest's 
             reporter = item.config.pluginmanager.get_plugin("terminalreporter")
             reporter.write_line(f"\n[gpu tier] {path}: {counts} in "
                                 f"{time.monotonic() - tally['start']:.1f} s")
+    return result
 
 
 pytest_runtest_protocol = pytest.hookimpl(wrapper=True)(pytest_runtest_protocol)
