@@ -5,7 +5,7 @@ facts (``max_model_len`` against its rope, head counts against ``tensor_parallel
 ``check_model(config)`` raises one ``ValueError`` naming the first problem. The Serve app calls
 it in ``build_app``, before deploying: a mistyped second ``serve run`` then fails in seconds
 and leaves the running app alone, instead of replacing it with replicas that fail to start.
-Nothing here reads weights.
+Nothing here reads weights or imports torch.
 """
 
 from __future__ import annotations
@@ -36,10 +36,16 @@ def _check_heads(config: EngineConfig, hf_config: object) -> None:
 
 
 def _check_max_model_len(config: EngineConfig, hf_config: object) -> None:
-    from nvray.worker.setup import resolve_max_model_len  # noqa: PLC0415 - imports torch (rotary)
-
-    if config.max_model_len is not None and hasattr(hf_config, "max_position_embeddings"):
-        try:
-            resolve_max_model_len(config, hf_config)
-        except ValueError as e:
-            raise ValueError(f"model={config.model!r}: {e}") from None
+    """Past ``max_position_embeddings`` with no YaRN in the config (which reaches further: the
+    ranks check that reach, ``rotary.rope_max_positions``; torch is not imported here, as
+    ``serve run`` builds the app)."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None or not isinstance(limit, int) or config.max_model_len <= limit:
+        return
+    rope = [getattr(hf_config, key, None) for key in ("rope_scaling", "rope_parameters")]
+    if any("yarn" in str(value) for value in rope if value):
+        return
+    raise ValueError(f"model={config.model!r}: max_model_len={config.max_model_len} exceeds the "
+                     f"model's max_position_embeddings={limit} (a longer context needs rope "
+                     f"scaling, e.g. hf_overrides={{'rope_scaling': {{'rope_type': 'yarn', "
+                     f"'factor': 4.0, 'original_max_position_embeddings': {limit}}}}})")
