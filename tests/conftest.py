@@ -103,10 +103,7 @@ def ray_cluster():
     assert not os.environ.get("RAY_ADDRESS"), "tests start their own local cluster"
 
     if not ray.is_initialized():
-        # the dashboard on a port of its own: 8265, its default, is the README's cluster's
-        # (test_readme.py), which may start beside this one (another xdist worker)
         ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=free_port(),
                  log_to_driver=False, runtime_env={"env_vars": {
                      "NVRAY_CACHE_DIR": os.environ["NVRAY_CACHE_DIR"],
                      "TOKENIZERS_PARALLELISM": "false"}})
@@ -168,24 +165,7 @@ def _speed_rank(item) -> int:
                      if path.startswith(prefixes)), 0)
 
 
-# Files that use what a machine has one of: `serve run`'s port 8000, `ray start --head`'s default
-# ports and the machine's cluster record (/tmp/ray/ray_current_cluster). Under pytest-xdist
-# (--dist loadgroup) one worker runs them one after another; every other file is a group of its
-# own (its module fixtures, apps and clusters, started once).
-_ONE_MACHINE_FILES = ("tests/test_readme.py", "tests/serve/test_serve_run_cli.py",
-                      "tests/runtime/test_cluster.py", "tests/test_bench_cli.py",
-                      "tests/test_bytecode_cache.py")
-
-
-def _xdist_group(item) -> str:
-    path = item.nodeid.split("::")[0]
-    return "one-machine" if path in _ONE_MACHINE_FILES else path
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     if os.environ.get("NVRAY_TESTS_FAST_FIRST"):
         items.sort(key=_speed_rank)
     # the README's recipes first: they start Ray on its default ports, which the tests' own
