@@ -131,12 +131,16 @@ class LLM:
         return [flat[i * width:(i + 1) * width] for i in range(len(prompts))]
 
     def embed(self, prompts: Prompt | Seq[Prompt], dimensions: int | None = None,
-              normalize: bool = True, use_tqdm: bool = False) -> list[EmbeddingOutput]:
+              normalize: bool | None = None, use_tqdm: bool = False) -> list[EmbeddingOutput]:
         """An embedding per prompt (``nvray/pooling.py``): its last token's final hidden state,
-        its first ``dimensions`` values (Matryoshka), L2-normalised unless ``normalize`` is
-        False. Any checkpoint embeds; an embedding checkpoint (Qwen3-Embedding) is made for it."""
-        from nvray.pooling import embed_params, to_embedding  # noqa: PLC0415
+        its first ``dimensions`` values (Matryoshka), L2-normalised as the checkpoint's
+        sentence-transformers modules say (a ``Normalize`` module; a checkpoint without
+        modules.json: normalised), or as ``normalize`` says. Any checkpoint embeds; an
+        embedding checkpoint (Qwen3-Embedding) is made for it."""
+        from nvray.pooling import PoolingTask, embed_params, to_embedding  # noqa: PLC0415
 
+        if normalize is None:  # as the Serve app's /v1/embeddings does
+            normalize = PoolingTask.of(self._model_path()).normalize
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         outs = self._generate(list(prompts), embed_params(), use_tqdm, None)  # type: ignore[arg-type]

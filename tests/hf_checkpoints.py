@@ -49,7 +49,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
                "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-               "query_pre_attn_scalar": 16, "sliding_window": 8,
+               # attention scaled by 24 ** -0.5, not head_dim ** -0.5 (Gemma-3-27B: 168 vs 128)
+               "query_pre_attn_scalar": 24, "sliding_window": 8,
                "layer_types": ["sliding_attention", "full_attention"] * 2,
                "max_position_embeddings": 1024,
                "rope_parameters": {

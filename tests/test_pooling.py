@@ -8,6 +8,9 @@ logits at the prompt's end."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from pooling_checkpoints import hf_last_state, hf_yes_probability, write_embedder, write_reranker
@@ -53,6 +56,29 @@ def test_embeddings_equal_transformers_last_token_states_normalised(embedder):
     hf0 = hf_last_state(model, ours[0].prompt_token_ids)
     torch.testing.assert_close(torch.tensor(mixed[0].pooled), hf0, **CLOSE)
     assert mixed[0].token_ids == [] and mixed[1].token_ids == alone[0].token_ids
+
+
+def test_a_checkpoint_without_a_normalize_module_embeds_unnormalised(embedder, tmp_path):
+    """modules.json without sentence-transformers' Normalize: the vectors are the last token's
+    states as they are (what SentenceTransformer itself gives for such a checkpoint)."""
+    from transformers import AutoTokenizer
+
+    path, model = embedder
+    plain = shutil.copytree(path, tmp_path / "unnormalised")
+    with open(plain / "modules.json") as f:
+        modules = [m for m in json.load(f) if not m["type"].endswith(".Normalize")]
+    with open(plain / "modules.json", "w") as f:
+        json.dump(modules, f)
+    llm = LLM(str(plain), runtime="inprocess", dtype="float32", max_model_len=512)
+    try:
+        ours = llm.embed(TEXTS[:2])
+    finally:
+        llm.shutdown()
+    tok = AutoTokenizer.from_pretrained(path)
+    for text, out in zip(TEXTS, ours):
+        hf = hf_last_state(model, tok(text)["input_ids"])
+        assert abs(float(hf.norm()) - 1.0) > 0.1  # a norm a normalised vector would not have
+        torch.testing.assert_close(torch.tensor(out.embedding), hf, **CLOSE)
 
 
 def test_reranker_scores_equal_the_yes_no_softmax_of_transformers(tmp_path):

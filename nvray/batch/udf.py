@@ -29,7 +29,8 @@ import ray
 from nvray.batch.io import output_schema, row_constraint
 from nvray.config import EngineConfig
 from nvray.lora.request import LoRARequest
-from nvray.pooling import to_embedding
+from nvray.models.tiny import TINY_NAME, tiny_model_path
+from nvray.pooling import PoolingTask, to_embedding
 from nvray.runtime import EngineDeadError, start_engine
 from nvray.sampling_params import SamplingParams
 
@@ -68,16 +69,25 @@ def result_row(row_id: Any, result: Any) -> dict[str, Any]:
             "completion_tokens": usage["completion_tokens"], "error": None}
 
 
-def embedding_row(row_id: Any, result: Any, dimensions: int | None) -> dict[str, Any]:
-    """An embedding job's output row from a RequestOutput or its request's exception."""
+def embedding_row(row_id: Any, result: Any, dimensions: int | None,
+                  normalize: bool = True) -> dict[str, Any]:
+    """An embedding job's output row from a RequestOutput or its request's exception
+    (``normalize``: the checkpoint's, ``PoolingTask``)."""
     if not isinstance(result, BaseException):
         try:
-            return {"id": row_id, "embedding": to_embedding(result.pooled or [], dimensions),
+            return {"id": row_id, "embedding": to_embedding(result.pooled or [], dimensions,
+                                                            normalize),
                     "prompt_tokens": len(result.prompt_token_ids), "error": None}
         except ValueError as e:  # --dimensions wider than the model's hidden size
             result = e
     return {"id": row_id, "embedding": None, "prompt_tokens": None,
             "error": short_error(result)}
+
+
+def _local_model_path(model: str) -> str:
+    """The checkpoint's path as this actor reads it (the tiny model's own; a path as given,
+    which ``PoolingTask.of`` reads where it is there)."""
+    return tiny_model_path() if model == TINY_NAME else model
 
 
 class GenerateBatch:
@@ -94,6 +104,8 @@ class GenerateBatch:
             raise ValueError("batch inference writes one output row per input row: n must be 1")
         self.embeds = checked.pool is not None
         self.dimensions = dimensions
+        # as the checkpoint's sentence-transformers modules say (/v1/embeddings and LLM.embed)
+        self.normalize = PoolingTask.of(_local_model_path(self.config.model)).normalize
         self.sampling_params = sampling_params
         self.restarts_left = max_engine_restarts
         self.engine_factory = engine_factory
@@ -108,7 +120,7 @@ class GenerateBatch:
         results = self.generate(prompts, [self.row_params(r) for r in rows],
                                 [self.row_lora(r) for r in rows])
         if self.embeds:
-            out = [embedding_row(r["id"], res, self.dimensions)
+            out = [embedding_row(r["id"], res, self.dimensions, self.normalize)
                    for r, res in zip(rows, results, strict=True)]
         else:
             out = [result_row(r["id"], res) for r, res in zip(rows, results, strict=True)]

@@ -11,6 +11,7 @@ wrong (every draft rejected: the KV of rejected tokens dropped each step)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 
 import pytest
@@ -458,6 +459,35 @@ def test_a_request_may_opt_out_of_speculation():
         llm.shutdown()
     with pytest.raises(ValueError, match="speculate"):
         SamplingParams(speculate="no")
+
+
+def test_a_request_with_bad_words_never_gets_a_banned_word_from_a_draft():
+    """A drafter that proposes the unbanned answer, banned word and all: the request with
+    ``bad_words`` does not draft, and gets the tokens it gets without speculation (the banned
+    word's ids nowhere in them)."""
+    prompt = random_prompts(1, 12, 12, seed=9)[0]
+    llm = LLM("tiny", runtime="inprocess", max_model_len=128,
+              speculative_config={"method": "ngram", "prompt_lookup_min": 1})
+    try:
+        free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                                   ignore_eos=True, speculate=False),
+                            use_tqdm=False)[0]
+        intake = llm.engine.intake  # a word of the answer that is one of its tokens
+        word = next(w for t in free.token_ids[2:] for w in [llm.tokenizer.decode([t]).strip()]
+                    if w.isalpha() and (t,) in intake.bad_word_ids((w,)))
+        banned = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                bad_words=[word])
+        expected = llm.generate(prompt, dataclasses.replace(banned, speculate=False),
+                                use_tqdm=False)[0]
+        llm.engine.speculator.proposer = Recorded([list(prompt) + list(free.token_ids)],
+                                                  llm.engine.limits.vocab_size)
+        got = llm.generate(prompt, banned, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert expected.token_ids != free.token_ids  # the ban changed the answer
+    assert got.token_ids == expected.token_ids
+    assert word not in got.text.split()
+    assert got.num_draft_tokens == 0
 
 
 def test_adaptive_drafting_backs_off_a_drafter_that_keeps_failing():

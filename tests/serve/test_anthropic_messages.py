@@ -132,6 +132,10 @@ def test_errors_come_in_anthropics_shape(claude, messages_url):
     assert "image" in image.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         claude.messages.create(**{**_ask(), "extra_body": {"temperature": 1.5}})
+    # the ends of Anthropic's range are served: 1.0 is its clients' default
+    for edge in (0.0, 1.0):
+        message = claude.messages.create(**{**_ask(), "extra_body": {"temperature": edge}})
+        assert message.stop_reason in ("end_turn", "max_tokens"), message
     plain = {k: v for k, v in _ask().items() if k != "extra_body"}
     no_key = requests.post(f"{messages_url}/v1/messages", json=plain, timeout=60)
     assert no_key.status_code == 401

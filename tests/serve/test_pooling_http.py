@@ -91,6 +91,27 @@ def test_rerank_and_score_with_the_yes_no_softmax(pooling_apps):
     assert [d["score"] for d in scored.json()["data"]] == pytest.approx(expected, abs=1e-4)
 
 
+def test_score_lists_pair_by_position_and_lists_of_two_lengths_are_a_400(pooling_apps):
+    """``text_1`` and ``text_2`` lists of one length score pairwise (each pair as the one-text
+    form scores it); lists of two lengths are refused naming both counts, not paired short."""
+    url = pooling_apps["score"]
+    firsts, seconds = ["capital of France", "a yellow fruit"], ["Paris is in France.", "Bananas."]
+    pairwise = requests.post(f"{url}/v1/score", json={"model": "reranker", "text_1": firsts,
+                                                      "text_2": seconds}, timeout=60)
+    assert pairwise.status_code == 200, pairwise.text
+    for (first, second), got in zip(zip(firsts, seconds), pairwise.json()["data"]):
+        alone = requests.post(f"{url}/v1/score", json={"model": "reranker", "text_1": first,
+                                                       "text_2": [second]}, timeout=60)
+        assert got["score"] == pytest.approx(alone.json()["data"][0]["score"], abs=1e-5)
+    for longer in (seconds + ["Grass is green."], seconds[:1]):
+        refused = requests.post(f"{url}/v1/score", json={"model": "reranker", "text_1": firsts,
+                                                         "text_2": longer}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "text_2"
+        assert f"text_1 has 2 texts and text_2 {len(longer)}" in error["message"]
+
+
 def test_a_route_of_another_task_is_a_400_naming_the_models_task(pooling_apps, base_url):
     chat = {"model": "embedder", "messages": [{"role": "user", "content": "Hi"}]}
     refused = requests.post(f"{pooling_apps['embed']}/v1/chat/completions", json=chat, timeout=60)
