@@ -28,6 +28,7 @@ MAX_MODEL_LEN = 1024
 CONVERSATIONS, TURNS = 6, 4
 HOT_CLIENTS = 16
 IMBALANCE = 4  # ongoing requests above the least-loaded engine that affinity may add
+BURST_TOKENS = MAX_MODEL_LEN - 128  # a burst's answers: as long as its prompt leaves room for
 
 
 def app_args(prefix_routing: bool, lora_path: str) -> dict:
@@ -151,20 +152,48 @@ def test_conversations_hit_the_cache_more_with_the_prefix_router(apps):
     assert after["prefix"] - before["prefix"] == CONVERSATIONS * (TURNS - 1)
 
 
+def burst(url: str, body: dict) -> None:
+    """HOT_CLIENTS streams of ``body`` all in flight at once: each holds its connection after
+    its first event until every one has started, then the clients leave (cancelling their
+    requests). Each asks for BURST_TOKENS, so none can end while the others are still starting
+    however slow the machine (16 streams took 4 s to start on an idle 2-core machine, a
+    400-token answer about as long).
+
+    Read /metrics after the burst, not during it: an ingress lists only the engines it has
+    leased from, and while the streams are held Serve's proxy (the shorter queue of two) sends
+    every /metrics request to the ingress holding fewer of them, which may never have leased
+    the second engine: CI once saw one engine so."""
+    hold, started = threading.Event(), [threading.Event() for _ in range(HOT_CLIENTS)]
+    failures: list[BaseException] = []
+
+    def client(event: threading.Event) -> None:
+        try:
+            stream_until_cut(url, body, 1, hold, event)
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread below
+            failures.append(e)
+            event.set()
+
+    threads = [threading.Thread(target=client, args=(event,)) for event in started]
+    for t in threads:
+        t.start()
+    try:
+        assert all(event.wait(timeout=120) for event in started), "a stream never started"
+        assert not failures, failures
+    finally:
+        hold.set()
+        for t in threads:
+            t.join(timeout=120)
+
+
 def test_a_hot_prompt_still_reaches_both_engines(apps):
     """Many requests for one prompt at once: affinity yields to load past the imbalance bound."""
     accepted = counter(apps["on"], "nvray_requests_accepted_total", reads=16)
     load_before = routed(apps["on"])["load"]
     body = {"model": "tiny", "prompt": "One hot prompt that every client sends at once, " * 3,
-            "max_tokens": 64, "temperature": 0, "ignore_eos": True}
-    threads = [threading.Thread(target=stream_until_cut, args=(apps["on"], body, None))
-               for _ in range(HOT_CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=180)
-    after = counter(apps["on"], "nvray_requests_accepted_total", reads=16)
-    took = {engine: after[engine] - accepted.get(engine, 0) for engine in after}
+            "max_tokens": BURST_TOKENS, "temperature": 0, "ignore_eos": True}
+    burst(apps["on"], body)
+    took = wait_for_metric(lambda: _changes(apps["on"], "nvray_requests_accepted_total", accepted),
+                           lambda v: len(v) == 2 and sum(v.values()) >= HOT_CLIENTS)
     assert len(took) == 2 and min(took.values()) > 0, took  # both engines took some
     assert sum(took.values()) == HOT_CLIENTS
     assert routed(apps["on"])["load"] > load_before
@@ -204,20 +233,10 @@ def test_requests_for_an_adapter_go_where_it_is_loaded_and_a_burst_spreads(apps)
     # until every one has started): the engine that loaded the adapter runs past the
     # imbalance bound, so the burst spreads and the other engine loads it too
     body = {"model": "ad-b", "prompt": "a hot adapter's many requests at once",
-            "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    hold, started = threading.Event(), [threading.Event() for _ in range(HOT_CLIENTS)]
-    threads = [threading.Thread(target=stream_until_cut, args=(url, body, 1, hold, event))
-               for event in started]
-    for t in threads:
-        t.start()
-    try:
-        assert all(event.wait(timeout=120) for event in started), "a stream never started"
-        resident = wait_for_metric(lambda: counter(url, "nvray_lora_resident", reads=16,
-                                                   adapter="ad-b"), lambda v: len(v) >= 2)
-    finally:
-        hold.set()
-        for t in threads:
-            t.join(timeout=120)
+            "max_tokens": BURST_TOKENS, "temperature": 0, "ignore_eos": True}
+    burst(url, body)
+    resident = wait_for_metric(lambda: counter(url, "nvray_lora_resident", reads=16,
+                                               adapter="ad-b"), lambda v: len(v) >= 2)
     assert len(resident) == 2, resident
 
 
