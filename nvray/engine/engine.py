@@ -129,7 +129,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.last_step_tokens = (0, 0)  # (prefill tokens, decode tokens) of the latest step
-        self.metrics = RequestMetrics()
+        self.metrics = RequestMetrics(limits.max_model_len)
         self.num_finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.num_accepted = 0  # requests add_request took; each finishes exactly once
         # wall time of step() calls and their number, by the kind of step each launched
@@ -332,6 +332,7 @@ class LLMEngine:
         num_decode = sum(n for seq, n in out.scheduled  # a token, or a verified run's
                          if (n == 1 or seq.drafts) and seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.last_step_tokens = (out.num_batched_tokens - num_decode, num_decode)
+        self.metrics.observe_step(out.num_batched_tokens)
         bm = self.block_manager
         step_input = build_step_input(out, self.plans, bm.take_copies(), bm.take_released(),
                                       self.new_grammars, self.grammars_done,
@@ -480,7 +481,9 @@ class LLMEngine:
         return make_output(state)
 
     def _record(self, state: RequestState) -> None:
-        self.metrics.observe_request(state.seq.arrival_time, state.timestamps)
+        seq = state.seq
+        self.metrics.observe_request(seq.arrival_time, seq.first_scheduled, state.timestamps,
+                                     self.clock(), seq.num_prompt_tokens, seq.params)
         self._count_finished(state.finish_reason)
 
     def _forget(self, state: RequestState) -> None:

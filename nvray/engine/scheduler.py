@@ -96,6 +96,8 @@ class Scheduler:
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled is None:
+            seq.first_scheduled = self.clock()
         self.running.append(seq)
         if seq.lora is not None:
             self.lora_slots.acquire(seq)  # type: ignore[union-attr]

@@ -41,7 +41,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     __slots__ = ("seq_id", "request_id", "token_ids", "num_prompt_tokens", "params",
                  "status", "block_table", "num_computed_tokens", "num_cached_tokens",
-                 "arrival_time", "priority", "finish_reason", "num_preemptions",
+                 "arrival_time", "first_scheduled", "priority", "finish_reason", "num_preemptions",
                  "index", "fork_of", "shares_blocks", "history", "num_pending", "pending_row", "waits_for_tokens",
                  "ranks_table_len", "state_slot", "state_save_at", "drafts", "draft_pace",
                  "draft_len", "draft_feed", "num_draft_tokens", "num_accepted_drafts", "lora", "lora_slot")
@@ -62,6 +62,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.arrival_time = arrival_time
+        self.first_scheduled: float | None = None  # when it first ran (the scheduler's clock)
         self.priority = priority
         self.finish_reason: str | None = None
         self.num_preemptions = 0

@@ -554,10 +554,12 @@ def test_inter_token_latency_counts_a_gap_per_step_not_per_token():
         first = llm.generate(prompt, greedy, use_tqdm=False)[0]
         llm.engine.speculator.proposer = Recorded([list(prompt) + list(first.token_ids)],
                                                   llm.engine.limits.vocab_size)
-        itl = llm.engine.metrics.itl
-        count, steps = itl.count, llm.engine.num_steps["decode"]
+        def gaps_counted() -> int:
+            return llm.engine.stats()["inter_token_latency_seconds"]["count"]
+
+        count, steps = gaps_counted(), llm.engine.num_steps["decode"]
         llm.generate(prompt, greedy, use_tqdm=False)
-        gaps, decode_steps = itl.count - count, llm.engine.num_steps["decode"] - steps
+        gaps, decode_steps = gaps_counted() - count, llm.engine.num_steps["decode"] - steps
     finally:
         llm.shutdown()
     assert decode_steps <= 40 // (K + 1) + 2  # runs of k + 1 tokens

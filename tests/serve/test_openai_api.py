@@ -4,7 +4,9 @@ streaming and not, usage, metrics, the bad-input matrix, disconnects, handles fr
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -107,6 +109,60 @@ def test_models_health_and_metrics(base_url, client):
     assert metric(base_url, "nvray_startup_seconds", phase="rank_actors") > 0
     assert metric(base_url, "nvray_startup_total_seconds") > metric(
         base_url, "nvray_startup_seconds", phase="model_and_weights")  # the whole start
+
+
+def _families(base_url: str) -> dict[str, object]:
+    """/metrics parsed by prometheus_client's own parser (a malformed line raises)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _sample(families: dict, name: str, **labels: str) -> float:
+    family = families[name.removesuffix("_total").removesuffix("_sum").removesuffix("_count")]
+    return sum(s.value for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_vllm_metric_names_count_each_request_and_the_dashboard_reads_only_served_ones(
+        base_url, client):
+    """What a vLLM dashboard reads: vLLM's names and labels, counting what the user saw."""
+    before = _families(base_url)
+    start = time.perf_counter()
+    resp = client.completions.create(model="tiny", prompt="measure me", max_tokens=5,
+                                     extra_body={"ignore_eos": True})
+    wall = time.perf_counter() - start
+    after = _families(base_url)
+
+    def grew(name: str, **labels: str) -> float:
+        return _sample(after, name, **labels) - _sample(before, name, **labels)
+
+    assert grew("vllm:request_success_total", finished_reason="length") == 1
+    assert grew("vllm:generation_tokens_total") == 5
+    assert grew("vllm:prompt_tokens_total") == resp.usage.prompt_tokens
+    assert grew("vllm:request_prompt_tokens_sum") == resp.usage.prompt_tokens
+    assert grew("vllm:request_generation_tokens_sum") == 5
+    assert grew("vllm:request_params_max_tokens_sum") == 5
+    assert grew("vllm:request_params_n_count") == 1
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert grew(f"vllm:{name}_count") == 1, name
+    assert grew("vllm:inter_token_latency_seconds_count") == 4  # 5 tokens, one step each
+    e2e = grew("vllm:e2e_request_latency_seconds_sum")
+    phases = sum(grew(f"vllm:request_{phase}_time_seconds_sum")
+                 for phase in ("queue", "prefill", "decode"))
+    assert 0 < phases <= e2e < wall  # the phases lie within the request, inside the client's wait
+    assert grew("vllm:iteration_tokens_total_count") >= 5  # its prefill and four decodes
+    assert 0 <= _sample(after, "vllm:kv_cache_usage_perc", model_name="tiny") <= 1
+    # the shipped dashboard's queries name only families this app serves
+    dashboard = json.loads((Path(__file__).parents[2] / "docs/grafana/nvray.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    named = {re.sub(r"_(bucket|sum|count|total)$", "", m)
+             for e in exprs for m in re.findall(r"\b(?:vllm:|nvray_)[a-z0-9_]+", e)}
+    assert len(named) >= 15 and named <= set(after), named - set(after)
 
 
 BAD_REQUESTS = [
