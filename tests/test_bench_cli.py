@@ -173,6 +173,24 @@ def test_serve_runs_chat_messages_and_responses_side_by_side(serve_http) -> None
         assert row["ttft_ms_p50"] > 0 and 0 < row["output_tokens"] <= 2 * 4
         assert row["ttft_vs_chat"] > 0 and row["tok_per_s_vs_chat"] > 0
     assert rows[0]["ttft_vs_chat"] == rows[0]["tok_per_s_vs_chat"] == 1.0
+    # and a table for people on stderr: a row per level, its figures as in the JSON
+    table = result.stderr[result.stderr.index("api  conc"):].splitlines()
+    assert "TTFT p50" in table[0] and set(table[1]) <= {"-", " "}
+    for line, level in zip(table[2:5], summary["levels"]):
+        cells = line.split()
+        assert cells[:4] == [level["api"], "2", "on", "2/2"], line
+        assert float(cells[4]) == level["output_tok_per_s"]
+        assert float(cells[5]) == round(level["ttft_ms"]["p50"], 1)
+
+
+def test_serve_help_gives_each_options_default() -> None:
+    result = subprocess.run([sys.executable, "-m", "nvray.bench", "serve", "--help"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    text = " ".join(result.stdout.split())
+    for option, default in (("--concurrency CONCURRENCY comma-separated levels", "1,8,64,256"),
+                            ("--prompt-len PROMPT_LEN", "256"), ("--stream {both,on,off}", "both"),
+                            ("--seed SEED", "0"), ("--port PORT port of the app this starts", "8000")):
+        assert f"{option} (default: {default})" in text, option
 
 
 def test_speculative_mtp_runs_the_targets_own_head_with_the_plain_engines_tokens(

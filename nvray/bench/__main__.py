@@ -75,9 +75,10 @@ Subcommands:
 
 from __future__ import annotations
 
-import os
 import argparse
 import json
+import os
+import sys
 from typing import Any
 
 from nvray.bench import scaleup, serve, soak, startup
@@ -134,6 +135,22 @@ def _add_drafting_workload(parser: argparse.ArgumentParser, concurrency: str,
                         help="the oracle drafter's accepted drafts + 1, on average")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=output_len)
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Each option's default after its help (options with no help text too), unless the help
+    already says it or there is none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not _has_default(action) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _has_default(action: argparse.Action) -> bool:
+    return bool(action.option_strings) and not any(
+        action.default is none for none in (None, argparse.SUPPRESS, False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     sk = sub.add_parser("soak", parents=[common],
                         help="streaming load with random disconnects for minutes: errors, memory")
     soak.add_arguments(sk)
+    for subcommand in sub.choices.values():
+        subcommand.formatter_class = _DefaultsShown
+        for action in subcommand._actions:  # argparse prints no help line without a help
+            if action.help is None and _has_default(action):
+                action.help = "(default: %(default)s)"
     return p
 
 
@@ -402,6 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     result = run(args)
     print(json.dumps(result, indent=2))
+    if args.cmd == "serve" and "levels" in result:  # a sweep: a table for people, on stderr
+        print(serve.table(result), file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -253,6 +253,25 @@ async def sweep(spec: LoadSpec, levels: list[int], streams: list[bool], num_requ
     return result
 
 
+def table(result: dict[str, Any]) -> str:
+    """The sweep's levels as a short text table (the JSON has every figure)."""
+    def ms(figures: dict[str, Any], key: str) -> str:
+        value = figures[key]
+        return "-" if value is None else f"{value:.1f}"
+
+    header = ("api", "conc", "stream", "ok/req", "tok/s", "TTFT p50", "TTFT p99", "ITL p50",
+              "E2E p50")
+    rows = [header] + [(
+        r["api"], str(r["concurrency"]), "on" if r["stream"] else "off",
+        f"{r['completed']}/{r['requests']}", f"{r['output_tok_per_s']:.1f}",
+        ms(r["ttft_ms"], "p50"), ms(r["ttft_ms"], "p99"), ms(r["itl_ms"], "p50"),
+        ms(r["e2e_ms"], "p50")) for r in result["levels"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:],
+                      "(milliseconds; tok/s: output tokens per second of the level's wall time)"])
+
+
 def save_chart(result: dict[str, Any], path: str) -> str | None:
     """Throughput and latency against concurrency, as a PNG (None without matplotlib)."""
     try:
