@@ -8,6 +8,10 @@ Ray publishes the ending as "Task ServeController.graceful_shutdown failed. Ther
 retries remaining ... killed by `ray.kill`" and the driver prints it as an error from the
 raylet, after every clean shutdown. ``quiet_serve_shutdown_notice`` drops that one notice from
 the driver's printer of cluster error messages; every other message still prints.
+
+In each replica, ``quiet_health_polls`` leaves ``/health`` polls answered 200 out of Serve's
+access log (a failing poll still logs). Serve's proxy logs its own access line for them, which
+no app code can filter.
 """
 
 from __future__ import annotations
@@ -36,3 +40,30 @@ def quiet_serve_shutdown_notice() -> None:
     printer = getattr(worker, "print_to_stdstream", None)
     if callable(printer) and not getattr(printer, "quiets_shutdown_notice", False):
         worker.print_to_stdstream = _without_shutdown_notice(printer)
+
+
+HEALTH_ROUTE = "/health"
+
+
+def _is_a_healthy_health_poll(record: Any) -> bool:
+    """Serve's access-log line of a ``/health`` poll answered 200 (a load balancer's or Serve's
+    every few seconds)."""
+    return (bool(getattr(record, "serve_access_log", False))
+            and str(getattr(record, "route", "")).endswith(HEALTH_ROUTE)
+            and f" {HEALTH_ROUTE} 200 " in f" {record.getMessage()}")
+
+
+def quiet_health_polls() -> None:
+    """In a replica: Serve's access log leaves out ``/health`` polls that answered 200 (one
+    INFO line each, drowning the log); a failing poll and every other request still log."""
+    import logging  # noqa: PLC0415
+
+    serve_logger = logging.getLogger("ray.serve")
+    if not any(getattr(f, "quiets_health_polls", False) for f in serve_logger.filters):
+        class HealthPolls(logging.Filter):
+            quiets_health_polls = True
+
+            def filter(self, record: logging.LogRecord) -> bool:
+                return not _is_a_healthy_health_poll(record)
+
+        serve_logger.addFilter(HealthPolls())

@@ -65,6 +65,7 @@ from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngin
 from deployments.errors import OpenAIError, to_openai_error
 from deployments.http_app import api
 from deployments.lora_names import LoRANames, parse_lora_modules
+from deployments.console import quiet_health_polls
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
 from deployments.tools import tool_parser_for
@@ -124,6 +125,7 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
     def __init__(self, args: dict[str, Any] | AppArgs, engines: Any = None) -> None:
         """``engines``: the NvrayEngine deployment's handle (prefix routing), or None to host
         this replica's own engine."""
+        quiet_health_polls()
         self.args = parse_args(args)
         self.model_name = self.args.name_to_serve()
         self.loras = LoRANames(self.model_name, parse_lora_modules(self.args.lora_modules),

@@ -165,6 +165,31 @@ def test_vllm_metric_names_count_each_request_and_the_dashboard_reads_only_serve
     assert len(named) >= 15 and named <= set(after), named - set(after)
 
 
+def _replica_logs(app: str) -> str:
+    import glob
+
+    import ray
+
+    session = ray._private.worker._global_node.get_session_dir_path()
+    return "".join(open(path).read() for path in
+                   glob.glob(f"{session}/logs/serve/replica_{app}_NvrayServer_*.log"))
+
+
+def test_health_polls_answered_200_stay_out_of_the_replicas_access_log(base_url):
+    """A load balancer polls /health every few seconds: an INFO line each buried the log."""
+    other = "GET /v1/models/{model_id:path} 404"  # the access log names the route's pattern
+    before = _replica_logs("default").count(other)
+    for _ in range(3):
+        assert requests.get(f"{base_url}/health", timeout=30).status_code == 200
+    assert requests.get(f"{base_url}/v1/models/no-such-model", timeout=30).status_code == 404
+    deadline = time.monotonic() + 30
+    while _replica_logs("default").count(other) == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    logs = _replica_logs("default")
+    assert logs.count(other) == before + 1  # every other request still logs, after the polls
+    assert "GET /health 200" not in logs
+
+
 BAD_REQUESTS = [
     ("completions", {"prompt": "x " * 600, "max_tokens": 4}, 400, None),
     ("completions", {"prompt": "hello", "max_tokens": MAX_MODEL_LEN}, 400, None),
