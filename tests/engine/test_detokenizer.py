@@ -86,3 +86,21 @@ def test_a_prompt_ending_in_half_a_character_leaks_nothing_into_the_output(token
         detok = IncrementalDetokenizer(tokenizer, prompt)
         text = "".join(detok.add_tokens([t]) for t in outputs) + detok.flush()
         assert text == " ok then", (prompt, text)
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["a-token-a-step", "the-end-in-one-step"])
+def test_a_stream_ending_in_half_a_character_then_a_skipped_special_token(
+        tokenizer, detokenizer_kind, step):
+    """The output's last real token ends mid-character, then a special token (skipped) ends it:
+    the held-back bytes still come out at the end, as the tokenizer decodes the whole."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("ok 🙂", add_special_tokens=False)
+    cut = ids[:-1] + [end]  # the emoji's last byte never comes
+    assert tokenizer.decode(ids[:-1], skip_special_tokens=True).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, [5])
+    deltas = [detok.add_tokens(cut[i:i + step]) for i in range(0, len(cut), step)]
+    deltas.append(detok.flush())
+    context = tokenizer.decode([5], skip_special_tokens=True)
+    whole = tokenizer.decode([5] + cut, skip_special_tokens=True)
+    assert "".join(deltas) == whole[len(context):]
+    assert "".join(deltas).startswith("ok ") and "\ufffd" in "".join(deltas)
