@@ -168,3 +168,17 @@ def test_over_many_seeds_every_complete_call_is_a_tool_call_never_content(client
         if choice != "auto":
             assert reason == "length" or (calls and reason == "tool_calls"), (content, reason)
     assert sum(bool(calls) for _, calls, _ in answers) >= len(answers) // 2 or choice == "auto"
+
+
+def test_parallel_tool_calls_unset_allows_several_calls_as_openai_does(client):
+    """OpenAI's default is parallel_tool_calls true: unset, a required choice may chain calls,
+    token for token as with true (the same seed, the same constraint)."""
+    chained = 0
+    for seed in (1, 2, 3):
+        unset = ask(client, tool_choice="required", seed=seed).choices[0].message.tool_calls
+        allowed = ask(client, tool_choice="required", seed=seed,
+                      parallel_tool_calls=True).choices[0].message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in unset] == \
+            [(c.function.name, c.function.arguments) for c in allowed]
+        chained += len(unset) > 1
+    assert chained  # some seed chained calls: with one call only, the default is not seen
