@@ -104,6 +104,25 @@ def test_a_required_function_call_is_valid_for_its_schema(client, choice):
         [calls[0].arguments]
 
 
+def test_allowed_tools_narrows_the_tools_the_model_sees_and_may_call(client):
+    """An ``allowed_tools`` choice: the model is shown (the prompt, counted in usage) and may
+    call only the tools it names, as if the others were not given."""
+    other = {**PICK, "name": "choose", "description": "Choose a digit instead"}
+    narrowed = client.responses.create(**_ask(
+        tools=[PICK, other], max_output_tokens=160, parallel_tool_calls=False,
+        tool_choice={"type": "allowed_tools", "mode": "required",
+                     "tools": [{"type": "function", "name": "choose"}]}))
+    alone = client.responses.create(**_ask(tools=[other], tool_choice="required",
+                                           max_output_tokens=160, parallel_tool_calls=False))
+    both = client.responses.create(**_ask(tools=[PICK, other], tool_choice="required",
+                                          max_output_tokens=16, parallel_tool_calls=False))
+    assert narrowed.usage.input_tokens == alone.usage.input_tokens < both.usage.input_tokens
+    calls = [item for item in narrowed.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["choose"]
+    assert [(c.name, c.arguments) for c in calls] == \
+        [(i.name, i.arguments) for i in alone.output if i.type == "function_call"]
+
+
 def test_a_function_calls_output_goes_back_to_the_model(client):
     first = client.responses.create(**_ask(tools=[PICK], tool_choice="required",
                                            max_output_tokens=160))
