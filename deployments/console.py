@@ -16,6 +16,7 @@ no app code can filter.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 SHUTDOWN_NOTICE = "Task ServeController.graceful_shutdown failed"
@@ -45,12 +46,15 @@ def quiet_serve_shutdown_notice() -> None:
 HEALTH_ROUTE = "/health"
 
 
+_HEALTHY_POLL = re.compile(r"\bGET \S*/health 200 ")  # under the app's route prefix too
+
+
 def _is_a_healthy_health_poll(record: Any) -> bool:
-    """Serve's access-log line of a ``/health`` poll answered 200 (a load balancer's or Serve's
-    every few seconds)."""
+    """Serve's access-log line of a ``/health`` poll answered 200 (a load balancer's, every
+    few seconds)."""
     return (bool(getattr(record, "serve_access_log", False))
             and str(getattr(record, "route", "")).endswith(HEALTH_ROUTE)
-            and f" {HEALTH_ROUTE} 200 " in f" {record.getMessage()}")
+            and _HEALTHY_POLL.search(record.getMessage()) is not None)
 
 
 def quiet_health_polls() -> None:

@@ -94,14 +94,19 @@ _VLLM_HISTOGRAMS = (  # (name, the engine's histogram, help)
 )
 
 
+def _escaped(value: object) -> str:
+    """A label value as the text format writes it: backslash, quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _fmt_labels(labels: dict[str, str]) -> str:
-    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    inner = ",".join(f'{k}="{_escaped(v)}"' for k, v in labels.items())
     return "{" + inner + "}" if inner else ""
 
 
 def _histogram(name: str, snap: dict[str, Any], labels: dict[str, str]) -> list[str]:
     lines = []
-    bounds = [str(b) for b in snap["buckets"]] + ["+Inf"]
+    bounds = [repr(float(b)) for b in snap["buckets"]] + ["+Inf"]  # le="1.0", as Prometheus
     for bound, count in zip(bounds, snap["cumulative_counts"]):
         lines.append(f"{name}_bucket{_fmt_labels({**labels, 'le': bound})} {count}")
     lines.append(f"{name}_sum{_fmt_labels(labels)} {snap['sum']}")
@@ -165,6 +170,7 @@ def _histogram_lines(prefix: str, table: tuple, healthy: Engines) -> list[str]:
 
 
 def _startup_lines(healthy: Engines) -> list[str]:
+    """The engines' start-up: in all, and by phase."""
     full = f"{NVRAY}startup_total_seconds"
     lines = [f"# HELP {full} The engine's whole start-up, seconds", f"# TYPE {full} gauge"]
     lines += [f"{full}{_fmt_labels(labels)} {stats['startup']['total_s']}"
@@ -179,6 +185,7 @@ def _startup_lines(healthy: Engines) -> list[str]:
 
 
 def _nvray_lines(engines: Engines, healthy: Engines) -> list[str]:
+    """nvray's own families (every engine's health; the rest from the healthy ones)."""
     full = f"{NVRAY}engine_healthy"
     lines = [f"# HELP {full} 1 if the engine is healthy", f"# TYPE {full} gauge"]
     lines += [f"{full}{_fmt_labels(labels)} {1 if stats.get('healthy') else 0}"
@@ -195,7 +202,7 @@ def _nvray_lines(engines: Engines, healthy: Engines) -> list[str]:
     lines += _speculative_lines(NVRAY, healthy)
     lines += _lora_lines(NVRAY, healthy)
     lines += _startup_lines(healthy)
-    return lines + _histogram_lines(NVRAY, tuple((name, name, help_text)
+    return lines + _histogram_lines(NVRAY, tuple((name, f"nvray_{name}", help_text)
                                                  for name, help_text in _HISTOGRAMS), healthy)
 
 

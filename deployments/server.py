@@ -61,11 +61,11 @@ from deployments.pooling_routes import PoolingRoutes
 from deployments.response_store import StoredResponses
 from deployments.responses_routes import ResponsesRoutes
 from deployments.auth import bearer_key_matches, header_key_matches
+from deployments.console import quiet_health_polls
 from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngine
 from deployments.errors import OpenAIError, to_openai_error
 from deployments.http_app import api
 from deployments.lora_names import LoRANames, parse_lora_modules
-from deployments.console import quiet_health_polls
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
 from deployments.tools import tool_parser_for

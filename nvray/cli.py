@@ -6,7 +6,8 @@
   (``deployments.args.AppArgs``) is a flag with its help and default; the arguments are
   validated, and the model checked, before anything starts on Ray, and a bad one exits with
   status 2 naming it. ``--address``, ``--name``, ``--route-prefix`` and ``--non-blocking``
-  are ``serve run``'s.
+  are ``serve run``'s; its ``--working-dir`` and ``--runtime-env`` are not offered (use
+  ``serve run`` itself to ship code to a cluster).
 - ``nvray generate``, ``nvray batch``, ``nvray bench``: ``python -m nvray.generate``,
   ``python -m nvray.batch`` and ``python -m nvray.bench``, with the same arguments.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -35,15 +37,18 @@ _SERVE_RUN_OPTIONS = (  # (flag, help): passed to `serve run` as they are
 
 
 def _flag(name: str) -> str:
+    """An app argument's flag: ``max_model_len`` -> ``--max-model-len``."""
     return "--" + name.replace("_", "-")
 
 
 def _default_text(field: Any) -> str:
+    """A field's default as the help shows it (objects and lists as JSON)."""
     default = field.get_default(call_default_factory=True)
     return json.dumps(default) if isinstance(default, (dict, list)) else str(default)
 
 
 def _is_bool(field: Any) -> bool:
+    """A yes/no argument (``--x`` / ``--no-x``)."""
     return field.annotation in (bool, bool | None)
 
 
@@ -94,25 +99,34 @@ def build_parser(with_app_arguments: bool = True) -> argparse.ArgumentParser:
 
 
 def _as_text(value: Any) -> str:
+    """A value as ``serve run``'s ``key=value`` text, which AppArgs parses back."""
     if isinstance(value, bool):
         return "true" if value else "false"
     return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
 
 def app_arguments(namespace: argparse.Namespace) -> dict[str, Any]:
-    """The app arguments given on the command line (and the model), as AppArgs takes them."""
+    """The app arguments given on the command line (and the model), as AppArgs takes them; a
+    local checkpoint directory as an absolute path (the replicas may run elsewhere)."""
     from deployments.args import AppArgs
 
-    return {name: value for name, value in vars(namespace).items()
+    args = {name: value for name, value in vars(namespace).items()
             if name in AppArgs.model_fields}
+    empty = [_flag(name) for name, value in args.items() if value == ""]
+    if empty:  # `serve run` cannot pass `key=` (and none of them means nothing)
+        raise ValueError(f"{', '.join(empty)}: give a value (or leave the flag out)")
+    if os.path.isdir(args["model"]):
+        args["model"] = os.path.abspath(args["model"])
+    return args
 
 
 def serve(namespace: argparse.Namespace) -> int:
+    """``nvray serve``: check, then run ``serve run deployments:build_app`` in this process."""
     from deployments.args import parse_args
     from nvray.preflight import check_model
 
-    args = app_arguments(namespace)
     try:
+        args = app_arguments(namespace)
         check_model(parse_args(args).engine_config())
     except ValueError as e:
         print(f"nvray serve: error: {e}", file=sys.stderr)
@@ -130,6 +144,7 @@ def serve(namespace: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``nvray`` console script: a subcommand and its arguments; the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:  # their own parsers take everything after the name
         import importlib

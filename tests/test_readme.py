@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from nvray.bench.startup import ctrl_c_enabled
 from ray_nodes import PYTHON_BIN, REPO, alive, processes_using, signal_all
 
 README = REPO / "README.md"
@@ -119,7 +120,10 @@ class Terminal:
     def start_app(self, line: str) -> None:
         assert self.app is None, "a second `serve run` while the first runs: stop it first"
         log = open(self.root / "serve.log", "a")  # noqa: SIM115 - the app's lifetime
-        self.app = subprocess.Popen(shlex.split(line, comments=True), cwd=REPO, env=self.env,
+        # as a terminal starts it, Ctrl-C enabled: a CI job run in the background (``&``) has
+        # SIGINT ignored, the app inherited that, and the README's Ctrl-C never stopped it
+        self.app = subprocess.Popen(ctrl_c_enabled(shlex.split(line, comments=True)), cwd=REPO,
+                                    env=self.env,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + APP_START_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -493,7 +493,8 @@ class LLMEngine:
             self.grammars_done.append(state.seq.seq_id)
         rid = state.seq.request_id
         if all(s.finish_reason is not None for s in self.requests.get(rid, ())):
-            self.requests.pop(rid, None)
+            if self.requests.pop(rid, None) is not None:
+                self.metrics.observe_n(state.seq.params.n)
 
     def record_startup(self, phases: dict[str, float], total: float,
                        beside: dict[str, float] | None = None) -> None:

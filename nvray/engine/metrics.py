@@ -3,7 +3,8 @@ first token, queue, prefill, decode, end to end), per-token gaps, per-request to
 parameters, and tokens per step.
 
 Cumulative Prometheus-style buckets, plain Python, picklable: ``snapshot()`` travels in
-``LLMEngine.stats()`` (one entry per histogram, keyed by its name without ``vllm:``) and the
+``LLMEngine.stats()`` (one entry per histogram, keyed by its name without ``vllm:``; nvray's
+own finer-bucketed two keyed ``nvray_...``) and the
 HTTP layer prints it in Prometheus text format (deployments/metrics.py).
 
 A request's phases, from the engine's clock: it *queues* from arrival until first scheduled,
@@ -24,6 +25,9 @@ REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                              40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+# nvray's own two histograms keep their finer buckets (a GPU's decode gaps are under 10 ms)
+NVRAY_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+NVRAY_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def one_two_five(max_value: int) -> tuple[int, ...]:
@@ -64,7 +68,9 @@ def _histograms(max_model_len: int) -> dict[str, Histogram]:
         "e2e_request_latency_seconds", "request_queue_time_seconds",
         "request_inference_time_seconds", "request_prefill_time_seconds",
         "request_decode_time_seconds")}
-    return {"time_to_first_token_seconds": Histogram(TTFT_BUCKETS_S),
+    return {"nvray_time_to_first_token_seconds": Histogram(NVRAY_TTFT_BUCKETS_S),
+            "nvray_inter_token_latency_seconds": Histogram(NVRAY_ITL_BUCKETS_S),
+            "time_to_first_token_seconds": Histogram(TTFT_BUCKETS_S),
             "inter_token_latency_seconds": Histogram(TOKEN_GAP_BUCKETS_S),
             "request_time_per_output_token_seconds": Histogram(TOKEN_GAP_BUCKETS_S),
             **latency,
@@ -84,8 +90,9 @@ class RequestMetrics:
 
     def observe_request(self, arrival: float, scheduled: float | None, token_times: list[float],
                         finished: float, num_prompt_tokens: int, params: Any) -> None:
-        """One finished choice: ``scheduled`` is when it first ran (None: it never did),
-        ``token_times`` when each output token came, ``params`` its SamplingParams."""
+        """One finished choice: ``scheduled`` is when it first ran (None: it never did, and
+        its whole life counts as queued), ``token_times`` when each output token came,
+        ``params`` its SamplingParams. ``n`` is observed once per request (``observe_n``)."""
         self._observe("e2e_request_latency_seconds", finished - arrival)
         self._observe("request_queue_time_seconds",
                       (scheduled if scheduled is not None else finished) - arrival)
@@ -93,21 +100,25 @@ class RequestMetrics:
         self._observe("request_generation_tokens", len(token_times))
         if params.max_tokens is not None:
             self._observe("request_params_max_tokens", params.max_tokens)
-        self._observe("request_params_n", params.n)
         if not token_times:
             return
         first, last = token_times[0], token_times[-1]
-        self._observe("time_to_first_token_seconds", first - arrival)
+        for prefix in ("", "nvray_"):
+            self._observe(f"{prefix}time_to_first_token_seconds", first - arrival)
         if scheduled is not None:
             self._observe("request_prefill_time_seconds", first - scheduled)
             self._observe("request_inference_time_seconds", last - scheduled)
         self._observe("request_decode_time_seconds", last - first)
-        if len(token_times) > 1:
-            self._observe("request_time_per_output_token_seconds",
-                          (last - first) / (len(token_times) - 1))
+        self._observe("request_time_per_output_token_seconds",  # 0 for one token, as vLLM
+                      (last - first) / (len(token_times) - 1) if len(token_times) > 1 else 0.0)
         for earlier, later in zip(token_times, token_times[1:]):
             if later > earlier:  # a verified run's tokens arrive together: one gap a step
-                self._observe("inter_token_latency_seconds", later - earlier)
+                for prefix in ("", "nvray_"):
+                    self._observe(f"{prefix}inter_token_latency_seconds", later - earlier)
+
+    def observe_n(self, n: int) -> None:
+        """A request whose every choice finished: its ``n`` (vLLM counts it once a request)."""
+        self._observe("request_params_n", n)
 
     def observe_step(self, num_tokens: int) -> None:
         """A launched step's tokens (prompt and decode, as scheduled)."""

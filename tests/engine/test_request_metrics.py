@@ -56,3 +56,15 @@ def test_each_phase_of_a_queued_and_a_running_request_is_timed():
 def test_token_count_buckets_are_vllms_one_two_five_up_to_max_model_len():
     assert one_two_five(256) == (1, 2, 5, 10, 20, 50, 100, 200)
     assert one_two_five(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+def test_n_is_counted_once_a_request_and_every_choice_is_timed():
+    llm = LLM("tiny", runtime="inprocess", max_model_len=256)
+    llm.generate([[5, 6, 7]], SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=1,
+                                             ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert (stats["request_params_n"]["count"], _sum(stats, "request_params_n")) == (1, 3)
+    assert stats["e2e_request_latency_seconds"]["count"] == 3  # each choice
+    # one token each: its time per output token is 0, as vLLM counts it
+    assert stats["request_time_per_output_token_seconds"]["count"] == 3
+    assert _sum(stats, "request_time_per_output_token_seconds") == 0

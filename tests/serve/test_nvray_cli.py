@@ -52,6 +52,7 @@ def test_serve_help_gives_every_app_argument_with_its_default():
     (["tiny", "--max-num-seqs", "0"], "max_num_seqs"),
     (["tiny", "--engine-options", "{not json"], "engine_options"),
     (["/no/such/checkpoint"], "/no/such/checkpoint"),
+    (["tiny", "--api-key", ""], "--api-key: give a value"),
 ])
 def test_a_bad_argument_exits_2_naming_it(args, named):
     done = nvray("serve", *args)

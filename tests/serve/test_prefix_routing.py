@@ -28,6 +28,7 @@ MAX_MODEL_LEN = 1024
 CONVERSATIONS, TURNS = 6, 4
 HOT_CLIENTS = 16
 IMBALANCE = 4  # ongoing requests above the least-loaded engine that affinity may add
+HOLD_S = 180  # a held stream waits at most this for the rest to start (they get 120 s)
 BURST_TOKENS = MAX_MODEL_LEN - 128  # a burst's answers: as long as its prompt leaves room for
 
 
@@ -81,7 +82,7 @@ def stream_until_cut(url: str, body: dict, cut_after: int | None,
                     if started is not None:
                         started.set()
                     if hold is not None:
-                        hold.wait(timeout=60)
+                        hold.wait(timeout=HOLD_S)
                     break
     return events
 
@@ -183,6 +184,7 @@ def burst(url: str, body: dict) -> None:
         hold.set()
         for t in threads:
             t.join(timeout=120)
+    assert not failures and not any(t.is_alive() for t in threads), failures
 
 
 def test_a_hot_prompt_still_reaches_both_engines(apps):
