@@ -84,8 +84,9 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     hide_token_auth_notice()  # which would print Ray's notice that token auth is on
     quiet_serve_shutdown_notice()  # and prints Serve's shutdown notice after a clean Ctrl-C
     parsed = parse_args(args)
-    check_model(parsed.engine_config())  # before anything deploys: a running app stays up
-    config = resolve_device(parsed.engine_config())
+    config = parsed.engine_config()
+    check_model(config)  # before anything deploys: a running app stays up
+    config = resolve_device(config)
     parsed = parsed.model_copy(update={"device": config.device})
     if not parsed.routes_by_prefix():
         return NvrayServer.options(name="NvrayServer",
