@@ -182,7 +182,9 @@ class GatedDeltaNet(nn.Module):
 
     def use_triton_kernels(self) -> None:
         """GPU only: a decode step as two Triton kernels updating the slots in place; prefill
-        chunks through fla-core's varlen chunked kernel where fla-core is installed."""
+        chunks of 16-bit activations through fla-core's varlen chunked kernel where fla-core is
+        installed (its float32 dots run in TF32, about 1e-3 relative: a float32 layer keeps the
+        torch rule, exact as nvray's own kernels are in float32)."""
         import kernels  # noqa: PLC0415 - GPU-only import
 
         if self.head_k_dim & (self.head_k_dim - 1) == 0:
@@ -244,13 +246,13 @@ class GatedDeltaNet(nn.Module):
     def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """Chunks of any lengths: the conv over all of them at once, then the rule (fla's
-        kernel where it is installed and the layer runs on the GPU, else sequence by sequence
-        in torch); each slot's states read where its chunk resumes, written after. The chunks'
+        kernel where it is installed and the layer runs 16-bit on the GPU, else sequence by
+        sequence in torch); each slot's states read where its chunk resumes, written after. The chunks'
         layout is made once per step (``PrefillLayout``); a prefill CUDA graph's padding rows
         neither decay nor write the state (g = 0, beta = 0)."""
+        fla = self._chunk_rule is not None and mixed.dtype != torch.float32  # (use_triton_kernels)
         layout = meta.once_per_step("gated_deltanet", lambda: PrefillLayout.of(
-            meta, self.kernel, self.conv_state.shape[0], self._chunk_rule is not None,
-            self.held_rows))
+            meta, self.kernel, self.conv_state.shape[0], fla, self.held_rows))
         rows, resumes, written = layout.rows, layout.resumes, layout.written
         if layout.real is not None:
             g, beta = g * layout.real, beta * layout.real
@@ -263,7 +265,7 @@ class GatedDeltaNet(nn.Module):
             self._hold(mixed, conv, g, beta, layout.held_at)
         self.conv_state.index_copy_(0, written, conv_final)
         initial = self.ssm_state.index_select(0, rows) * resumes.unsqueeze(-1)
-        if self._chunk_rule is not None:
+        if fla:
             out, final = self._fla_rule(conv, g, beta, initial, layout)
         else:
             out, final = self._torch_rule(conv, g, beta, initial, layout.lens)

@@ -9,7 +9,10 @@ near-ties that 151936 random logits always have somewhere.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+import sys
 import time
 from typing import Callable
 
@@ -28,9 +31,30 @@ def hf_model_gpu(path: str, dtype: torch.dtype):
 
 @torch.no_grad()
 def hf_logits(path: str, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """[len(ids), V] fp32 logits of every position of ``ids`` (one forward, no cache)."""
+    """[len(ids), V] fp32 logits of every position of ``ids`` (one forward, no cache); in
+    float32 through the modeling module's own torch functions (``_modules_own_functions``)."""
     model = hf_model_gpu(path, dtype)
-    return model(torch.tensor([ids], device="cuda")).logits[0].float()
+    with _modules_own_functions(model) if dtype == torch.float32 else contextlib.nullcontext():
+        return model(torch.tensor([ids], device="cuda")).logits[0].float()
+
+
+@contextlib.contextmanager
+def _modules_own_functions(model):  # noqa: ANN001 - an HF model
+    """transformers swaps Qwen3.5's torch gated delta rules for fla-core's Triton kernels where
+    fla-core is installed, whose float32 dots run in TF32 (about 1e-3 relative): the fp32 oracle
+    would not be fp32, and would differ from run to run as fla-core's autotuner picks other
+    tiles. While this is held the module's own torch rules run (a module without them is left
+    as it is); the bf16 oracle, whose noise the near-argmax rule measures, keeps fla-core's."""
+    module = sys.modules[type(model).__module__]
+    swapped = {name: value for name, value in vars(module).items()
+               if "gated_delta_rule" in name and hasattr(value, "__wrapped__")}
+    try:
+        for name, value in swapped.items():
+            setattr(module, name, inspect.unwrap(value))
+        yield
+    finally:
+        for name, value in swapped.items():
+            setattr(module, name, value)
 
 
 def check_greedy_near_argmax(path: str, prompt: list[int], output: list[int],

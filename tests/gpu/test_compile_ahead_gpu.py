@@ -18,7 +18,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              # its starts size their KV cache from the device's memory, which tests beside it
+              # would be taking and giving back during the memory profile
+              pytest.mark.gpu_alone]
 
 _CHILD = r"""
 import json, sys

@@ -36,6 +36,7 @@ def run(path: str, prompts, params, **kwargs):
         wait_gpu_memory_below(used + (256 << 20))
 
 
+@pytest.mark.xdist_group("ray")  # one worker of a side-by-side run starts Ray
 def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens_on_ray(gpu_ray, qwen3_06b_path):
     # 48 sequences: a captured batch size (no padding rows), and enough programs that the decode
     # kernel uses one split in the graph (sized for max_model_len) and eager alike; one prefill
@@ -52,6 +53,7 @@ def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens_on_ray(gpu_ray, qwen
         check_greedy_near_argmax(qwen3_06b_path, p, o.token_ids)
 
 
+@pytest.mark.xdist_group("ray")
 def test_overlapped_steps_give_the_same_greedy_tokens_in_process_and_on_ray(gpu_ray, qwen3_06b_path):
     # the batch design of the test above: every step has the same sequences in both modes, so
     # the kernels see the same shapes and greedy tokens must be identical, not just close
@@ -99,6 +101,7 @@ def test_sampling_at_temperature_gives_finite_in_vocab_tokens(qwen3_06b_path):
         assert len(o.token_ids) == 32 and all(0 <= t < 151936 for t in o.token_ids)
 
 
+@pytest.mark.gpu_alone  # measures the device's memory in use
 def test_kv_cache_is_sized_within_gpu_memory_utilization(qwen3_06b_path):
     total, before = torch.cuda.mem_get_info()[1], gpu_used()
     util = 0.2  # the engine's own share: what is in use already is not counted against it
@@ -118,6 +121,7 @@ def test_kv_cache_is_sized_within_gpu_memory_utilization(qwen3_06b_path):
         llm.shutdown()
 
 
+@pytest.mark.gpu_alone  # measures the device's memory in use
 def test_two_engines_share_one_gpu_each_with_its_own_share(gpu_ray, qwen3_06b_path):
     """Two replicas on one GPU (``num_gpus_per_rank=0.5``): the second engine's share does not
     count the first's memory, so both get the same KV cache, and both serve."""
@@ -140,6 +144,7 @@ def test_two_engines_share_one_gpu_each_with_its_own_share(gpu_ray, qwen3_06b_pa
         wait_gpu_memory_below(before + (256 << 20))
 
 
+@pytest.mark.gpu_alone  # sized from what the device has free
 def test_a_budget_that_cannot_hold_one_sequence_fails_with_the_numbers(qwen3_06b_path):
     # 1% of the device (0.8 GiB) is less than the weights: no room for one 40,960-token sequence
     with pytest.raises(ValueError, match="KV cache too small.*gpu_memory_utilization.*activation"):

@@ -14,6 +14,7 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("kernels"),  # its module fixture, built once
 ]
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128

@@ -22,7 +22,8 @@ from nvray import LLM, LoRARequest, SamplingParams
 from oracle import random_prompts
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.xdist_group("lora")]  # its adapters, built once
 
 # a few hundred KV blocks: sized from an H200's memory, the tiny model's cache is millions of
 # blocks (20 s of the block manager's start-up)

@@ -15,6 +15,7 @@ from oracle import random_prompts
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("model"),  # its module fixture, built once
 ]
 
 GREEDY_SPEC = SampleSpec(0.0, 1.0, -1, 0.0, None, 0)
@@ -82,7 +83,7 @@ def test_decode_batch_padded_into_a_larger_graph_matches_eager(runner):
         assert rel_err(g, e.float()) < 2e-2
 
 
-@pytest.mark.parametrize("runtime", ["inprocess", "ray"])
+@pytest.mark.parametrize("runtime", ["inprocess", pytest.param("ray", marks=pytest.mark.xdist_group("ray"))])
 def test_greedy_batch_is_oracle_argmax_up_to_bf16_noise(qwen3_06b_path, runtime, request):
     if runtime == "ray":
         request.getfixturevalue("gpu_ray")

@@ -14,6 +14,7 @@ from oracle import random_prompts
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.xdist_group("sampling"),  # its module fixture, built once
 ]
 VOCAB = 10000
 

@@ -15,6 +15,7 @@ from oracle import random_prompts
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+    pytest.mark.gpu_alone,  # every GPU of the machine
 ]
 
 

@@ -62,3 +62,20 @@ def test_a_padded_chunk_in_graph_form_equals_the_chunk_run_eager(start, tokens):
     torch.testing.assert_close(padded[0][:tokens], eager[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded[1], eager[1], msg="the conv's last inputs")
     torch.testing.assert_close(padded[2], eager[2], atol=1e-5, rtol=1e-5, msg="the state S")
+
+
+def test_a_float32_layer_keeps_the_exact_torch_rule_where_fla_cores_kernel_is_set():
+    """fla-core's chunked kernel computes float32 inputs with TF32 dots (about 1e-3 relative:
+    Qwen3.5's float32 logits then left the GPU tier's 2e-3 bound in some runs): a float32 layer
+    prefills through the torch rule even where ``use_triton_kernels`` set fla-core's."""
+    x, start = torch.randn(10, CFG.hidden_size), 20
+    exact = _run(_layer(), x, start, _meta(start, 10, 10, host_lists=True))
+    layer = _layer()
+    layer._chunk_rule = _tf32_kernel
+    ours = _run(layer, x, start, _meta(start, 10, 10, host_lists=True))
+    for got, want in zip(ours, exact):
+        torch.testing.assert_close(got, want)
+
+
+def _tf32_kernel(*args: object, **kwargs: object) -> None:
+    raise AssertionError("fla-core's TF32 kernel ran for a float32 layer")
