@@ -75,6 +75,21 @@ def test_every_output_follows_its_schema(llm, overlap):
         assert len({o.text for n, o in zip(names, outs) if n == name}) > 1, name
 
 
+def test_a_loose_schemas_strings_hold_no_raw_control_characters(llm):
+    """``strict: false`` (vLLM's loose JSON schema) still writes JSON that ``json.loads``
+    accepts: xgrammar's strings allow raw control characters, which JSON forbids, so loose
+    rows take the control-character mask as strict ones do."""
+    schema = {"type": "object", "required": ["s"],
+              "properties": {"s": {"type": "string", "maxLength": 40}}}
+    outs = run_all(llm, ["a string please"] * 24,
+                   [constrained(i, max_tokens=60, json=schema, strict=False) for i in range(24)])
+    ended = [o for o in outs if o.finish_reason == "stop"]
+    assert len(ended) >= 12, [o.text for o in outs]
+    for out in ended:
+        assert_valid(out.text, schema)
+    assert len({o.text for o in ended}) > 1  # sampled, not one forced answer
+
+
 def test_requests_without_a_grammar_keep_their_tokens_beside_constrained_ones(llm):
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     free_prompts = ["the first free prompt", "and a second one"]
