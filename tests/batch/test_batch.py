@@ -427,6 +427,44 @@ def test_pool_actor_replaces_a_dead_engine_and_keeps_request_errors(restarts):
         assert all(r["error"] == "EngineDeadError: rank 0 died" for r in out)
 
 
+def test_two_batches_failing_together_on_a_dead_engine_share_one_replacement():
+    """Ray Data may run two batches at once in a pool actor: both fail on the dead engine, the
+    first to get there replaces it, and the second retries on that replacement (not a second
+    restart, which ``max_engine_restarts=1`` would refuse, leaving its rows failed)."""
+    import threading
+
+    from nvray.batch.udf import GenerateBatch
+
+    both_sent = threading.Barrier(2, timeout=30)
+
+    class DeadTogether(FakeEngine):
+        def generate_many(self, prompts, params, lora_request=None):  # noqa: ANN001, ANN201
+            both_sent.wait()  # neither batch's failure is seen before both were sent
+            return super().generate_many(prompts, params, lora_request)
+
+    engines: list[FakeEngine] = []
+
+    def factory(config: Any) -> FakeEngine:
+        engines.append(DeadTogether(dead=True) if not engines else FakeEngine(dead=False))
+        return engines[-1]
+
+    udf = GenerateBatch({"model": "tiny"}, {"max_tokens": 2}, max_engine_restarts=1,
+                        engine_factory=factory)
+    outs: list[Any] = [None, None]
+
+    def run(i: int) -> None:
+        outs[i] = udf(fake_batch()).to_pylist()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(engines) == 2 and engines[0].shut_down and not engines[1].shut_down
+    for out in outs:
+        assert out is not None and [r["text"] for r in out] == ["HI", None, "YO"], out
+
+
 def test_a_rows_response_format_replaces_the_jobs_structured_output():
     from nvray.batch.udf import GenerateBatch
     from nvray.sampling_params import SamplingParams
