@@ -122,6 +122,36 @@ def test_a_fork_whose_source_moved_past_its_window_prefills_on_its_own():
     assert all(b >= 0 for b in child.block_table)
 
 
+def test_a_fork_shares_its_sources_blocks_only_while_they_hold_every_position_it_reads():
+    """Swept over how far the source has decoded: a fork either prefills on its own or shares
+    blocks that hold every position its first query reads (its last prompt token's window,
+    counted here from positions, not from the block manager's own arithmetic)."""
+    prompt = list(range(10))
+    shared = len(prompt) - 1  # the fork computes its last prompt token itself
+    read = {p // BS for p in range(max(0, shared - WINDOW + 1), shared)}
+    outcomes = set()
+    for decoded in range(8):
+        sched = Scheduler(BlockManager(num_blocks=64, block_size=BS,
+                                       group_windows=(None, WINDOW)),
+                          max_num_seqs=4, max_num_batched_tokens=64)
+        source = Sequence("r", prompt, SamplingParams(max_tokens=40))
+        sched.add(source)
+        for _ in range(decoded + 1):  # the prompt, then `decoded` decode steps
+            for s, n in sched.schedule().scheduled:
+                s.num_computed_tokens += n
+                s.append_token(5)
+        child = Sequence("r", prompt, SamplingParams(max_tokens=40))
+        child.fork_of = source
+        sched.add(child)
+        sched.schedule()
+        forked = child.num_cached_tokens == shared
+        outcomes.add(forked)
+        if forked:
+            local = entries(child, 1)
+            assert all(local[b] >= 0 for b in read), (decoded, local)
+    assert outcomes == {True, False}  # the sweep crosses the point where the window moves on
+
+
 def test_gemma3_12b_layers_make_one_full_and_five_local_groups():
     windows = [None if (i + 1) % 6 == 0 else 1024 for i in range(48)]
     layout = plan_kv_layout(windows)
