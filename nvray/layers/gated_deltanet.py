@@ -250,7 +250,8 @@ class GatedDeltaNet(nn.Module):
         sequence in torch); each slot's states read where its chunk resumes, written after. The chunks'
         layout is made once per step (``PrefillLayout``); a prefill CUDA graph's padding rows
         neither decay nor write the state (g = 0, beta = 0)."""
-        fla = self._chunk_rule is not None and mixed.dtype != torch.float32  # (use_triton_kernels)
+        # fla-core's kernel for 16-bit layers only: its float32 dots are TF32 (use_triton_kernels)
+        fla = self._chunk_rule is not None and mixed.dtype != torch.float32
         layout = meta.once_per_step("gated_deltanet", lambda: PrefillLayout.of(
             meta, self.kernel, self.conv_state.shape[0], fla, self.held_rows))
         rows, resumes, written = layout.rows, layout.resumes, layout.written

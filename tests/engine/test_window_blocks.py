@@ -105,19 +105,26 @@ def test_no_hit_where_the_windowed_group_lost_the_blocks_before_the_prompts_end(
     assert plain.find_cached_prefix(seq_of(list(range(13)) + [1])).num_blocks == 3
 
 
-def test_a_fork_whose_source_moved_past_its_window_prefills_on_its_own():
+def _fork_after(prompt: list[int], decoded: int) -> Sequence:
+    """A choice of ``prompt`` forked from a source that ran its prompt, then ``decoded``
+    decode steps, once the scheduler has placed it."""
     sched = Scheduler(BlockManager(num_blocks=64, block_size=BS, group_windows=(None, WINDOW)),
                       max_num_seqs=4, max_num_batched_tokens=64)
-    source = Sequence("r", list(range(10)), SamplingParams(max_tokens=40))
+    source = Sequence("r", prompt, SamplingParams(max_tokens=40))
     sched.add(source)
-    for _ in range(12):  # the prompt, then 11 decodes: 21 tokens, the window at 16..
+    for _ in range(decoded + 1):
         for s, n in sched.schedule().scheduled:
             s.num_computed_tokens += n
             s.append_token(5)
-    child = Sequence("r", list(range(10)), SamplingParams(max_tokens=40))
+    child = Sequence("r", prompt, SamplingParams(max_tokens=40))
     child.fork_of = source
     sched.add(child)
     sched.schedule()
+    return child
+
+
+def test_a_fork_whose_source_moved_past_its_window_prefills_on_its_own():
+    child = _fork_after(list(range(10)), 11)  # 21 tokens: the window at 16..
     assert child.fork_of is None and child.num_cached_tokens == 0  # its own prefill
     assert all(b >= 0 for b in child.block_table)
 
@@ -131,19 +138,7 @@ def test_a_fork_shares_its_sources_blocks_only_while_they_hold_every_position_it
     read = {p // BS for p in range(max(0, shared - WINDOW + 1), shared)}
     outcomes = set()
     for decoded in range(8):
-        sched = Scheduler(BlockManager(num_blocks=64, block_size=BS,
-                                       group_windows=(None, WINDOW)),
-                          max_num_seqs=4, max_num_batched_tokens=64)
-        source = Sequence("r", prompt, SamplingParams(max_tokens=40))
-        sched.add(source)
-        for _ in range(decoded + 1):  # the prompt, then `decoded` decode steps
-            for s, n in sched.schedule().scheduled:
-                s.num_computed_tokens += n
-                s.append_token(5)
-        child = Sequence("r", prompt, SamplingParams(max_tokens=40))
-        child.fork_of = source
-        sched.add(child)
-        sched.schedule()
+        child = _fork_after(prompt, decoded)
         forked = child.num_cached_tokens == shared
         outcomes.add(forked)
         if forked:
