@@ -11,20 +11,25 @@ Nothing here reads weights or imports torch.
 from __future__ import annotations
 
 from nvray.config import EngineConfig
-from nvray.model_config import load_model_config
+from nvray.model_config import ModelConfig, load_model_config, model_config_from_dict
 from nvray.models import MODEL_REGISTRY
-from nvray.models.tiny import resolve_model
+from nvray.models.tiny import TINY_NAME, resolve_model, tiny_is_built, tiny_recipe_config
 
 
 def check_model(config: EngineConfig) -> None:
-    path = resolve_model(config.model)
-    hf_config = load_model_config(path, config.hf_overrides)
+    hf_config = _model_config(config)
     archs = getattr(hf_config, "architectures", None) or []
     if not any(arch in MODEL_REGISTRY for arch in archs):
         raise ValueError(f"model={config.model!r}: architectures {archs} in its config.json are "
                          f"not supported; supported: {sorted(MODEL_REGISTRY)}")
     _check_heads(config, hf_config)
     _check_max_model_len(config, hf_config)
+
+
+def _model_config(config: EngineConfig) -> ModelConfig:
+    if config.model == TINY_NAME and not tiny_is_built():  # the replicas build it, on their nodes
+        return model_config_from_dict({**tiny_recipe_config(), **(config.hf_overrides or {})})
+    return load_model_config(resolve_model(config.model), config.hf_overrides)
 
 
 def _check_heads(config: EngineConfig, hf_config: object) -> None:

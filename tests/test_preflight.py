@@ -42,3 +42,25 @@ def test_options_the_model_cannot_take_are_refused_before_deploying():
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide .* "
                                          "num_attention_heads=4"):
         build_app({"model": "tiny", "tensor_parallel_size": 3})
+
+
+def test_the_tiny_model_is_checked_before_it_is_built(tmp_path, monkeypatch):
+    """With a cold cache the app's build checks the options against the tiny model's recipe and
+    leaves building it (torch, on the replicas' nodes) to the replicas."""
+    from nvray.models.tiny import tiny_is_built
+
+    monkeypatch.setenv("NVRAY_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="max_model_len=100000 exceeds the model's "
+                                         "max_position_embeddings=2048"):
+        build_app({"model": "tiny", "max_model_len": 100000})
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        build_app({"model": "tiny", "tensor_parallel_size": 3})
+    build_app({"model": "tiny", "max_model_len": 1024})
+    assert not tiny_is_built() and not os.listdir(tmp_path)
+
+
+def test_the_tiny_models_recipe_config_is_the_config_json_it_builds(tiny_path):
+    from nvray.models.tiny import tiny_recipe_config
+
+    with open(os.path.join(tiny_path, "config.json")) as f:
+        assert json.load(f) == tiny_recipe_config()

@@ -27,6 +27,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Like Qwen3's: ordinary added tokens (not special), so decoded output keeps them and a
 # reasoning parser can find them; they take the last ids of the tokenizer's vocabulary.
 THINK_TOKENS = ["<think>", "</think>"]
+_EOS_IDS = [SPECIAL_TOKENS.index("<|endoftext|>"), SPECIAL_TOKENS.index("<|im_end|>")]
+_TINY_TOKENIZER_VOCAB = 512
 # ChatML; with enable_thinking=false the generation prompt closes an empty think block, which is
 # how Qwen3's template switches thinking off. Tools render as Qwen3's template renders them: their
 # signatures in the system turn inside <tools></tools>, the assistant's calls as
@@ -173,7 +175,7 @@ def _random_weights(cfg: dict[str, Any], seed: int, std: float) -> dict[str, Any
 
 
 def build_checkpoint(path: str, shape: dict[str, Any] | None = None, seed: int = 0,
-                     architecture: str = "Qwen3ForCausalLM", tokenizer_vocab_size: int = 512,
+                     architecture: str = "Qwen3ForCausalLM", tokenizer_vocab_size: int = _TINY_TOKENIZER_VOCAB,
                      std: float = 0.2, vocab_size: int | None = None,
                      dtype: str = "float32") -> str:
     """Write a random HF checkpoint of the given shape (defaults: the tiny model) to ``path``.
@@ -188,13 +190,12 @@ def build_checkpoint(path: str, shape: dict[str, Any] | None = None, seed: int =
     vocab = _save_tokenizer(path, tokenizer_vocab_size)
     if vocab_size is not None and vocab_size < vocab:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {vocab} tokens")
-    eos_ids = [SPECIAL_TOKENS.index("<|endoftext|>"), SPECIAL_TOKENS.index("<|im_end|>")]
-    cfg = _hf_config(architecture, {**TINY_CONFIG, **(shape or {})}, vocab_size or vocab, eos_ids)
+    cfg = _hf_config(architecture, {**TINY_CONFIG, **(shape or {})}, vocab_size or vocab, _EOS_IDS)
     cfg["dtype"] = dtype
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": eos_ids[0], "eos_token_id": eos_ids, "do_sample": False}, f)
+        json.dump({"bos_token_id": _EOS_IDS[0], "eos_token_id": _EOS_IDS, "do_sample": False}, f)
     weights = {k: t.to(getattr(torch, dtype)).contiguous()
                for k, t in _random_weights(cfg, seed, std).items()}
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -212,7 +213,7 @@ def tiny_cache_name() -> str:
 def tiny_model_path() -> str:
     """Path of the embedded tiny model, built on first use (atomically: safe across processes)."""
     final = os.path.join(cache_dir(), tiny_cache_name())
-    if os.path.exists(os.path.join(final, "model.safetensors")):
+    if tiny_is_built():
         return final
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache_dir(), prefix=".building-")
@@ -226,6 +227,18 @@ def tiny_model_path() -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def tiny_recipe_config() -> dict[str, Any]:
+    """The embedded model's config.json as its recipe will write it, without building it
+    (building needs torch): what ``nvray.preflight`` checks the engine options against when
+    the model is not built yet. Its ``vocab_size`` is the one the recipe asks the tokenizer
+    trainer for."""
+    return _hf_config("Qwen3ForCausalLM", TINY_CONFIG, _TINY_TOKENIZER_VOCAB, _EOS_IDS)
+
+
+def tiny_is_built() -> bool:
+    return os.path.exists(os.path.join(cache_dir(), tiny_cache_name(), "model.safetensors"))
 
 
 def resolve_model(model: str) -> str:

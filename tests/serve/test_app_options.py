@@ -23,10 +23,11 @@ from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
 
 
-def test_importing_the_app_module_builds_nothing_until_app_is_asked_for():
+def test_importing_the_app_module_builds_nothing_until_app_is_asked_for(tmp_path):
     """``import deployments`` resolves no device and binds no deployment; ``deployments.app``
     (what ``serve run deployments:app`` reads) is the tiny-model app, built on first access,
-    and building it loads no torch (seconds of ``serve run``'s start on a GPU host)."""
+    and building it loads no torch (seconds of ``serve run``'s start on a GPU host), even with
+    the tiny model not built yet (a cold cache: the replicas build it)."""
     code = ("import deployments, ray, sys\n"
             "assert 'app' not in vars(deployments), 'the app was built at import'\n"
             "assert not ray.is_initialized()\n"
@@ -36,7 +37,8 @@ def test_importing_the_app_module_builds_nothing_until_app_is_asked_for():
             "assert 'torch' not in sys.modules, 'building the app imported torch'\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NVRAY_CACHE_DIR": str(tmp_path)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
