@@ -29,11 +29,13 @@ others after it, taken only if it refuses (its queue is full). Every request the
 blocks as held by the replica chosen for it, so under a skewed load a hot prefix spreads to a
 second replica instead of piling onto one.
 
-Loads are Serve's cached queue lengths, but affinity is given up only on loads the replicas
-report when asked: a router's cache takes a replica's whole count when it sends a request there
-and then sees only its own requests finish, so after a burst through several ingress replicas
-it counts, until its entries age out (10 s), requests that have ended; on those figures alone a
-conversation's next turn would leave the replica holding its history.
+Loads are Serve's cached queue lengths, but wherever the choice turns on the other replicas'
+loads (the holders are loaded past the bound above an idle replica) it is made on the loads the
+replicas report when asked: a router's cache takes a replica's whole count when it sends a
+request there and then sees only its own requests finish, so after a burst through several
+ingress replicas it counts, until its entries age out (10 s), requests that have ended; on
+those figures alone a conversation's next turn would leave the replica holding its history, or
+a hot prefix would pile onto its holder while the replica it should spread to sits idle.
 
 Decisions are counted in the index, per app: "prefix" when affinity narrowed the choice to
 the replicas holding the prefix, "load" otherwise (``/metrics`` exports them as
@@ -126,12 +128,19 @@ class PrefixAwareRouter(RequestRouter):
         holders = set(await self._holders(hashes,
                                           [r.replica_id.unique_id for r in candidate_replicas]))
         loads = {r.replica_id.unique_id: self._load(r) for r in candidate_replicas}
-        if not self._within_bound(loads, holders):
+        if self._rests_on_others_loads(loads, holders):
             loads = await self._measured_loads(candidate_replicas, loads)
         chosen, by = self._choose(candidate_replicas, holders, loads)
         self._record(hashes, chosen.replica_id.unique_id, by if self._first_time(pending_request)
                      else None)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+
+    def _rests_on_others_loads(self, loads: dict[str, int], holders: set[str]) -> bool:
+        """Whether keeping (or giving up) affinity turns on the other replicas' loads: the
+        holders are loaded past the bound above an idle replica. Cached loads are then not
+        enough: a router's cache still counts the requests of a burst that has ended, and on
+        another replica's stale count a hot prefix piles onto its holder."""
+        return bool(holders) and min(loads[h] for h in holders) > self.max_load_imbalance
 
     def _within_bound(self, loads: dict[str, int], holders: set[str]) -> bool:
         """Whether affinity holds: no holder, or one loaded at most the bound above the least."""
