@@ -63,3 +63,11 @@ def test_a_block_routed_again_outlives_a_newer_one_never_routed_again():
     assert table.longest_holders(first, {"A"}) == ["A"]
     assert table.longest_holders(second, {"B"}) == []
     assert table.longest_holders(third, {"D"}) == ["D"]
+
+
+def test_a_key_with_a_lone_surrogate_is_hashed_not_refused():
+    """A routing key from JSON may hold an unpaired surrogate (``"\\ud800"`` is valid JSON):
+    it is hashed by its code units like any other text, so such a request is routed too."""
+    first, other = prefix_hashes("\ud800" + "x" * 63), prefix_hashes("\ud801" + "x" * 63)
+    assert len(first) == 1 and first != other
+    assert prefix_hashes("\ud800" + "x" * 127)[0] == first[0]

@@ -36,6 +36,9 @@ CASES = [
     ("<think>\n</think>\nA\n\nB", "", "A\n\nB"),
     ("<think>no end\n\n", "no end", ""),
     ("<<think>x</think>", None, "<<think>x</think>"),
+    # only newlines are dropped at the sections' edges: spaces, tabs and letters stay
+    ("<think> spaced \t</think>  answer ", " spaced \t", "  answer "),
+    ("<think>X marks\nX</think>X-ray", "X marks\nX", "X-ray"),
 ]
 
 
