@@ -45,7 +45,7 @@ def _hybrid_llm(path: str, **kw) -> LLM:
 def _assert_nothing_held(llm: LLM) -> None:
     bm = llm.engine.block_manager
     assert not llm.engine.has_unfinished_requests()
-    assert sorted(bm.free_state_slots) == list(range(bm.num_live_states))
+    assert sorted(bm.states.free_slots) == list(range(bm.states.num_live))
     assert bm.num_free_blocks == bm.num_blocks
 
 

@@ -3,7 +3,9 @@
 A token can end in the middle of a multi-byte character; its text is held back until the
 character is complete, so deltas never contain U+FFFD halves and their concatenation equals
 the text of all tokens. A few prompt tokens serve as left context so tokenizers that strip a
-leading space decode the first output token right.
+leading space decode the first output token right: the longest tail of the prompt's last
+tokens that decodes to whole characters (a context ending in half a character would leak into
+the output, or swallow the output's first bytes).
 
 With a Rust ("fast") tokenizer the deltas come from the tokenizers library's ``DecodeStream``:
 one call into Rust per step, about a quarter of the cost of decoding a window of ids twice from
@@ -28,19 +30,18 @@ def _special_ids(tokenizer: Any) -> frozenset[int]:
 
 
 def _decode_stream(backend: Any, skip_special_tokens: bool, context: list[int]) -> Any:
-    """A DecodeStream primed with the context ids (their text is not output; the longest tail
-    of them that decodes to whole characters), or None where there is none to use."""
+    """A DecodeStream primed with the context ids (their text is not output), or None where
+    there is none to use."""
     try:
         from tokenizers.decoders import DecodeStream  # noqa: PLC0415
     except ImportError:  # tokenizers older than 0.21
         return None
     if backend is None:
         return None
-    for start in range(len(context) + 1):  # the longest context that decodes whole
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        if start == len(context) or stream.step(backend, context[start:]) is not None:
-            return stream  # (a context ending in half a character would leak into the output)
-    return None
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    if context:
+        stream.step(backend, context)
+    return stream
 
 
 class IncrementalDetokenizer:
@@ -50,12 +51,19 @@ class IncrementalDetokenizer:
         # the Rust tokenizer behind a "fast" HF tokenizer decodes ~10x faster than the wrapper
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # context, then outputs
+        # the context, then the outputs
+        self.ids: list[int] = self._whole_tail(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)  # ids[:read_offset] are in the text
-        self.text = ""
         self.stream = _decode_stream(self.backend, skip_special_tokens, self.ids)
         self.skipped = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+
+    def _whole_tail(self, context: list[int]) -> list[int]:
+        """The longest tail of ``context`` that decodes to whole characters."""
+        for start in range(len(context)):
+            if not self._decode(context[start:]).endswith(_REPLACEMENT):
+                return list(context[start:])
+        return []
 
     def _decode(self, ids: list[int]) -> str:
         if self.backend is not None:
@@ -70,7 +78,6 @@ class IncrementalDetokenizer:
             delta = self._window_step()
         else:
             delta = self._stream_step(token_ids, nothing_held)
-        self.text += delta
         return delta
 
     def _stream_step(self, token_ids: list[int], nothing_held: bool) -> str:
@@ -110,5 +117,4 @@ class IncrementalDetokenizer:
         full_text = self._decode(self.ids[self.prefix_offset:])
         delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
         self.read_offset = len(self.ids)
-        self.text += delta
         return delta

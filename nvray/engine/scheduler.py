@@ -47,7 +47,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from nvray.engine.block_manager import NO_PREFIX, BlockManager
+from nvray.engine.block_manager import BlockManager
+from nvray.engine.prefix_cache import NO_PREFIX
 from nvray.engine.sequence import Sequence, SequenceStatus
 from nvray.lora.adapter import weights_version
 from nvray.lora.slots import LoRASlots

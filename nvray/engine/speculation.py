@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Any
 from typing import Sequence as Sequence_
 
+from nvray.engine.prefix_cache import CachedPrefix
 from nvray.engine.sequence import SeqPlan, Sequence
 from nvray.speculative import NgramProposer, SpecCounters, SpeculativeConfig, accepted_run
 
@@ -71,6 +72,52 @@ class DraftPace:
             return
         self.misses = 0
         self.budget = min(k, self.budget + 1) if accepted == drafted else accepted + 1
+
+
+class DraftMarks:
+    """Which KV blocks' rows the draft cache holds, so a prefix hit on them need not feed the
+    drafter those tokens again: a block is marked when a sequence's draft rows cover it, with
+    the token after it (a head's last row is fed that token), and keeps the mark until the pool
+    reuses it (``BlockPool.on_reuse`` is ``clear``). Only for tables of one group (drafters run
+    beside targets without windowed layers)."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_groups: int,
+                 rows_lag: bool) -> None:
+        self.drafted = [False] * num_blocks
+        self.next_token = [-1] * num_blocks  # the token after a block when its rows were fed
+        self.block_size, self.num_groups, self.rows_lag = block_size, num_groups, rows_lag
+
+    def clear(self, block_id: int) -> None:
+        self.drafted[block_id] = False
+
+    def mark(self, seq: Sequence) -> None:
+        """After a step: mark the blocks of ``seq`` wholly before position ``draft_len - 1`` (a
+        head's row at p is token p + 1's, so the row at ``draft_len - 1`` waits for the next
+        feed; a draft model's rows are one ahead of that)."""
+        if self.num_groups != 1:
+            return
+        bs, drafted = self.block_size, self.drafted
+        for i in range(max(seq.draft_len - 1, 0) // bs - 1, -1, -1):
+            block_id = seq.block_table[i]
+            if drafted[block_id]:  # marked up to here by an earlier step (or another sequence)
+                return
+            drafted[block_id], self.next_token[block_id] = True, seq.token_ids[(i + 1) * bs]
+
+    def drafted_tokens(self, seq: Sequence, cached: CachedPrefix) -> int:
+        """How much of a cached prefix the draft cache holds for ``seq``: its leading marked
+        blocks. A head's rows lag (``rows_lag``): a block's last row was fed the token after
+        it, so a block counts only where that token is ``seq``'s too, and a marked block whose
+        last row ``seq`` will feed again from another token loses its mark (the prefix's hash
+        may lead to a block another sequence continued differently)."""
+        if self.num_groups != 1:
+            return 0
+        bs, count, drafted = self.block_size, None, self.drafted
+        for i, block_id in enumerate(cached.blocks):
+            if self.rows_lag and self.next_token[block_id] != seq.token_ids[(i + 1) * bs]:
+                drafted[block_id] = False
+            if count is None and not drafted[block_id]:
+                count = i
+        return (len(cached.blocks) if count is None else count) * bs
 
 
 class Speculator:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from nvray.config import EngineConfig
+from nvray.kv_layout import plan_kv_layout
 from nvray.layers.rotary import rope_max_positions
 from nvray.layers.tp import broadcast_from_first
 from nvray.model_config import load_model_config
@@ -45,8 +46,9 @@ from nvray.step_protocol import SampleSpec, SeqStep, StepInput, placeholder_id
 from nvray.worker.block_tables import DeviceBlockTables
 from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
                                      prefill_graph_sizes)
-from nvray.worker.device_lists import copy_cache_blocks, to_device
+from nvray.worker.device_lists import to_device
 from nvray.worker.inputs import GraphShapes, InputBuilder, StepBatch
+from nvray.worker.kv_cache import PagedKV
 from nvray.worker.setup import build_model, enable_torch_compile, use_triton_kernels
 
 _GREEDY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, step_index=0)
@@ -106,7 +108,8 @@ class Drafter:
                                   device=device)
         self.graphs: StepGraphs | None = None
         self.num_graph_replays = 0  # draft forwards that replayed a graph
-        self.kv_caches: list[torch.Tensor] = []
+        self.cache = PagedKV(self.layers, plan_kv_layout([None] * len(self.layers)),
+                             self.block_size, kv_dtype, device)  # a tensor pair a layer
 
     def _load_config(self, path: str) -> Any:
         """The drafter's config (its checkpoint's)."""
@@ -133,19 +136,16 @@ class Drafter:
     @property
     def kv_block_bytes(self) -> int:
         """The draft cache's share of one block: every layer's K and V of ``block_size`` tokens."""
-        per_token = sum(2 * layer.num_kv_heads * layer.head_dim for layer in self.layers)
-        return self.block_size * per_token * self.kv_dtype.itemsize
+        return self.cache.block_bytes
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.cache.tensors
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """A zeroed draft cache of ``num_blocks`` blocks (0: none); graphs over the old one go."""
         self.release_graphs()
-        self.kv_caches = []
-        for layer in self.layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)  # free the old cache first
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            self.kv_caches += [layer.k_cache, layer.v_cache]
+        self.cache.allocate(num_blocks)
 
     @property
     def num_graphs(self) -> int:
@@ -251,4 +251,4 @@ class Drafter:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write, as the target's cache does it."""
-        copy_cache_blocks(self.kv_caches, copies, self.device)
+        self.cache.copy(copies)

@@ -50,7 +50,7 @@ from nvray.step_protocol import SampleSpec, StepInput, StepOutput, sample_specs
 from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
                                      prefill_graph_sizes, verify_graph_sizes)
 from nvray.grammar import grammar_compiler
-from nvray.worker.device_lists import copy_cache_blocks, to_device
+from nvray.worker.device_lists import to_device
 from nvray.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from nvray.models.qwen3_5_mtp import ARCHITECTURE as MTP_ARCHITECTURE
 from nvray.worker.drafter import Drafter
@@ -61,6 +61,7 @@ from nvray.worker.held_chunks import HeldChunks
 from nvray.worker.held_commit import HeldCommit
 from nvray.worker.mtp_drafter import MtpDrafter
 from nvray.worker.inputs import GraphShapes, InputBuilder
+from nvray.worker.kv_cache import PagedKV, RankCaches, StateRows
 from nvray.worker.logits_processors import adjust_logits
 from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory, measure_used
@@ -151,6 +152,10 @@ class ModelRunner:
         self.held_chunks = HeldChunks(self.held_rows)
         self.held_commit = (HeldCommit(self.state_layers, self.graph_shapes.verify, self.device)
                             if self.held_rows else None)
+        self.caches = RankCaches(  # the cache kinds (kv_cache.py)
+            PagedKV(self.attention_layers, self.kv_layout, self.block_size, self.kv_dtype,
+                    self.device),
+            StateRows(self.state_layers, self.dtype, self.device, self.held_rows))
         self.inputs = InputBuilder(self.block_size, self.max_model_len, config.max_num_seqs,
                                    graph_capacity(self.graph_shapes), self.device,
                                    self.kv_layout.num_groups, has_state=bool(self.state_layers),
@@ -169,9 +174,6 @@ class ModelRunner:
         self.graph_memory = 0
         self.num_graph_replays = 0
         self.num_verify_replays = 0  # of them, verification graphs'
-        self.num_blocks = 0
-        self.kv_caches: list[torch.Tensor] = []  # every K and V tensor of the cache, once
-        self.state_caches: list[torch.Tensor] = []  # every recurrent layer's state tensors
         self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
@@ -305,19 +307,20 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- KV cache
     @property
+    def num_blocks(self) -> int:
+        return self.caches.num_blocks
+
+    @property
     def kv_block_bytes(self) -> int:
-        """A physical block: ``slots_per_block`` layers' KV of ``block_size`` tokens
-        (``nvray/kv_layout.py``; one layer's worth per slot), and the draft model's (its cache
-        has a twin of every block: ``drafter.py``)."""
-        per_token = max(2 * layer.num_kv_heads * layer.head_dim for layer in self.attention_layers)
+        """A physical block (``PagedKV.block_bytes``) and the draft model's share of it (its
+        cache has a twin of every block: ``drafter.py``)."""
         drafter = self.drafter.kv_block_bytes if self.drafter is not None else 0  # its twin block
-        return (self.kv_layout.slots_per_block * self.block_size * per_token
-                * self.kv_dtype.itemsize + drafter)
+        return self.caches.kv.block_bytes + drafter
 
     @property
     def state_slot_bytes(self) -> int:
         """One state slot of every recurrent layer of this rank (and its held rows)."""
-        return sum(layer.state_bytes(self.dtype, self.held_rows) for layer in self.state_layers)
+        return self.caches.states.row_bytes
 
     def decode_scratch_bytes(self, batch: int) -> int:
         """What one layer's decode attention allocates besides its output for ``batch``
@@ -342,32 +345,13 @@ class ModelRunner:
             self.graphs = None
 
     def allocate_kv_cache(self, num_blocks: int, state_rows: int = 1) -> None:
-        """A zeroed cache of ``num_blocks`` blocks (0: none): one K and one V tensor per slot of
-        the KV layout, shared by the layers of that slot in every group (``kv_layout.py``; one
-        group: a tensor per layer), and ``state_rows`` rows of each recurrent layer's state
-        (the engine's slots and the scratch row; none with no blocks); graphs captured over
-        the old cache are dropped first."""
+        """A zeroed cache of ``num_blocks`` blocks (0: none) and ``state_rows`` rows of each
+        recurrent layer's state (the engine's slots and the scratch row; none with no blocks),
+        the drafter's twin blocks too; graphs captured over the old cache are dropped first."""
         self._release_graphs()
-        self.num_blocks = num_blocks
-        for layer in self.state_layers:
-            layer.allocate_state(state_rows if num_blocks else 0, self.dtype, self.device,
-                                 self.held_rows)
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)  # free the old cache first
-        pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, (_, slot) in zip(self.attention_layers, self.kv_layout.layer_slots):
-            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            if slot not in pools:
-                pools[slot] = (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                               torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            assert pools[slot][0].shape == shape, (
-                f"layers sharing KV slot {slot} differ in shape: {tuple(pools[slot][0].shape)} "
-                f"and {shape}")
-            layer.k_cache, layer.v_cache = pools[slot]
-        self.kv_caches = [cache for pool in pools.values() for cache in pool]
+        self.caches.allocate(num_blocks, state_rows)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
-        self.state_caches = [t for layer in self.state_layers for t in layer.state_tensors()]
 
     def close(self) -> None:
         """Drop graphs, cache and weights and give their memory back: the modules hold reference
@@ -394,10 +378,10 @@ class ModelRunner:
         if self.held_commit is not None:  # the rows of held chunks the engine kept, first
             self.held_commit.apply(self.held_chunks.commits(step))
             self.held_chunks.record(step)
-        if step.block_copies:
-            self.copy_blocks(step.block_copies)
-        if step.state_copies:
-            self.copy_states(step.state_copies)
+        if step.block_copies:  # copy-on-write, before the step writes
+            self.caches.kv.copy(step.block_copies)
+        if step.state_copies:  # forks' and kept prefixes' states
+            self.caches.states.copy(step.state_copies)
         if self.lora is not None:
             self.lora.begin_step(step)
         graphs, fill = self.graphs, self.last_sampled
@@ -446,14 +430,6 @@ class ModelRunner:
             done.synchronize()
         self.step_drafts_host = host.tolist()
         return self.step_drafts_host
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: each (src, dst) block's KV, in every layer, before the step writes."""
-        copy_cache_blocks(self.kv_caches, copies, self.device)
-
-    def copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Forks: each (src, dst) slot's recurrent state, in every layer, before the step."""
-        copy_cache_blocks(self.state_caches, copies, self.device)  # a slot: a row of each
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

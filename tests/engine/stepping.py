@@ -41,7 +41,7 @@ def assert_clean(engine) -> None:
     assert not engine.has_unfinished_requests() and engine.in_flight is None
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert bm.num_free_blocks == bm.num_blocks
-    assert all(block.ref_count == 0 for block in bm.blocks)
+    assert all(block.ref_count == 0 for block in bm.pool.blocks)
     assert engine.num_accepted == sum(engine.num_finished.values())  # each ended exactly once
 
 

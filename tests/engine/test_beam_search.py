@@ -85,7 +85,7 @@ def test_beams_share_blocks_and_give_every_block_back(llm):
         if len(tables) == 4:  # every beam of a round holds blocks: the prompt's are shared
             first = tables[0][:len(prompt) // BLOCK]
             assert all(t[:len(first)] == first for t in tables)
-            assert all(bm.blocks[b].ref_count == 4 for b in first)
+            assert all(bm.pool.blocks[b].ref_count == 4 for b in first)
             seen_sharing = True
         engine.step()
     assert seen_sharing and "beams" not in engine.beams.groups

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from nvray.engine.block_manager import NO_PREFIX, BlockManager
+from nvray.engine.block_manager import BlockManager
+from nvray.engine.prefix_cache import NO_PREFIX
 from nvray.engine.sequence import Sequence
 from nvray.sampling_params import SamplingParams
 
@@ -28,7 +29,7 @@ def test_identical_prefix_is_reused_and_counted():
     run_prefill(bm, b)
     assert b.block_table[:2] == a.block_table[:2]
     assert b.num_cached_tokens == 8
-    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.pool.blocks[a.block_table[0]].ref_count == 2
     assert bm.prefix_hit_rate == 8 / (10 + 11)
 
 
@@ -95,7 +96,7 @@ def test_token_equality_guards_against_hash_collisions():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = seq_of([1, 2, 3, 4, 5])
     run_prefill(bm, a)
-    block = bm.blocks[a.block_table[0]]
+    block = bm.pool.blocks[a.block_table[0]]
     block.token_ids = (9, 9, 9, 9)  # simulate a colliding hash holding other tokens
     assert bm.find_cached_prefix(seq_of([1, 2, 3, 4, 5])).blocks == []
 
@@ -148,7 +149,7 @@ def test_no_block_leaks_after_every_sequence_is_freed():
     for s in seqs:
         bm.free(s)
     assert bm.num_free_blocks == 40
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert all(b.ref_count == 0 for b in bm.pool.blocks)
 
 
 def test_can_allocate_counts_revived_cached_blocks():
@@ -230,7 +231,7 @@ def test_freed_sequences_are_released_once_and_forget_their_hashes():
     bm.free(a)
     bm.free(b)
     assert bm.take_released() == [a.seq_id, b.seq_id] and bm.take_released() == []
-    assert not bm.seq_block_hashes  # nothing kept for sequences that are gone
+    assert not bm.prefix_cache.seq_block_hashes  # nothing kept for sequences that are gone
     assert a.block_table == [] and a.num_computed_tokens == 0 and a.ranks_table_len == 0
 
 
@@ -261,13 +262,13 @@ def test_writing_into_a_shared_block_needs_a_copy():
     assert not bm.needs_blocks(parent, 1)  # not shared yet
     bm.fork(child, parent, 6)  # shares block 0 and the partly filled block 1
     assert child.block_table == parent.block_table and child.num_computed_tokens == 6
-    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    assert [bm.pool.blocks[b].ref_count for b in parent.block_table] == [2, 2]
     assert bm.needs_blocks(child, 1) and bm.num_new_blocks(child, 1) == 1
     assert bm.num_new_blocks(child, 3) == 2  # the copy and a third block
     bm.append_slots(child, 1)
     assert child.block_table[0] == parent.block_table[0]
     assert bm.take_copies() == [(parent.block_table[1], child.block_table[1])]
-    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 1]
+    assert [bm.pool.blocks[b].ref_count for b in parent.block_table] == [2, 1]
     assert not bm.needs_blocks(child, 1) and bm.num_copied_blocks == 1
 
 
@@ -315,7 +316,7 @@ def test_a_hit_counts_the_leading_blocks_fed_to_the_drafter_until_they_are_reuse
     bm.free(hit)
     other = seq_of([50 + i for i in range(16)])  # takes every block: the marked ones too
     run_prefill(bm, other)
-    assert not any(bm.blocks[block].drafted for block in other.block_table)
+    assert not any(bm.draft_marks.drafted[block] for block in other.block_table)
     bm.free(other)
     again = seq_of([50 + i for i in range(12)] + [7])
     run_prefill(bm, again)
@@ -342,4 +343,4 @@ def test_a_heads_hit_counts_a_block_only_where_the_token_after_it_is_the_sequenc
     run_prefill(bm, turn)
     assert turn.block_table[:2] == x.block_table[:2]  # (Y's third block is its hit's last)
     assert turn.num_cached_tokens == 8 and turn.draft_len == 4
-    assert not bm.blocks[x.block_table[1]].drafted
+    assert not bm.draft_marks.drafted[x.block_table[1]]

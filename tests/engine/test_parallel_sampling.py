@@ -54,7 +54,7 @@ def test_the_prompt_is_prefilled_once_and_forks_copy_the_shared_partial_block(ll
     full = (len(prompt) - 1) // BLOCK  # the full blocks of the shared prompt
     shared = tables[0][:full]
     assert all(t[:full] == shared for t in tables.values())
-    assert all(bm.blocks[b].ref_count == 3 for b in shared)
+    assert all(bm.pool.blocks[b].ref_count == 3 for b in shared)
     # the partial 5th block was shared, then copied before each write into it
     assert len({t[full] for t in tables.values()}) == 3
     assert bm.num_copied_blocks - copied >= 2

@@ -205,7 +205,7 @@ def test_a_fork_waits_for_its_source_then_shares_the_full_prompt_blocks():
     assert run_step(sched) == [("source", 1), ("fork", 1)]  # only its last prompt token
     bm = sched.block_manager
     assert fork.block_table[:2] == source.block_table[:2]
-    assert all(bm.blocks[b].ref_count == 2 for b in source.block_table[:2])
+    assert all(bm.pool.blocks[b].ref_count == 2 for b in source.block_table[:2])
     assert fork.block_table[2] not in source.block_table and fork.num_cached_tokens == 8
     assert bm.take_copies() == []  # full blocks are shared, never written again
     assert bm.num_free_blocks == 8 - 4
@@ -219,9 +219,9 @@ def test_a_fork_copies_the_shared_block_it_writes_into():
     assert run_step(sched) == [("source", 1), ("fork", 1)]
     bm = sched.block_manager
     assert fork.block_table[0] == source.block_table[0]
-    assert bm.blocks[source.block_table[0]].ref_count == 2
+    assert bm.pool.blocks[source.block_table[0]].ref_count == 2
     assert fork.block_table[1] != source.block_table[1]
-    assert bm.blocks[source.block_table[1]].ref_count == 1
+    assert bm.pool.blocks[source.block_table[1]].ref_count == 1
     assert bm.take_copies() == [(source.block_table[1], fork.block_table[1])]
     assert bm.take_copies() == [] and bm.num_copied_blocks == 1
     assert fork.ranks_table_len == 0  # the ranks get the fork's whole table

@@ -100,7 +100,7 @@ def _only_kept_tokens_hashed(engine) -> None:  # noqa: ANN001
     blocks end within its computed tokens."""
     bm = engine.block_manager
     for seq in engine.scheduler.running:
-        hashed = len(bm.seq_block_hashes.get(seq.seq_id, ())) * bm.block_size
+        hashed = len(bm.prefix_cache.seq_block_hashes.get(seq.seq_id, ())) * bm.block_size
         assert hashed <= seq.num_computed_tokens, (seq.request_id, hashed,
                                                    seq.num_computed_tokens)
 
@@ -386,7 +386,7 @@ def test_a_model_with_recurrent_layers_speculates_with_its_state_rolled_back(fam
         stats = llm.engine.stats()
         bm = llm.engine.block_manager
         assert stats["num_preemptions"] > 0
-        assert sorted(bm.free_state_slots) == list(range(bm.num_live_states))
+        assert sorted(bm.states.free_slots) == list(range(bm.states.num_live))
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         llm.shutdown()
