@@ -52,8 +52,8 @@ def test_a_paced_stream_merges_tokens_into_fewer_chunks_with_the_same_text(paced
 
 def test_a_paced_chat_stream_sends_its_role_and_first_token_without_holding(paced_url, offline):
     """The role chunk is written at once and does not start a pause: the first token's chunk
-    follows as soon as the engine has it, carrying one token or so (held 100 ms, it would
-    carry a dozen); the rest merges, and the text is the unstreamed answer's."""
+    follows as soon as the engine has it, carrying a few tokens at most (held 100 ms, it
+    would carry a dozen); the rest merges, and the text is the unstreamed answer's."""
     messages = [{"role": "user", "content": PROMPT}]
     events = stream_events(paced_url, "/v1/chat/completions", {
         "messages": messages, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
@@ -61,7 +61,9 @@ def test_a_paced_chat_stream_sends_its_role_and_first_token_without_holding(pace
     chunks = [e for e in events if e["choices"]]
     assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
     with_text = [c for c in chunks if c["choices"][0]["delta"].get("content")]
-    assert with_text[0]["usage"]["completion_tokens"] <= 3
+    # (a loaded 2-core machine can make a few tokens before the first chunk is written; a
+    # chunk held for the pause would carry a dozen)
+    assert with_text[0]["usage"]["completion_tokens"] <= 6
     assert len(with_text) <= 24 // 3
     text = "".join(c["choices"][0]["delta"]["content"] for c in with_text)
     assert text == offline.chat(messages, greedy(24), use_tqdm=False)[0].text
