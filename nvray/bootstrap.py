@@ -58,7 +58,7 @@ def create_engine(config: EngineConfig,
                                                               executor.vocab_size))
     with phases.phase("gc_freeze"):
         freeze_startup_objects()  # start-up done: keep full GC passes off the steps
-    engine.record_startup(phases.seconds, time.perf_counter() - start, phases.beside)
+    engine.counters.record_startup(phases.seconds, time.perf_counter() - start, phases.beside)
     return engine
 
 

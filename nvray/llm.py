@@ -225,7 +225,7 @@ class LLM:
                 start = time.perf_counter()
                 outputs = engine.step()
                 elapsed = max(time.perf_counter() - start, 1e-9)
-                prefill, decode = engine.last_step_tokens
+                prefill, decode = engine.counters.last_step_tokens
                 bar.set_postfix(prefill=f"{prefill / elapsed:.0f} tok/s",
                                 decode=f"{decode / elapsed:.0f} tok/s")
                 for out in outputs:

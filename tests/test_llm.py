@@ -191,9 +191,9 @@ def test_a_step_that_fails_midway_ends_the_calls_requests_and_the_engine_runs_on
             llm.generate(prompts, params)
     finally:
         del executor.execute_overlapped
-    assert not engine.has_unfinished_requests() and engine.in_flight is None
+    assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert engine.num_finished["error"] >= 3
+    assert engine.stats()["num_finished"]["error"] >= 3
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_path, p, 12) for p in prompts]
 

@@ -54,12 +54,12 @@ def _timed(llm: Any, prompts: list[list[int]], params: list[SamplingParams]
     """The outputs, the seconds they took, and where those went: seconds in prefill and in
     decode steps, the rest (adding the requests, the loop), and the mean decode step (ms)."""
     engine = llm.engine
-    before = dict(engine.step_seconds), dict(engine.num_steps)
+    before = dict(engine.counters.step_seconds), dict(engine.counters.num_steps)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
-    spent = {k: engine.step_seconds[k] - before[0][k] for k in ("prefill", "decode")}
-    steps = {k: engine.num_steps[k] - before[1][k] for k in ("prefill", "decode")}
+    spent = {k: engine.counters.step_seconds[k] - before[0][k] for k in ("prefill", "decode")}
+    steps = {k: engine.counters.num_steps[k] - before[1][k] for k in ("prefill", "decode")}
     split = {"prefill_s": round(spent["prefill"], 3), "decode_s": round(spent["decode"], 3),
              "other_s": round(elapsed - spent["prefill"] - spent["decode"], 3),
              "decode_steps": steps["decode"],

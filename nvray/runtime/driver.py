@@ -91,7 +91,7 @@ class EngineDriver:
                 "dtypes": lim.dtypes, "architecture": lim.architecture,
                 "parallelism": lim.parallelism,
                 "lora_targets": lim.lora_targets, "max_lora_rank": cfg.max_lora_rank,
-                "startup_s": engine.startup.get("total_s") if engine.startup else None}
+                "startup_s": engine.counters.startup.get("total_s") if engine.counters.startup else None}
 
     # ---------------------------------------------------------------- requests
     def prepare_prompt(self, prompt: Any) -> str | list[int]:

@@ -6,6 +6,8 @@ It is the yardstick the Ray executor (``nvray/runtime/ray_executor.py``) is meas
 
 from __future__ import annotations
 
+import collections
+
 from nvray.config import EngineConfig
 from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import release_frozen_objects
@@ -29,6 +31,7 @@ class InProcessExecutor:
         self.parallelism = self.runner.parallelism()
         self.lora_targets = self.runner.lora_targets()
         self.startup_phases = dict(self.runner.startup.seconds)
+        self.submitted: collections.deque[StepOutput] = collections.deque()  # submit, collect
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.runner.execute(step)
@@ -36,7 +39,16 @@ class InProcessExecutor:
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         return self.runner.execute_overlapped(step)
 
+    def submit(self, step: StepInput) -> None:
+        """Pipeline stages' half of the protocol: one stage here, so the step runs now and
+        ``collect`` gives its result."""
+        self.submitted.append(self.runner.execute(step))
+
+    def collect(self) -> StepOutput:
+        return self.submitted.popleft()
+
     def discard_in_flight(self) -> None:
+        self.submitted.clear()
         self.runner.discard_in_flight()
 
     def expert_load(self) -> list[list[int]]:

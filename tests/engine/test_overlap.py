@@ -84,5 +84,5 @@ def test_a_request_that_finishes_drops_the_token_computed_after_it(engines):
                                                           ignore_eos=True), True)]}, {})
         assert len(outs["r"][-1].token_ids) == max_tokens
         assert sum(len(o.delta_token_ids) for o in outs["r"]) == max_tokens
-        assert on.num_finished["length"] > 0
+        assert on.stats()["num_finished"]["length"] > 0
         assert_clean(on)

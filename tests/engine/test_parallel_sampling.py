@@ -41,7 +41,7 @@ def test_the_prompt_is_prefilled_once_and_forks_copy_the_shared_partial_block(ll
     engine, bm = llm.engine, llm.engine.block_manager
     prompt = random_prompts(1, 37, 37, seed=3)[0]
     copied = bm.num_copied_blocks
-    prompt_tokens = engine.num_prompt_tokens
+    prompt_tokens = engine.stats()["prompt_tokens"]
     engine.add_request("fork", prompt, _sampled(5, n=3))
     tables = {}
     for _ in range(6):  # prefill, then the forks join
@@ -58,7 +58,7 @@ def test_the_prompt_is_prefilled_once_and_forks_copy_the_shared_partial_block(ll
     # the partial 5th block was shared, then copied before each write into it
     assert len({t[full] for t in tables.values()}) == 3
     assert bm.num_copied_blocks - copied >= 2
-    assert engine.num_prompt_tokens - prompt_tokens == len(prompt)  # counted once
+    assert engine.stats()["prompt_tokens"] - prompt_tokens == len(prompt)  # counted once
     for _ in range(40):
         if not engine.has_unfinished_requests():
             break

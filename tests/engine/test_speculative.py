@@ -557,9 +557,9 @@ def test_inter_token_latency_counts_a_gap_per_step_not_per_token():
         def gaps_counted() -> int:
             return llm.engine.stats()["inter_token_latency_seconds"]["count"]
 
-        count, steps = gaps_counted(), llm.engine.num_steps["decode"]
+        count, steps = gaps_counted(), llm.engine.stats()["steps"]["decode"]
         llm.generate(prompt, greedy, use_tqdm=False)
-        gaps, decode_steps = gaps_counted() - count, llm.engine.num_steps["decode"] - steps
+        gaps, decode_steps = gaps_counted() - count, llm.engine.stats()["steps"]["decode"] - steps
     finally:
         llm.shutdown()
     assert decode_steps <= 40 // (K + 1) + 2  # runs of k + 1 tokens

@@ -55,8 +55,8 @@ def test_rank_tables_follow_the_control_plane_and_freed_ones_go(engine):
             break
         engine.step()
         _assert_rank_tables_follow(engine)
-        if engine.in_flight is not None:
-            for seq_step in engine.in_flight.step_input.seqs:
+        for launched in engine.stepper.in_flight:
+            for seq_step in launched.step_input.seqs:
                 sent += len(seq_step.block_table)
                 full += seq_step.table_start + len(seq_step.block_table)
     else:

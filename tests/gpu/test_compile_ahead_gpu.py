@@ -49,7 +49,7 @@ outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_t
 drawn = llm.generate(prompts, SamplingParams(temperature=0.8, max_tokens=12), use_tqdm=False)
 print("RESULT " + json.dumps({"start": at_start, "ids": [o.token_ids for o in outs],
                               "sampled": [o.token_ids for o in drawn],
-                              "phases": llm.engine.startup["phases_s"]}))
+                              "phases": llm.engine.stats()["startup"]["phases_s"]}))
 """
 
 

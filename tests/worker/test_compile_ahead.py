@@ -204,7 +204,7 @@ def test_a_cpu_engine_start_has_no_compile_ahead_phase(tiny_path):
 
     llm = LLM(tiny_path, runtime="inprocess", max_model_len=128)
     try:
-        assert "compile_ahead" not in llm.engine.startup["phases_s"]
-        assert "kv_cache" in llm.engine.startup["phases_s"]
+        assert "compile_ahead" not in llm.engine.stats()["startup"]["phases_s"]
+        assert "kv_cache" in llm.engine.stats()["startup"]["phases_s"]
     finally:
         llm.shutdown()
