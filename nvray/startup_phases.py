@@ -5,7 +5,7 @@ in the order the phases first ran. A rank times its own phases (the model and it
 compiling kernels ahead, the memory profile, the KV cache, kernel warm-up, CUDA graph
 capture); the engine's assembly (``bootstrap.create_engine``) times the tokenizer and the
 executor, and on Ray the executor times starting its rank actors and compiling its graph, with
-rank 0's phases inside. The engine reports them (``LLMEngine.startup``: ``phases_s``,
+rank 0's phases inside. The engine reports them (``LLMEngine.counters.startup``: ``phases_s``,
 ``total_s`` and ``other_s``, the seconds no phase covers; ``beside_s``, phases that ran in a
 thread beside the others, such as the tokenizer while the Ray ranks start) in ``stats()`` and
 one INFO line.

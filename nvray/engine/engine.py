@@ -224,7 +224,8 @@ class LLMEngine:
                                       self.lora_slots.take_loads() if self.lora_slots else None)
         if self.new_grammars or self.grammars_done:
             self.new_grammars, self.grammars_done = [], []
-        return launch(out, step_input, bm, self.beams.owns if self.beams.groups else None)
+        return launch(out, step_input, num_decode, bm,
+                      self.beams.owns if self.beams.groups else None)
 
     def update_from_output(self, launched: LaunchedStep, result: StepOutput
                            ) -> list[RequestOutput]:

@@ -58,12 +58,13 @@ def num_decode_tokens(out: SchedulerOutput) -> int:
                if (n == 1 or seq.drafts) and seq.num_computed_tokens >= seq.num_prompt_tokens)
 
 
-def launch(out: SchedulerOutput, step_input: StepInput, block_manager: BlockManager,
-           is_beam: Callable[[Sequence], bool] | None) -> LaunchedStep:
+def launch(out: SchedulerOutput, step_input: StepInput, num_decode: int,
+           block_manager: BlockManager, is_beam: Callable[[Sequence], bool] | None
+           ) -> LaunchedStep:
     """Account the scheduled step as launched and sort its sequences into records;
-    ``is_beam``: whether a sequence is a beam (None: no beam search runs)."""
+    ``num_decode``: its decode tokens (``num_decode_tokens``, before launch); ``is_beam``:
+    whether a sequence is a beam (None: no beam search runs)."""
     records = StepRecords([], [], [], [], [], [])
-    num_decode = num_decode_tokens(out)
     row, logprob_row, score_row, pool_row = 0, 0, 0, 0
     for (seq, num_new), seq_step in zip(out.scheduled, step_input.seqs):
         seq.num_computed_tokens += num_new

@@ -91,8 +91,8 @@ class OverlappedStepper(PlainStepper):
 
     def _step_to_draft_from(self, start: float) -> list[RequestOutput]:
         if self.in_flight:  # its tokens are what the drafts follow
-            previous = self.in_flight.pop()
             ids = self.executor.execute_overlapped(None)
+            previous = self.in_flight.pop()
             self.source.account_step(previous, time.perf_counter() - start)
             return self.source.update_from_output(previous, ids)  # type: ignore[arg-type]
         launched = self.source.launch()
