@@ -13,79 +13,52 @@ import os
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, \
+    field_validator
 
 from deployments.admission import AdmissionGate
 from deployments.lora_names import parse_lora_modules
 from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from nvray.options import Option, exposed_options, options_of
 
 _ENGINE = EngineConfig()  # the engine's defaults, the one source of each
+# The app's own default and help where they differ from the engine's
+_APP_DEFAULTS = {"max_num_batched_tokens": (SERVE_MAX_NUM_BATCHED_TOKENS, (
+    f"token budget per engine step (the engine's offline default is "
+    f"{_ENGINE.max_num_batched_tokens}; smaller prefill chunks keep streams' inter-token "
+    f"latency low while long prompts prefill)"))}
 
 
-class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+def _engine_field(opt: Option) -> tuple[Any, Any]:
+    """An engine option as a pydantic field: its type (choices as a Literal), default, help
+    and bounds."""
+    annotation = opt.annotation
+    if opt.choices is not None:
+        values = Literal[tuple(c for c in opt.choices if c is not None)]  # type: ignore[valid-type]
+        annotation = values | None if None in opt.choices else values
+    default, description = _APP_DEFAULTS.get(opt.name, (opt.default, opt.help))
+    return annotation, Field(default, description=description, ge=opt.ge, gt=opt.gt, le=opt.le)
 
-    model: str = Field("tiny", description="HF checkpoint directory, or 'tiny' for the embedded "
-                                           "random-weight Qwen3 (no download)")
+
+def _engine_arguments() -> type[BaseModel]:
+    """``model`` and the engine options EngineConfig exposes, one app argument each."""
+    model = next(o for o in options_of(EngineConfig) if o.name == "model")
+    fields = {o.name: _engine_field(o) for o in (model, *exposed_options())}
+    return create_model("EngineArguments", __config__=ConfigDict(
+        extra="forbid", protected_namespaces=()), __module__=__name__, **fields)
+
+
+EngineArguments = _engine_arguments()
+
+
+class AppArgs(EngineArguments):  # type: ignore[misc, valid-type]
+    """The engine's arguments (generated from EngineConfig) and the app's own."""
+
     served_model_name: str | None = Field(None, description="name clients pass as 'model'; "
                                                             "default: 'tiny' or the directory name")
-    tensor_parallel_size: int = Field(_ENGINE.tensor_parallel_size, ge=1, le=64, description="GPUs (rank actors) per pipeline stage")
-    pipeline_parallel_size: int = Field(_ENGINE.pipeline_parallel_size, ge=1, le=64,
-                                        description="pipeline stages per engine, each of "
-                                        "tensor_parallel_size GPUs (a run of the layers each)")
-    enable_expert_parallel: bool = Field(_ENGINE.enable_expert_parallel, description="MoE: whole "
-                                         "experts per rank instead of a slice of each")
-    all_reduce: Literal["auto", "nccl"] = Field(_ENGINE.all_reduce, description="TP all-reduce: "
-                                                "'auto' (over shared GPU memory where it pays) "
-                                                "or 'nccl'")
-    device: Literal["auto", "cpu", "cuda"] = Field(_ENGINE.device, description="'auto': cuda when a GPU "
-                                                                       "is visible, else cpu")
-    max_model_len: int | None = Field(None, ge=1, description="prompt + completion limit; "
-                                                              "default: the model's")
-    max_num_seqs: int = Field(_ENGINE.max_num_seqs, ge=1, description="sequences per engine batch")
-    max_num_batched_tokens: int = Field(SERVE_MAX_NUM_BATCHED_TOKENS, ge=1, description=(
-        f"token budget per engine step (the engine's offline default is "
-        f"{_ENGINE.max_num_batched_tokens}; smaller prefill chunks keep streams' inter-token "
-        f"latency low while long prompts prefill)"))
-    gpu_memory_utilization: float = Field(_ENGINE.gpu_memory_utilization, gt=0, le=1, description="share of the GPU's memory "
-                                                                       "this engine may use (weights, activations, graphs, KV cache)")
-    kvcache_block_size: int = Field(_ENGINE.kvcache_block_size, ge=1, description="tokens per KV cache block")
-    enable_prefix_caching: bool = Field(_ENGINE.enable_prefix_caching, description="reuse KV of shared prompt prefixes")
-    enforce_eager: bool = Field(_ENGINE.enforce_eager, description="disable CUDA graphs")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(_ENGINE.dtype, description="weights "
-                                                                                        "and KV dtype")
-    quantization: Literal["fp8"] | None = Field(_ENGINE.quantization, description="'fp8': "
-                                                "quantize a 16/32-bit checkpoint's linear layers "
-                                                "to FP8 at load (FP8 checkpoints are detected "
-                                                "from config.json)")
-    kv_cache_dtype: Literal["auto", "fp8"] = Field(_ENGINE.kv_cache_dtype, description="'fp8': "
-                                                   "keys and values stored as e4m3 (scale 1), "
-                                                   "about twice the KV cache tokens")
-    scheduling_policy: Literal["fcfs", "sjf", "priority"] = Field(_ENGINE.scheduling_policy, description="admission "
-                                                                                      "order")
-    num_cpus_per_rank: float = Field(_ENGINE.num_cpus_per_rank, gt=0, description="CPUs per rank actor (CPU engines; "
-                                     "0.9 lets a TP=2 engine and its replica fit 2 cores)")
-    num_gpus_per_rank: float = Field(_ENGINE.num_gpus_per_rank, gt=0, le=1, description="GPU share "
-                                     "per rank actor: 0.5 puts two TP=1 replicas on one GPU (give "
-                                     "each a gpu_memory_utilization of its share)")
-    hf_overrides: dict[str, Any] | None = Field(None, description="merged over the checkpoint's "
-                                                "config.json keys, e.g. YaRN on Qwen3: "
-                                                "'{\"rope_scaling\": {\"rope_type\": \"yarn\", "
-                                                "\"factor\": 4.0, \"original_max_position_embeddings\""
-                                                ": 32768}}' (a JSON object string on the command line)")
-    speculative_config: dict[str, Any] | None = Field(None, description="speculative decoding, "
-                                                      "vLLM's keys, e.g. '{\"method\": \"ngram\", "
-                                                      "\"num_speculative_tokens\": 4}' (a JSON "
-                                                      "object string on the command line)")
     enable_lora: bool = Field(_ENGINE.enable_lora, description="serve LoRA adapters (on by "
                               "itself with lora_modules, lora_path or "
                               "allow_runtime_lora_updating)")
-    max_loras: int = Field(_ENGINE.max_loras, ge=1, description="LoRA: adapters resident on "
-                           "the GPU at once (one step batches them all)")
-    max_lora_rank: int = Field(_ENGINE.max_lora_rank, ge=1, description="LoRA: the largest "
-                               "adapter rank served")
-    max_cpu_loras: int | None = Field(_ENGINE.max_cpu_loras, ge=1, description="LoRA: adapters "
-                                      "kept read in host memory; default: max_loras")
     lora_modules: list[Any] | dict[str, str] | None = Field(None, description="LoRA adapters "
                                                            "served by name: 'name=path' strings "
                                                            "or {'name', 'path'} objects; on the "
@@ -198,16 +171,14 @@ class AppArgs(BaseModel):
         return os.path.basename(os.path.normpath(self.model)) or self.model
 
     def engine_config(self) -> EngineConfig:
-        fields = {k: getattr(self, k) for k in (
-            "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel",
-            "all_reduce", "device",
-            "max_model_len", "max_num_seqs",
-            "max_num_batched_tokens", "gpu_memory_utilization", "kvcache_block_size",
-            "enable_prefix_caching", "enforce_eager", "dtype", "quantization", "kv_cache_dtype", "scheduling_policy",
-            "num_cpus_per_rank", "num_gpus_per_rank", "hf_overrides", "speculative_config",
-            "max_loras", "max_lora_rank", "max_cpu_loras")}
+        """The exposed options from their arguments, any other from ``engine_options``."""
+        fields = {o.name: getattr(self, o.name) for o in exposed_options()}
         options = dict(self.engine_options)
         enable_lora = self.serves_loras() or bool(options.pop("enable_lora", False))
+        doubled = sorted(set(options) & (set(fields) | {"model"}))
+        if doubled:
+            raise ValueError(f"engine_options {doubled}: each is an app argument of its own; "
+                             "give it as one")
         return EngineConfig.from_kwargs(self.model, **fields, enable_lora=enable_lora, **options)
 
     def serves_loras(self) -> bool:

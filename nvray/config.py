@@ -1,9 +1,11 @@
 """EngineConfig: every engine setting in one frozen dataclass, validated on construction.
 
-Every engine default is written here once: the Serve app's arguments, the batch job's flags
-and ``LLM`` take theirs from these fields. Values only known at run time (the KV block count, EOS ids, the model's HF config) are not
-kept here: they live in the objects that discover them. A bad value raises ``ValueError``
-naming the field, the value and what is allowed.
+Every engine option is declared here once, with ``nvray.options.option()``: its default, its
+help, its bounds and choices, and whether the Serve app and the batch job offer it as an
+argument of their own (``exposed``); they and ``LLM`` take their defaults from these fields.
+Values only known at run time (the KV block count, EOS ids, the model's HF config) are not kept
+here: they live in the objects that discover them. A bad value raises ``ValueError`` naming the
+field, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from nvray.options import option, options_of
 from nvray.speculative import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "sjf", "priority")
@@ -41,61 +44,96 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
 class EngineConfig:
     """Engine settings. ``model`` is a path to an HF-format checkpoint or ``"tiny"``."""
 
-    model: str = "tiny"
-    max_num_seqs: int = 256
+    model: str = option("tiny", "HF checkpoint directory, or 'tiny' for the embedded "
+                        "random-weight Qwen3 (no download)")
+    max_num_seqs: int = option(256, "sequences per engine batch", ge=1, exposed=True)
     # nano-vllm's default: offline throughput (eager prefill steps cost ~30 ms of host time
     # each, so fewer, larger ones pay); the Serve app's is SERVE_MAX_NUM_BATCHED_TOKENS
-    max_num_batched_tokens: int = 16384
-    max_model_len: int | None = None  # None: as far as the model's rope reaches
-    # merged over config.json's top-level keys (vLLM's hf_overrides), e.g. YaRN for Qwen3:
-    # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
-    hf_overrides: dict[str, Any] | None = None
-    # "dummy": random weights made on the device instead of read (benchmarks of a model's shape
-    # from its config.json alone, as vLLM's --load-format dummy)
-    load_format: str = "auto"
-    kvcache_block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_kvcache_blocks: int | None = None  # override the block count computed from memory
-    cpu_kvcache_space_gib: float = 0.5  # KV cache budget per rank when running on the CPU
-    enforce_eager: bool = False
-    max_prefill_graph_tokens: int = 512  # CUDA graphs for one-sequence prefills up to this; 0: off
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of slices
-    overlap_scheduling: bool = True  # schedule step N+1 while the device runs step N
-    scheduling_policy: str = "fcfs"
-    sjf_aging_s: float = 10.0  # SJF: a request waiting this long goes ahead of shorter ones
-    tensor_parallel_size: int = 1
-    # stages of tensor_parallel_size ranks each, a run of layers per stage (nvray/layers/pp.py);
-    # the engine keeps one step per stage in flight, over disjoint sequences
-    pipeline_parallel_size: int = 1
-    device: str = "auto"
-    attention_backend: str = "auto"
-    dtype: str = "auto"
-    quantization: str | None = None  # "fp8": quantize a 16/32-bit checkpoint's linear layers at load
-    kv_cache_dtype: str = "auto"  # "fp8": keys and values stored as e4m3 (about twice the blocks)
-    seed: int = 0
-    runtime: str = "ray"  # "ray": driver + rank actors; "inprocess": TP=1 in the calling process
-    ray_dispatch: str = "compiled"  # per-step calls to the ranks: a Ray compiled graph or plain calls
-    all_reduce: str = "auto"  # TP all-reduce: "auto" (P2P for decode sizes on one host) or "nccl"
-    placement_strategy: str = "STRICT_PACK"
-    num_cpus_per_rank: float = 0.9  # CPU per rank actor (CPU engines): TP=2 + driver fit 2 cores
-    num_gpus_per_rank: float = 1.0  # GPU share per rank actor: 0.5 lets two TP=1 engines share one
-    step_timeout_s: float = 600.0  # a step taking longer means a hung rank: the engine fails
-    # speculative decoding (nvray/speculative.py), vLLM's keys, e.g. {"method": "ngram",
-    # "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or
-    # {"method": "draft_model", "model": "/ckpt/Qwen3-0.6B"}; None: off
-    speculative_config: dict[str, Any] | None = None
+    max_num_batched_tokens: int = option(16384, "token budget per engine step", ge=1,
+                                         exposed=True)
+    max_model_len: int | None = option(None, "prompt + completion limit; default: as far as "
+                                       "the model's rope reaches", ge=1, exposed=True)
+    hf_overrides: dict[str, Any] | None = option(
+        None, "merged over the checkpoint's config.json keys (vLLM's hf_overrides), e.g. YaRN "
+        "on Qwen3: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+        "\"original_max_position_embeddings\": 32768}}' (a JSON object string on the command "
+        "line)", exposed=True)
+    load_format: str = option("auto", "'dummy': random weights made on the device instead of "
+                              "read (benchmarks of a model's shape from its config.json alone, "
+                              "as vLLM's --load-format dummy)", choices=LOAD_FORMATS)
+    kvcache_block_size: int = option(16, "tokens per KV cache block (a power of two)", ge=1,
+                                     exposed=True)
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory this engine may use "
+                                           "(weights, activations, graphs, KV cache)", gt=0,
+                                           le=1, exposed=True)
+    num_kvcache_blocks: int | None = option(None, "KV cache blocks, instead of the count "
+                                            "computed from memory", ge=1)
+    cpu_kvcache_space_gib: float = option(0.5, "KV cache budget per rank when running on the "
+                                          "CPU", gt=0)
+    enforce_eager: bool = option(False, "disable CUDA graphs", exposed=True)
+    max_prefill_graph_tokens: int = option(512, "CUDA graphs for one-sequence prefills up to "
+                                           "this many tokens; 0: off", ge=0, le=4096)
+    enable_prefix_caching: bool = option(True, "reuse KV of shared prompt prefixes",
+                                         exposed=True)
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    enable_expert_parallel: bool = option(False, "MoE: whole experts per rank instead of a "
+                                          "slice of each", exposed=True)
+    overlap_scheduling: bool = option(True, "schedule step N+1 while the device runs step N")
+    scheduling_policy: str = option("fcfs", "admission order", choices=SCHEDULING_POLICIES,
+                                    exposed=True)
+    sjf_aging_s: float = option(10.0, "SJF: a request waiting this long goes ahead of shorter "
+                                "ones", gt=0)
+    tensor_parallel_size: int = option(1, "GPUs (rank actors) per pipeline stage", ge=1, le=64,
+                                       exposed=True)
+    # the engine keeps one step per stage in flight, over disjoint sequences (nvray/layers/pp.py)
+    pipeline_parallel_size: int = option(1, "pipeline stages per engine, each of "
+                                         "tensor_parallel_size GPUs (a run of the layers each)",
+                                         ge=1, le=64, exposed=True)
+    device: str = option("auto", "'auto': cuda when a GPU is visible, else cpu",
+                         choices=DEVICES, exposed=True)
+    attention_backend: str = option("auto", "attention kernels", choices=ATTENTION_BACKENDS)
+    dtype: str = option("auto", "weights and KV dtype", choices=DTYPES, exposed=True)
+    quantization: str | None = option(None, "'fp8': quantize a 16/32-bit checkpoint's linear "
+                                      "layers to FP8 at load (FP8 checkpoints are detected "
+                                      "from config.json)", choices=QUANTIZATIONS, exposed=True)
+    kv_cache_dtype: str = option("auto", "'fp8': keys and values stored as e4m3 (scale 1), "
+                                 "about twice the KV cache tokens", choices=KV_CACHE_DTYPES,
+                                 exposed=True)
+    seed: int = option(0, "the seed of weights made at random (load_format='dummy')")
+    runtime: str = option("ray", "'ray': driver + rank actors; 'inprocess': TP=1 in the calling "
+                          "process", choices=RUNTIMES)
+    ray_dispatch: str = option("compiled", "per-step calls to the ranks: a Ray compiled graph "
+                               "or plain actor calls", choices=RAY_DISPATCH)
+    all_reduce: str = option("auto", "TP all-reduce: 'auto' (over shared GPU memory where it "
+                             "pays) or 'nccl'", choices=ALL_REDUCES, exposed=True)
+    placement_strategy: str = option("STRICT_PACK", "the ranks' placement group strategy",
+                                     choices=PLACEMENT_STRATEGIES)
+    num_cpus_per_rank: float = option(0.9, "CPUs per rank actor (CPU engines; 0.9 lets a TP=2 "
+                                      "engine and its driver fit 2 cores)", gt=0, exposed=True)
+    num_gpus_per_rank: float = option(1.0, "GPU share per rank actor: 0.5 puts two TP=1 "
+                                      "engines on one GPU (give each a gpu_memory_utilization "
+                                      "of its share)", gt=0, le=1, exposed=True)
+    step_timeout_s: float = option(600.0, "a step taking longer means a hung rank: the engine "
+                                   "fails", gt=0)
+    # nvray/speculative.py
+    speculative_config: dict[str, Any] | None = option(
+        None, "speculative decoding, vLLM's keys, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4}' or '{\"method\": \"draft_model\", \"model\": "
+        "\"/ckpt/Qwen3-0.6B\"}' (a JSON object string on the command line)", exposed=True)
     # multi-LoRA (nvray/lora): PEFT adapters named per request, batched in one step
-    enable_lora: bool = False
-    max_loras: int = 4  # adapters resident on the GPU at once (slots)
-    max_lora_rank: int = 16  # the largest adapter rank a slot holds
-    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
+    enable_lora: bool = option(False, "serve LoRA adapters named per request")
+    max_loras: int = option(4, "LoRA: adapters resident on the GPU at once (one step batches "
+                            "them all)", ge=1, le=256, exposed=True)
+    max_lora_rank: int = option(16, "LoRA: the largest adapter rank served", ge=1, le=512,
+                                exposed=True)
+    max_cpu_loras: int | None = option(None, "LoRA: adapters kept read in host memory; "
+                                       "default: max_loras", ge=1, exposed=True)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._validate_sizes()
-        self._validate_choices()
+        for opt in options_of(EngineConfig):
+            opt.check(getattr(self, opt.name))
+        self._validate_relations()
         spec = SpeculativeConfig.of(self.speculative_config)
         if spec is not None and spec.drafts_on_ranks:
             _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
@@ -104,48 +142,20 @@ class EngineConfig:
         if self.extra:
             raise ValueError(f"unknown engine option(s): {sorted(self.extra)}")
 
-    def _validate_sizes(self) -> None:
+    def _validate_relations(self) -> None:
+        """What the fields' bounds and choices (checked first) cannot say alone."""
         _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
                  "a checkpoint directory or 'tiny'")
-        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                 self.max_num_batched_tokens, "must be >= 1")
-        _require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
-                 self.max_model_len, "must be >= 1 or None")
         bs = self.kvcache_block_size
-        _require(bs >= 1 and bs & (bs - 1) == 0, "kvcache_block_size", bs,
-                 "must be a power of two")
-        _require(0 <= self.max_prefill_graph_tokens <= 4096, "max_prefill_graph_tokens",
-                 self.max_prefill_graph_tokens, "must be in [0, 4096]")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-                 self.gpu_memory_utilization, "must be in (0, 1]")
-        _require(self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
-                 "num_kvcache_blocks", self.num_kvcache_blocks, "must be >= 1 or None")
-        _require(self.cpu_kvcache_space_gib > 0, "cpu_kvcache_space_gib",
-                 self.cpu_kvcache_space_gib, "must be > 0")
-        _require(self.sjf_aging_s > 0, "sjf_aging_s", self.sjf_aging_s, "must be > 0")
-        _require(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
-                 self.tensor_parallel_size, "must be in [1, 64]")
-        _require(1 <= self.pipeline_parallel_size <= 64, "pipeline_parallel_size",
-                 self.pipeline_parallel_size, "must be in [1, 64]")
-        _require(self.num_cpus_per_rank > 0, "num_cpus_per_rank", self.num_cpus_per_rank,
-                 "must be > 0")
-        _require(0 < self.num_gpus_per_rank <= 1 and (self.num_gpus_per_rank == 1
-                                                       or self.world_size == 1),
-                 "num_gpus_per_rank", self.num_gpus_per_rank,
-                 "must be in (0, 1], and 1 when an engine has several ranks (a rank per GPU)")
+        _require(bs & (bs - 1) == 0, "kvcache_block_size", bs, "must be a power of two")
+        _require(self.num_gpus_per_rank == 1 or self.world_size == 1, "num_gpus_per_rank",
+                 self.num_gpus_per_rank,
+                 "must be 1 when an engine has several ranks (a rank per GPU)")
         _require(self.hf_overrides is None or (isinstance(self.hf_overrides, dict) and all(
             isinstance(k, str) for k in self.hf_overrides)), "hf_overrides", self.hf_overrides,
             "must be a dict of config.json keys (a JSON object) or None")
-        _require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
         _require(self.runtime == "ray" or self.world_size == 1, "runtime", self.runtime,
                  "tensor_parallel_size > 1 or pipeline_parallel_size > 1 needs runtime='ray'")
-        self._validate_lora()
-
-    def _validate_lora(self) -> None:
-        _require(1 <= self.max_loras <= 256, "max_loras", self.max_loras, "must be in [1, 256]")
-        _require(1 <= self.max_lora_rank <= 512, "max_lora_rank", self.max_lora_rank,
-                 "must be in [1, 512]")
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
                  "max_cpu_loras", self.max_cpu_loras, f"must be >= max_loras={self.max_loras}")
         if not self.enable_lora:
@@ -154,21 +164,6 @@ class EngineConfig:
                  "enable_lora needs an unquantized model (LoRA on FP8 layers is not supported)")
         _require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
                  self.pipeline_parallel_size, "enable_lora needs pipeline_parallel_size=1")
-
-    def _validate_choices(self) -> None:
-        for name, allowed in (("scheduling_policy", SCHEDULING_POLICIES),
-                              ("device", DEVICES),
-                              ("attention_backend", ATTENTION_BACKENDS),
-                              ("dtype", DTYPES),
-                              ("quantization", QUANTIZATIONS),
-                              ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("runtime", RUNTIMES),
-                              ("load_format", LOAD_FORMATS),
-                              ("ray_dispatch", RAY_DISPATCH),
-                              ("all_reduce", ALL_REDUCES),
-                              ("placement_strategy", PLACEMENT_STRATEGIES)):
-            value = getattr(self, name)
-            _require(value in allowed, name, value, f"must be one of {list(allowed)}")
 
     @property
     def world_size(self) -> int:

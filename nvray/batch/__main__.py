@@ -34,7 +34,8 @@ from typing import Any
 
 from nvray.batch.io import InputSpec, OutputWriter, check_output_path, output_schema, \
     validate_input
-from nvray.config import ALL_REDUCES, KV_CACHE_DTYPES, EngineConfig
+from nvray.config import EngineConfig
+from nvray.options import Option, exposed_options
 from nvray.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
@@ -114,11 +115,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help="JSON Lines / Parquet file or directory")
     p.add_argument("--output", required=True, help="output file: .jsonl or .parquet")
     p.add_argument("--model", default=_ENGINE.model, help="checkpoint directory or 'tiny' (default)")
-    p.add_argument("--tensor-parallel-size", type=_positive_int,
-                   default=_ENGINE.tensor_parallel_size)
-    p.add_argument("--pipeline-parallel-size", type=_positive_int,
-                   default=_ENGINE.pipeline_parallel_size,
-                   help="pipeline stages per engine (each of --tensor-parallel-size GPUs)")
     p.add_argument("--concurrency", type=_positive_int, default=1,
                    help="engines in the pool (one Ray Data actor each)")
     p.add_argument("--batch-size", type=_positive_int, default=64,
@@ -141,37 +137,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="every output follows this JSON schema (a .json file)")
-    p.add_argument("--max-model-len", type=_positive_int, default=_ENGINE.max_model_len)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=_ENGINE.max_num_seqs)
-    p.add_argument("--num-cpus-per-rank", type=float, default=_ENGINE.num_cpus_per_rank,
-                   help="CPUs per rank when running on CPU")
-    p.add_argument("--device", default=_ENGINE.device, help="auto, cpu or cuda")
-    p.add_argument("--dtype", default=_ENGINE.dtype)
-    p.add_argument("--quantization", default=_ENGINE.quantization, choices=["fp8"],
-                   help="'fp8': quantize a 16/32-bit checkpoint's linear layers at load "
-                        "(FP8 checkpoints are detected)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: whole experts per tensor-parallel rank instead of a slice of each")
-    p.add_argument("--all-reduce", default=_ENGINE.all_reduce, choices=ALL_REDUCES,
-                   help="TP all-reduce: 'auto' (over shared GPU memory where it pays) or 'nccl'")
-    p.add_argument("--kv-cache-dtype", default=_ENGINE.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="'fp8': keys and values stored as e4m3, about twice the KV cache tokens")
-    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
-                   help="merged over the checkpoint's config.json keys, e.g. "
-                        "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                        "\"original_max_position_embeddings\": 32768}}'")
+    p.add_argument("--engine-options", type=_json_object, default={}, metavar="JSON",
+                   help="any other EngineConfig option, e.g. '{\"cpu_kvcache_space_gib\": 1}'")
+    _add_engine_flags(p.add_argument_group("engine options (EngineConfig)"))
     p.add_argument("--lora-modules", action="append", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) rows may name in a 'lora' column "
                         "(repeatable, or comma-separated)")
     p.add_argument("--lora", default=None, metavar="NAME",
                    help="the adapter of the rows that name none (default: the base model)")
-    p.add_argument("--max-loras", type=_positive_int, default=_ENGINE.max_loras,
-                   help="LoRA: adapters resident on the GPU at once")
-    p.add_argument("--max-lora-rank", type=_positive_int, default=_ENGINE.max_lora_rank)
-    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help="speculative decoding, vLLM's keys, e.g. "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     return p.parse_args(argv)
+
+
+def _add_engine_flags(group: Any) -> None:
+    """A flag per engine option EngineConfig exposes, with its default, help, bounds and
+    choices: booleans as ``--x/--no-x``, objects as JSON."""
+    for opt in exposed_options():
+        flag, kind = "--" + opt.name.replace("_", "-"), opt.scalar_type
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=opt.default,
+                               help=opt.help)
+        elif kind is dict:
+            group.add_argument(flag, type=_json_object, default=opt.default, metavar="JSON",
+                               help=opt.help)
+        else:
+            choices = None if opt.choices is None else [c for c in opt.choices if c is not None]
+            group.add_argument(flag, type=_bounded(kind, opt), default=opt.default,
+                               choices=choices, help=opt.help)
+
+
+def _bounded(kind: type, opt: Option) -> Any:
+    """Parse a flag's text as ``kind`` within the option's bounds."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not opt.within_bounds(value):
+            raise argparse.ArgumentTypeError(f"{opt.allowed()}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return parse
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -215,18 +218,14 @@ def _read_schema(path: str) -> Any:
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options as EngineConfig keyword arguments, validated."""
-    kwargs = {"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
-              "pipeline_parallel_size": args.pipeline_parallel_size,
-              "enable_expert_parallel": args.enable_expert_parallel,
-              "all_reduce": args.all_reduce,
-              "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-              "num_cpus_per_rank": args.num_cpus_per_rank, "device": args.device,
-              "dtype": args.dtype, "quantization": args.quantization,
-              "kv_cache_dtype": args.kv_cache_dtype, "hf_overrides": args.hf_overrides,
-              "speculative_config": args.speculative_config}
+    kwargs = {"model": args.model, **{o.name: getattr(args, o.name) for o in exposed_options()}}
+    doubled = sorted(set(args.engine_options) & set(kwargs))
+    if doubled:
+        raise ValueError(f"--engine-options {doubled}: each has a flag of its own; give it "
+                         "as one")
+    kwargs.update(args.engine_options)
     if args.lora_modules:
-        kwargs.update(enable_lora=True, max_loras=args.max_loras,
-                      max_lora_rank=args.max_lora_rank)
+        kwargs["enable_lora"] = True
     EngineConfig.from_kwargs(**kwargs)
     return kwargs
 
