@@ -18,7 +18,6 @@ from nvray.config import EngineConfig
 from nvray.engine.engine import LLMEngine, ModelLimits
 from nvray.gc_freeze import freeze_startup_objects
 from nvray.grammar import grammar_compiler
-from nvray.model_config import architecture_of
 from nvray.models.tiny import resolve_model
 from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import Executor
@@ -43,19 +42,12 @@ def create_engine(config: EngineConfig,
         with phases.phase("tokenizer_wait"):  # what the executor's start did not hide
             tokenizer, phases.beside["tokenizer"] = loading.result()
     with phases.phase("engine"):
-        limits = ModelLimits(max_model_len=executor.max_model_len,
-                             vocab_size=executor.vocab_size, num_kvcache_blocks=executor.num_blocks,
-                             block_size=config.kvcache_block_size,
-                             eos_token_ids=eos_token_ids(model_path, tokenizer),
-                             dtypes=dict(executor.dtypes),
-                             architecture=architecture_of(model_path),
-                             kv_group_windows=tuple(executor.kv_group_windows),
-                             num_state_slots=executor.num_state_slots,
-                             parallelism=dict(executor.parallelism),
-                             lora_targets=dict(executor.lora_targets))
+        limits = ModelLimits.of(executor.facts, num_kvcache_blocks=executor.num_blocks,
+                                block_size=config.kvcache_block_size,
+                                eos_token_ids=eos_token_ids(model_path, tokenizer))
         engine = LLMEngine(config, tokenizer, executor, limits,
                            grammar_compiler=functools.partial(grammar_compiler, model_path,
-                                                              executor.vocab_size))
+                                                              limits.vocab_size))
     with phases.phase("gc_freeze"):
         freeze_startup_objects()  # start-up done: keep full GC passes off the steps
     engine.counters.record_startup(phases.seconds, time.perf_counter() - start, phases.beside)

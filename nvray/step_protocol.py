@@ -80,6 +80,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from nvray.model_facts import ModelFacts
 from nvray.outputs import TokenLogprobs
 from nvray.structured_outputs import GrammarSpec
 
@@ -247,13 +248,7 @@ class Executor(Protocol):
     """Runs steps on the model ranks; what ``LLMEngine`` and ``bootstrap`` rely on."""
 
     num_blocks: int  # KV cache blocks every rank holds (the minimum over the ranks)
-    kv_group_windows: tuple[int | None, ...]  # per block-table group (``nvray/kv_layout.py``)
-    num_state_slots: int  # recurrent-state slots every rank holds (0: no recurrent layers)
-    max_model_len: int  # prompt + output tokens a sequence may reach
-    vocab_size: int
-    dtypes: dict[str, str]  # {"weights", "compute", "kv_cache"}: what the ranks hold, in words
-    parallelism: dict[str, Any]  # tensor/pipeline_parallel_size, expert_parallel, all_reduce
-    lora_targets: dict[str, tuple[int, int]]  # adaptable modules -> full (in, out); {}: no LoRA
+    facts: ModelFacts  # what the loaded model is, as rank 0 found it (``nvray/model_facts.py``)
 
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` to completion; rank 0's answer."""

@@ -18,26 +18,23 @@ from nvray.engine.block_manager import BlockManager
 from nvray.engine.detokenizer import IncrementalDetokenizer
 from nvray.engine.sequence import RequestState, SeqPlan, Sequence
 from nvray.kv_layout import peak_blocks
+from nvray.model_facts import ModelFacts
 from nvray.sampling_params import BeamSearchParams, SamplingParams
 from nvray.structured_outputs import GrammarSpec
 
 
-@dataclass
-class ModelLimits:
-    """Facts about the loaded model and cache that the control plane needs."""
+@dataclass(frozen=True)
+class ModelLimits(ModelFacts):
+    """The model's facts (``nvray/model_facts.py``) and what the engine's start-up adds: the
+    KV cache's blocks and the EOS ids."""
 
-    max_model_len: int
-    vocab_size: int
-    num_kvcache_blocks: int
-    block_size: int
-    eos_token_ids: tuple[int, ...]
-    dtypes: dict[str, str] = field(default_factory=dict)  # weights / compute / KV cache
-    architecture: str = ""  # config.json's architectures[0], e.g. "LlamaForCausalLM"
-    kv_group_windows: tuple[int | None, ...] = (None,)  # per block-table group (kv_layout.py)
-    num_state_slots: int = 0  # recurrent-state slots (models with linear-attention layers)
-    parallelism: dict[str, Any] = field(default_factory=dict)  # how the ranks split the model
-    # multi-LoRA: the projections adapters may adapt, checkpoint module -> full (in, out)
-    lora_targets: dict[str, tuple[int, int]] = field(default_factory=dict)
+    num_kvcache_blocks: int = field(kw_only=True)
+    block_size: int = field(kw_only=True)
+    eos_token_ids: tuple[int, ...] = field(kw_only=True)
+
+    @classmethod
+    def of(cls, facts: ModelFacts, **added: Any) -> "ModelLimits":
+        return cls(**facts.as_info(), **added)
 
 
 # how much of an over-long text is tokenized to refuse it (characters per max_model_len token):

@@ -83,14 +83,12 @@ class EngineDriver:
         self.engine = engine
         self.loop = EngineLoop(engine)
         lim, cfg = engine.limits, self.config
-        return {"max_model_len": lim.max_model_len, "vocab_size": lim.vocab_size,
-                "num_kvcache_blocks": lim.num_kvcache_blocks, "block_size": lim.block_size,
+        return {**lim.as_info(), "num_kvcache_blocks": lim.num_kvcache_blocks,
+                "block_size": lim.block_size,
                 "device": cfg.device, "tensor_parallel_size": cfg.tensor_parallel_size,
                 "pipeline_parallel_size": cfg.pipeline_parallel_size,
                 "cuda_graphs": cfg.device == "cuda" and not cfg.enforce_eager,
-                "dtypes": lim.dtypes, "architecture": lim.architecture,
-                "parallelism": lim.parallelism,
-                "lora_targets": lim.lora_targets, "max_lora_rank": cfg.max_lora_rank,
+                "max_lora_rank": cfg.max_lora_rank,
                 "startup_s": engine.counters.startup.get("total_s") if engine.counters.startup else None}
 
     # ---------------------------------------------------------------- requests

@@ -28,6 +28,7 @@ import ray
 
 from nvray.cache_dirs import keep_bytecode
 from nvray.config import EngineConfig
+from nvray.model_facts import ModelFacts
 from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import freeze_startup_objects, release_frozen_objects
 
@@ -114,14 +115,9 @@ class RankWorker:
         self.runner = ModelRunner(self.config, model_path)
         return num_kvcache_blocks(self.runner)
 
-    def model_facts(self) -> dict[str, Any]:
+    def model_facts(self) -> ModelFacts:
         assert self.runner is not None, "load() first"
-        return {"max_model_len": self.runner.max_model_len,
-                "vocab_size": self.runner.hf_config.vocab_size, "dtypes": self.runner.dtypes(),
-                "kv_group_windows": self.runner.kv_layout.group_windows,
-                "num_state_slots": self.runner.num_state_slots,
-                "parallelism": self.runner.parallelism(),
-                "lora_targets": self.runner.lora_targets()}
+        return self.runner.facts()
 
     def startup_phases(self) -> dict[str, float]:
         """This rank's start-up seconds by phase (startup_phases.py)."""

@@ -102,13 +102,7 @@ class RayExecutor:
         blocks = ray.get([w.load.remote(model_path) for w in self.workers])
         self.num_blocks = min(blocks)  # every rank must hold the same block count
         ray.get([w.allocate_kv_cache.remote(self.num_blocks) for w in self.workers])
-        facts = ray.get(self.workers[0].model_facts.remote())
-        self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
-        self.dtypes = facts["dtypes"]
-        self.kv_group_windows = tuple(facts["kv_group_windows"])
-        self.num_state_slots = facts["num_state_slots"]
-        self.parallelism = facts["parallelism"]
-        self.lora_targets = facts["lora_targets"]
+        self.facts = ray.get(self.workers[0].model_facts.remote())
 
     def _compile(self):  # noqa: ANN202 - ray.dag types are experimental
         from ray.dag import InputNode, MultiOutputNode  # noqa: PLC0415

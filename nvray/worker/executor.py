@@ -23,13 +23,7 @@ class InProcessExecutor:
         self.runner = ModelRunner(config, model_path)
         self.num_blocks = num_kvcache_blocks(self.runner)
         prepare_kv_cache(self.runner, self.num_blocks)
-        self.max_model_len = self.runner.max_model_len
-        self.vocab_size = self.runner.hf_config.vocab_size
-        self.dtypes = self.runner.dtypes()
-        self.kv_group_windows = self.runner.kv_layout.group_windows
-        self.num_state_slots = self.runner.num_state_slots
-        self.parallelism = self.runner.parallelism()
-        self.lora_targets = self.runner.lora_targets()
+        self.facts = self.runner.facts()
         self.startup_phases = dict(self.runner.startup.seconds)
         self.submitted: collections.deque[StepOutput] = collections.deque()  # submit, collect
 

@@ -50,6 +50,7 @@ from nvray.step_protocol import SampleSpec, StepInput, StepOutput, sample_specs
 from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
                                      prefill_graph_sizes, verify_graph_sizes)
 from nvray.grammar import grammar_compiler
+from nvray.model_facts import ModelFacts
 from nvray.worker.device_lists import to_device
 from nvray.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from nvray.models.qwen3_5_mtp import ARCHITECTURE as MTP_ARCHITECTURE
@@ -222,6 +223,13 @@ class ModelRunner:
         capacity = max(c.max_num_batched_tokens, self.inputs.graph_capacity)
         return LoRAModel(self.model, c.max_loras, c.max_lora_rank, c.cpu_loras, capacity,
                          self.device)
+
+    def facts(self) -> ModelFacts:
+        """What the loaded model is (``nvray/model_facts.py``), as this rank found it."""
+        return ModelFacts(self.max_model_len, self.hf_config.vocab_size,
+                          (self.hf_config.architectures or [""])[0], self.dtypes(),
+                          self.kv_layout.group_windows, self.num_state_slots,
+                          self.parallelism(), self.lora_targets())
 
     def lora_targets(self) -> dict[str, tuple[int, int]]:
         """The projections adapters may adapt: checkpoint module -> full (in, out)."""
