@@ -80,7 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_scratch_bytes", "paged_decode_attention", "paged_decode_attention_ref"]
+__all__ = ["decode_scratch_bytes", "paged_decode_attention"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -328,22 +328,6 @@ def _validate_q_cache_tables(
     return num_heads, num_kv_heads, head_dim, block_size
 
 
-def _gather_seq_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor, n: int, start: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference helper: context positions ``start .. n - 1`` of one sequence, fp32
-    ``[n - start, Hkv, D]``; the blocks wholly before ``start`` (and their table entries) are
-    not read."""
-    block_size = k_cache.shape[1]
-    first = start // block_size
-    nblk = (n + block_size - 1) // block_size
-    blocks = block_table_row[first:nblk].long()
-    skip, count = start - first * block_size, n - start
-    k = k_cache[blocks].reshape(-1, k_cache.shape[2], k_cache.shape[3])[skip:skip + count].float()
-    v = v_cache[blocks].reshape(-1, v_cache.shape[2], v_cache.shape[3])[skip:skip + count].float()
-    return k, v
-
-
 def _check_window(sliding_window: int | None) -> int:
     """The window as an int, 0 for none (None or 0: full causal attention)."""
     if sliding_window is None:
@@ -351,12 +335,6 @@ def _check_window(sliding_window: int | None) -> int:
     if isinstance(sliding_window, bool) or int(sliding_window) != sliding_window or sliding_window < 0:
         raise ValueError(f"sliding_window: expected None or an int >= 0, got {sliding_window!r}")
     return int(sliding_window)
-
-
-def _window_start(n: int, q_len: int, window: int) -> int:
-    """Reference helper: the first position any of the ``q_len`` queries at positions
-    ``n - q_len .. n - 1`` sees (0 without a window)."""
-    return max(0, n - q_len - window + 1) if window else 0
 
 
 def _window_walk(max_ctx: int, window: int, block_n: int) -> int:
@@ -509,39 +487,3 @@ def decode_scratch_bytes(batch: int, num_heads: int, num_kv_heads: int, head_dim
     walk = _window_walk(max_seq_len, _check_window(sliding_window), block_n)
     n_splits, _ = _choose_splits(batch, num_kv_heads, walk, block_n, _num_sms(device), None)
     return 0 if n_splits == 1 else batch * num_heads * n_splits * (head_dim + 2) * 4
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    num_splits: int | None = None,  # ignored
-    max_seq_len: int | None = None,  # ignored
-    order: torch.Tensor | None = None,  # ignored (it changes no result)
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Pure-torch reference of :func:`paged_decode_attention` (fp32 math, one loop per sequence;
-    with a window it gathers the window's positions only)."""
-    batch = q.shape[0] if q.dim() == 3 else -1
-    num_heads, num_kv_heads, head_dim, _ = _validate_q_cache_tables(
-        q, k_cache, v_cache, block_tables, seq_lens, batch
-    )
-    window = _check_window(sliding_window)
-    group = num_heads // num_kv_heads
-    out = torch.zeros((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    for b in range(batch):
-        n = int(seq_lens[b])
-        if n <= 0:
-            continue
-        # positions n - W .. n - 1 (all of them without a window)
-        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], n, _window_start(n, 1, window))
-        k = k.repeat_interleave(group, dim=1)  # [n, H, D]: q head h -> kv head h // group
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale  # [H, n]
-        p = torch.softmax(scores, dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", p, v).to(q.dtype)
-    return out

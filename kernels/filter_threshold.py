@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["filter_thresholds", "filter_thresholds_ref"]
+__all__ = ["filter_thresholds"]
 
 _BLOCK = 1024  # columns per loop step: a [16, 1024] comparison tile
 _NUM_WARPS = 8
@@ -179,20 +179,3 @@ def filter_thresholds(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
                                     BLOCK=block, DIGIT_BITS=_DIGIT_BITS,
                                     num_warps=max(1, min(_NUM_WARPS, block // 32)))
     return out
-
-
-def filter_thresholds_ref(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                          min_p: torch.Tensor) -> torch.Tensor:
-    """Pure-torch reference of :func:`filter_thresholds`: sort each row, filter it as the
-    sampler's sort path does, and return the smallest logit it keeps."""
-    _validate(logits, top_k, top_p, min_p)
-    rows, vocab = logits.shape
-    ordered = logits.sort(dim=-1, descending=True).values
-    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-    probs = ordered.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)
-    top_p = top_p.unsqueeze(1)  # 1 is off: a float32 cumsum may pass 1 before the last token
-    keep = (rank < k) & ((probs.cumsum(dim=-1) - probs < top_p) | (top_p >= 1.0))
-    keep &= probs >= min_p.unsqueeze(1) * probs[:, :1]
-    keep[:, 0] = True
-    return ordered.masked_fill(~keep, float("inf")).min(dim=-1).values

@@ -49,11 +49,9 @@ import triton
 import triton.language as tl
 
 from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
-                                         check_activation_groups, dequantize, linear_ref,
-                                         quantize_activation)
+                                         check_activation_groups)
 
-__all__ = ["quantize_fp8_act", "quantize_fp8_act_ref", "block_fp8_mm", "block_fp8_mm_ref",
-           "channel_fp8_mm", "channel_fp8_mm_ref", "fp8_linear", "fp8_linear_ref"]
+__all__ = ["quantize_fp8_act", "block_fp8_mm", "channel_fp8_mm", "fp8_linear"]
 
 # per-channel layers go to channel_fp8_mm up to this many rows, or below this much work
 # (M * N * K), on the GPU it was measured on (compute capability 9.0, whose 228 KB of shared
@@ -129,10 +127,6 @@ def quantize_fp8_act(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, 
                                               GROUP=group, CHUNK=chunk, FP8_MAX=FP8_MAX,
                                               MIN_SCALE=MIN_SCALE, num_warps=4)
     return q, scale
-
-
-def quantize_fp8_act_ref(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_activation(x, group)
 
 
 @triton.jit
@@ -218,13 +212,6 @@ def _block_mm_config(m: int) -> tuple[int, int, int, int]:
     return 64, 128, 4, 3
 
 
-def block_fp8_mm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
-    _check_block_args(a, a_scale, w, w_scale, block)
-    a_deq = a.float() * a_scale.repeat_interleave(block[1], dim=1)
-    return (a_deq @ dequantize(w, w_scale, block).t()).to(out_dtype)
-
-
 @triton.jit
 def _channel_fp8_mm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
                            stride_am, stride_wn, stride_om,
@@ -289,12 +276,6 @@ def channel_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sc
     return out
 
 
-def channel_fp8_mm_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
-                       w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    _check_channel_args(a, a_scale, w, w_scale)
-    return ((a.float() * a_scale) @ dequantize(w, w_scale.view(-1, 1), None).t()).to(out_dtype)
-
-
 def fp8_linear(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.Tensor,
                block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(x, Fp8Activation):
@@ -314,8 +295,3 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.
     if bias is not None:
         y = y + bias
     return y.view(*lead, w.shape[0])
-
-
-def fp8_linear_ref(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.Tensor,
-                   block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor:
-    return linear_ref(x, w, w_scale, block, bias)

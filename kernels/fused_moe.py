@@ -70,13 +70,12 @@ it for CPU tensors outside the interpreter and past 1024 experts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nvray.quantization.fp8_math import FP8_DTYPE, dequantize
+from nvray.quantization.fp8_math import FP8_DTYPE
 
-__all__ = ["fused_moe", "fused_moe_ref", "moe_align", "moe_align_ref"]
+__all__ = ["fused_moe", "moe_align", "moe_align_ref"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -477,37 +476,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         BK_SCALE=bk_scale, DOT_F32=dot_f32, DOT_PRECISION=dot_precision, BLOCK_M=block_m,
         BLOCK_N=block_n2, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return per_pair.view(t, top_k, h).sum(dim=1).to(x.dtype)
-
-
-def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None,
-                  block_shape: tuple[int, int] | None = None) -> torch.Tensor:
-    """Pure-torch reference of :func:`fused_moe` (same contract and roundings): a loop over the
-    experts that have tokens, each one's weighted output index-added into a float32 sum. Syncs
-    with the device (it reads the per-expert counts)."""
-    fp8 = _check_args(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
-    (t, h), (e, inter), top_k = x.shape, (w13.shape[0], w13.shape[1] // 2), topk_ids.shape[1]
-    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
-    if t * top_k == 0:
-        return out.to(x.dtype)
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    weights = topk_weights.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=e).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        tokens = pairs // top_k
-        if fp8:
-            w_gate_up = dequantize(w13[expert], w13_scale[expert], tuple(block_shape))
-            w_down = dequantize(w2[expert], w2_scale[expert], tuple(block_shape))
-        else:
-            w_gate_up, w_down = w13[expert].float(), w2[expert].float()
-        gate_up = x[tokens].float() @ w_gate_up.t()
-        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype).float()
-        out.index_add_(0, tokens, (act @ w_down.t()) * weights[pairs, None])
-    return out.to(x.dtype)

@@ -35,11 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.layers.gated_delta_rule import commit_reference
 
 from .gdn_decode import delta_update, unit_key
 
-__all__ = ["gdn_commit", "gdn_commit_ref"]
+__all__ = ["gdn_commit"]
 
 _BLOCK_C = 256
 _BV = 32
@@ -116,11 +115,3 @@ def gdn_commit(held_mixed: torch.Tensor, held_conv: torch.Tensor, held_g: torch.
         held_conv, held_g, held_beta, ssm_state, slots, starts, counts, held_rows, num_v_heads,
         num_v_heads // num_k_heads, num_k_heads * head_k_dim, channels, DK=head_k_dim,
         DV=head_v_dim, BV=bv)
-
-
-def gdn_commit_ref(held_mixed: torch.Tensor, held_conv: torch.Tensor, held_g: torch.Tensor,
-                   held_beta: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                   slots: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-                   held_rows: int, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> None:
-    commit_reference(held_mixed, held_conv, held_g, held_beta, conv_state, ssm_state, slots,
-                     starts, counts, held_rows, num_k_heads, head_k_dim, head_v_dim)

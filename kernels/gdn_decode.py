@@ -34,9 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.layers.gated_delta_rule import decode_reference
 
-__all__ = ["gdn_decode", "gdn_decode_ref"]
+__all__ = ["gdn_decode"]
 
 _BLOCK_C = 256
 _BV = 32
@@ -153,11 +152,3 @@ def gdn_decode(mixed: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch
         num_v_heads // num_k_heads, num_k_heads * head_k_dim, channels, head_k_dim ** -0.5,
         DK=head_k_dim, DV=head_v_dim, BV=bv)
     return out
-
-
-def gdn_decode_ref(mixed: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-                   g: torch.Tensor, beta: torch.Tensor, ssm_state: torch.Tensor,
-                   slots: torch.Tensor, positions: torch.Tensor, num_k_heads: int,
-                   head_k_dim: int, head_v_dim: int) -> torch.Tensor:
-    return decode_reference(mixed, conv_state, conv_weight, g, beta, ssm_state, slots,
-                            positions, num_k_heads, head_k_dim, head_v_dim)

@@ -31,11 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.layers.gated_delta_rule import rows_reference
 
 from .gdn_decode import delta_update, unit_key
 
-__all__ = ["gdn_rows", "gdn_rows_ref"]
+__all__ = ["gdn_rows"]
 
 _BV = 32
 
@@ -91,11 +90,3 @@ def gdn_rows(conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm_state:
         num_k_heads * head_k_dim, conv.shape[1], head_k_dim ** -0.5, DK=head_k_dim,
         DV=head_v_dim, BV=bv)
     return out
-
-
-def gdn_rows_ref(conv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 ssm_state: torch.Tensor, read_rows: torch.Tensor, write_rows: torch.Tensor,
-                 resumes: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int,
-                 head_k_dim: int, head_v_dim: int) -> torch.Tensor:
-    return rows_reference(conv, g, beta, ssm_state, read_rows, write_rows, resumes,
-                          query_start_loc, num_k_heads, head_k_dim, head_v_dim)

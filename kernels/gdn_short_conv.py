@@ -35,9 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.layers.gated_delta_rule import short_conv_reference
 
-__all__ = ["gdn_short_conv", "gdn_short_conv_ref"]
+__all__ = ["gdn_short_conv"]
 
 _BLOCK_C = 128
 
@@ -113,12 +112,3 @@ def gdn_short_conv(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.
         held_conv if hold else out, channels, HOLD=hold, K=weight.shape[1],
         KP=triton.next_power_of_2(weight.shape[1]), BLOCK_C=_BLOCK_C)
     return out
-
-
-def gdn_short_conv_ref(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                       read_rows: torch.Tensor, write_rows: torch.Tensor, resumes: torch.Tensor,
-                       query_start_loc: torch.Tensor, real_lens: torch.Tensor,
-                       held_at: torch.Tensor | None, held_mixed: torch.Tensor,
-                       held_conv: torch.Tensor) -> torch.Tensor:
-    return short_conv_reference(mixed, conv_state, weight, read_rows, write_rows, resumes,
-                                query_start_loc, real_lens, held_at, held_mixed, held_conv)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["mask_logits", "mask_logits_ref"]
+__all__ = ["mask_logits"]
 
 BLOCK = 4096  # tokens per program: 128 mask words
 
@@ -55,12 +55,3 @@ def mask_logits(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor,
     grid = (n, triton.cdiv(vocab_size, BLOCK))
     _mask_logits_kernel[grid](logits, logits.stride(0), masks, masks.shape[1], rows, sources,
                               vocab_size, BLOCK=BLOCK)
-
-
-def mask_logits_ref(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor,
-                    sources: torch.Tensor) -> None:
-    vocab_size = logits.shape[1]
-    tokens = torch.arange(vocab_size, device=masks.device)
-    for row, source in zip(rows.tolist(), sources.tolist()):
-        allowed = (masks[source, tokens // 32].long() >> (tokens % 32)) & 1
-        logits[row, allowed == 0] = float("-inf")

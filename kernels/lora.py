@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lora_shrink", "lora_expand", "lora_shrink_ref", "lora_expand_ref", "shrink_splits",
-           "expand_chunks"]
+__all__ = ["lora_shrink", "lora_expand", "shrink_splits", "expand_chunks"]
 
 _BLOCK_N = 64  # shrink: columns of h a program computes
 _BLOCK_OUT = 128  # expand: output columns a program adds to
@@ -212,27 +211,3 @@ def _expand_launch(h, b, y, rows, tiles, slices, tile_rows, chunks):
         h2, y2, w2, tiles.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
         y.stride(0), BLOCK_M=tile_rows, BLOCK_N=_BLOCK_OUT, CHUNKS=chunks,
         BLOCK_R=max(16, triton.next_power_of_2(r)), PRECISION=_precision(b.dtype))
-
-
-def _tiles(rows: torch.Tensor, tiles: torch.Tensor):
-    for slot, start, n in zip(*tiles.tolist()):
-        if slot >= 0:
-            yield slot, rows[start:start + n].long()
-
-
-def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
-                    tiles: torch.Tensor, tile_rows: int = 16) -> None:
-    h[1:] = 0
-    for slot, idx in _tiles(rows, tiles):
-        h[0, idx] = x[idx].float() @ a[slot].float().T
-
-
-def lora_expand_ref(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, rows: torch.Tensor,
-                    tiles: torch.Tensor, slices: list[tuple[int, int, int]],
-                    tile_rows: int = 16, chunks: int | None = None) -> None:
-    r = b.shape[2]
-    for slot, idx in _tiles(rows, tiles):
-        for h_col, y_col, width in slices:
-            part = h[:, idx, h_col:h_col + r].sum(0) @ b[slot, y_col:y_col + width].float().T
-            y[idx, y_col:y_col + width] = (y[idx, y_col:y_col + width].float()
-                                           + part).to(y.dtype)

@@ -59,17 +59,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import (
-    _LOG2E,
-    _check_int_vector,
-    _check_kernel_device,
-    _check_window,
-    _gather_seq_kv,
-    _validate_q_cache_tables,
-    _window_start,
-)
+from .decode_attention import (_LOG2E, _check_int_vector, _check_kernel_device, _check_window,
+                               _validate_q_cache_tables)
 
-__all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
+__all__ = ["paged_prefill_attention"]
 
 
 @triton.jit
@@ -321,45 +314,4 @@ def paged_prefill_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out
-
-
-def paged_prefill_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seqlen_q: int,
-    scale: float,
-    *,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Pure-torch reference of :func:`paged_prefill_attention` (fp32 math, one loop per sequence;
-    with a window it gathers positions from the first query's window start on only)."""
-    batch, num_heads, num_kv_heads, head_dim, _ = _validate(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q
-    )
-    window = _check_window(sliding_window)
-    group = num_heads // num_kv_heads
-    out = torch.zeros((q.shape[0], num_heads, head_dim), dtype=q.dtype, device=q.device)
-    for b in range(batch):
-        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        qlen, n = q1 - q0, int(seq_lens[b])
-        if qlen == 0:
-            continue
-        lo = _window_start(n, qlen, window)  # no query sees a position below it
-        k, v = _gather_seq_kv(k_cache, v_cache, block_tables[b], n, lo)  # [n - lo, Hkv, D]
-        k = k.repeat_interleave(group, dim=1)  # [n - lo, H, D]
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("thd,nhd->htn", q[q0:q1].float(), k) * scale  # [H, qlen, n - lo]
-        q_pos = torch.arange(n - qlen, n, device=q.device)  # [qlen]
-        k_pos = torch.arange(lo, n, device=q.device)  # [n - lo]
-        visible = k_pos[None, :] <= q_pos[:, None]  # [qlen, n - lo]
-        if window:
-            visible &= k_pos[None, :] > q_pos[:, None] - window
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("htn,nhd->thd", p, v).to(q.dtype)
     return out

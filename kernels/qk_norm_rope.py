@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.store_kv import saturate_for_cache
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_store"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_store"]
 
 
 @triton.jit
@@ -209,28 +209,3 @@ def _launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, n
         HAS_NORM=has_norm, STORE=store, FP8_CACHE=k_out.dtype == torch.float8_e4m3fn,
         num_warps=4 if block_h * head_dim >= 4096 else 2)
     return q
-
-
-def qk_norm_rope_ref(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                     num_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
-                     k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of :func:`qk_norm_rope` (same contract)."""
-    head_dim = _validate(qkv, positions, cos_sin, num_heads, num_kv_heads, q_weight, k_weight)
-    dtype = qkv.dtype
-    q = qkv[:, :num_heads * head_dim].reshape(-1, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].reshape(
-        -1, num_kv_heads, head_dim)
-
-    def norm(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:  # float32 out
-        xf = x.float()
-        if w is None:
-            return xf
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
-
-    cos, sin = cos_sin[positions.long()].unsqueeze(1).chunk(2, dim=-1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-
-    return rotate(norm(q, q_weight)), rotate(norm(k, k_weight))

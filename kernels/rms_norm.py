@@ -53,11 +53,9 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_gemm import quantize_groups
-from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
-                                         check_group, quantize_activation)
+from nvray.quantization.fp8_math import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation, check_group
 
-__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_fp8", "rms_norm_fp8_ref", "sum_rms_norm",
-           "sum_rms_norm_ref"]
+__all__ = ["rms_norm", "rms_norm_fp8", "sum_rms_norm"]
 
 _MAX_HIDDEN = 16384
 
@@ -198,38 +196,3 @@ def sum_rms_norm(peer_ptrs: torch.Tensor, residual: torch.Tensor, weight: torch.
                         dtype=torch.float32, device=residual.device)
     new_residual = _launch(residual, weight, eps, residual, q, scale, kernel_group, peer_ptrs)
     return Fp8Activation(q, scale, residual.dtype), new_residual
-
-
-def sum_rms_norm_ref(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float, group: int | None | bool = False
-                     ) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
-    """Pure-torch reference of :func:`sum_rms_norm`, given the partial sums themselves."""
-    total = parts[0].float()
-    for part in parts[1:]:
-        total = total + part.float()
-    x = total.to(residual.dtype)
-    if group is False:
-        return rms_norm_ref(x, weight, eps, residual)  # type: ignore[return-value]
-    return rms_norm_fp8_ref(x, weight, eps, residual, group)  # type: ignore[arg-type,return-value]
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of :func:`rms_norm` (same contract)."""
-    _validate(x, weight, residual)
-    v = x if residual is None else x + residual
-    vf = v.float()
-    out = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-    return out if residual is None else (out, v)
-
-
-def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     residual: torch.Tensor | None = None, group: int | None = None
-                     ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
-    """Pure-torch reference of :func:`rms_norm_fp8` (same contract)."""
-    check_group(x.shape[1], group)
-    normed = rms_norm_ref(x, weight, eps, residual)
-    out = normed if residual is None else normed[0]
-    act = Fp8Activation(*quantize_activation(out, group), x.dtype)
-    return act if residual is None else (act, normed[1])

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["race_sample", "race_sample_ref"]
+__all__ = ["race_sample"]
 
 _BLOCK = 8192  # columns per loop step, 16 warps, no pipelining: the fastest of those measured
 _NUM_WARPS = 16
@@ -154,19 +154,3 @@ def race_sample(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: 
             FILTER=filtered,
             num_warps=max(1, min(_NUM_WARPS, block // 256)), num_stages=1)
     return out
-
-
-def race_sample_ref(logits: torch.Tensor, temperatures: float | torch.Tensor, seed: int,
-                    thresholds: torch.Tensor | None = None) -> torch.Tensor:
-    """Pure-torch reference of :func:`race_sample` (same contract; torch's Gumbel noise)."""
-    _validate(logits, temperatures, thresholds)
-    rows, vocab = logits.shape
-    t = (temperatures if isinstance(temperatures, torch.Tensor)
-         else torch.full((rows,), float(temperatures), device=logits.device)).unsqueeze(1)
-    x = torch.where(t == 0.0, logits.float(), logits.float() / t.clamp_min(1e-30))
-    if thresholds is not None:
-        x = x.masked_fill(x < thresholds.unsqueeze(1), float("-inf"))
-    gen = torch.Generator(device=logits.device).manual_seed(seed)
-    u = torch.rand(rows, vocab, generator=gen, device=logits.device)
-    drawn = (x - (-u.log()).log()).argmax(dim=-1)
-    return torch.where(t.squeeze(1) == 0.0, x.argmax(dim=-1), drawn).to(torch.int32)

@@ -32,10 +32,9 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_gemm import quantize_groups
-from nvray.quantization.fp8_math import (FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation,
-                                         check_group, quantize_activation)
+from nvray.quantization.fp8_math import FP8_DTYPE, FP8_MAX, MIN_SCALE, Fp8Activation, check_group
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref", "silu_and_mul_fp8", "silu_and_mul_fp8_ref"]
+__all__ = ["silu_and_mul", "silu_and_mul_fp8"]
 
 _BLOCK = 1024
 _ROW_ONE_PASS = 16384  # a per-row FP8 program holds rows up to this long (padded) at once
@@ -127,13 +126,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Pure-torch reference of :func:`silu_and_mul` (same contract)."""
-    _validate(x)
-    gate, up = x.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
-
-
 def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> Fp8Activation:
     """:func:`silu_and_mul` quantized to e4m3, a scale per ``group`` columns (None: per row)."""
     _validate(x)
@@ -159,9 +151,3 @@ def silu_and_mul_fp8(x: torch.Tensor, group: int | None = None) -> Fp8Activation
                                        GROUP=group or 0, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
                                        MIN_SCALE=MIN_SCALE, num_warps=warps)
     return Fp8Activation(q, scale, x.dtype)
-
-
-def silu_and_mul_fp8_ref(x: torch.Tensor, group: int | None = None) -> Fp8Activation:
-    """Pure-torch reference of :func:`silu_and_mul_fp8` (same contract)."""
-    check_group(x.shape[1] // 2, group)
-    return Fp8Activation(*quantize_activation(silu_and_mul_ref(x), group), x.dtype)

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nvray.quantization.fp8_math import FP8_MAX, to_cache_dtype
+from nvray.quantization.fp8_math import FP8_MAX
 
-__all__ = ["store_kvcache", "store_kvcache_ref"]
+__all__ = ["store_kvcache"]
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
@@ -160,21 +160,3 @@ def store_kvcache(
         FP8_CACHE=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps,
     )
-
-
-def store_kvcache_ref(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Pure-torch reference of :func:`store_kvcache` (same contract, in place)."""
-    _validate(key, value, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
-    for t in range(key.shape[0]):
-        s = int(slot_mapping[t])
-        if s < 0:
-            continue
-        k_cache[s // block_size, s % block_size] = to_cache_dtype(key[t], k_cache.dtype)
-        v_cache[s // block_size, s % block_size] = to_cache_dtype(value[t], v_cache.dtype)

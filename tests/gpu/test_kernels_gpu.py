@@ -33,6 +33,14 @@ def kernels():
     return k
 
 
+@pytest.fixture(scope="module")
+def kernel_refs(kernels):
+    """The kernels' torch references (imported after the kernels' own check)."""
+    import kernel_refs as refs
+
+    return refs
+
+
 def make_paged_kv(seq_lens, block_size, seed=0, extra_blocks=7, num_kv_heads=NUM_KV_HEADS):
     """Random bf16 caches; each sequence gets blocks from a random permutation.
 
@@ -94,40 +102,40 @@ def test_store_kvcache_gpu(kernels, block_size):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def test_store_kvcache_ref_matches_gpu(kernels):
+def test_store_kvcache_ref_matches_gpu(kernels, kernel_refs):
     key = torch.randn(64, NUM_KV_HEADS, HEAD_DIM, device="cuda").to(DTYPE)
     slots = torch.randperm(16 * 16, device="cuda")[:64]
     slots[::5] = -1
     k1 = torch.zeros(16, 16, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v1, k2, v2 = k1.clone(), k1.clone(), k1.clone()
     kernels.store_kvcache(key, key, k1, v1, slots)
-    kernels.store_kvcache_ref(key, key, k2, v2, slots)
+    kernel_refs.store_kvcache_ref(key, key, k2, v2, slots)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_decode_gpu(kernels, block_size, num_splits):
+def test_decode_gpu(kernels, kernel_refs, block_size, num_splits):
     seq_lens = _ragged_lens(64, 4096, block_size, seed=block_size)
     k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, seed=1)
     q = torch.randn(64, NUM_HEADS, HEAD_DIM, device="cuda").to(DTYPE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, SCALE)
+    ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, SCALE)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, SCALE, num_splits=num_splits)
     _check(out, ref)
 
 
-def test_decode_gpu_long_single_sequence(kernels):
+def test_decode_gpu_long_single_sequence(kernels, kernel_refs):
     # batch 1: the heuristic splits the context across many programs
     seq_lens = [32768 - 5]
     k_cache, v_cache, bt = make_paged_kv(seq_lens, 16, seed=2)
     q = torch.randn(1, NUM_HEADS, HEAD_DIM, device="cuda").to(DTYPE)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, SCALE)
+    ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, SCALE)
     _check(kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, SCALE), ref)
 
 
-def test_decode_gpu_cuda_graph(kernels):
+def test_decode_gpu_cuda_graph(kernels, kernel_refs):
     # no host sync inside: capturable; replay with new lengths and new q
     block_size, batch = 16, 64
     seq_lens = _ragged_lens(batch, 2048, block_size, seed=3)
@@ -148,11 +156,11 @@ def test_decode_gpu_cuda_graph(kernels):
     q.copy_(torch.randn_like(q, dtype=torch.float32).to(DTYPE))
     graph.replay()
     torch.cuda.synchronize()
-    _check(out, kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, SCALE))
+    _check(out, kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, SCALE))
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_prefill_gpu(kernels, block_size):
+def test_prefill_gpu(kernels, kernel_refs, block_size):
     g = torch.Generator().manual_seed(block_size)
     cases = [(1, 1), (4096, 17), (4096, 1), (2048, 2048), (1500, 1500), (3 * block_size, block_size),
              (777, 300), (4000, 64)]
@@ -168,7 +176,7 @@ def test_prefill_gpu(kernels, block_size):
     cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     args = (q, k_cache, v_cache, bt, cu, sl, max(qlens), SCALE)
-    _check(kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args))
+    _check(kernels.paged_prefill_attention(*args), kernel_refs.paged_prefill_attention_ref(*args))
 
 
 def test_prefill_gpu_full_batch_causal(kernels):
@@ -189,7 +197,7 @@ def test_prefill_gpu_full_batch_causal(kernels):
         _check(out[i * n : (i + 1) * n], dense.transpose(0, 1))
 
 
-def test_int64_addressing_large_cache(kernels):
+def test_int64_addressing_large_cache(kernels, kernel_refs):
     # a cache of > 2**31 elements: block ids near the end need 64-bit offsets
     block_size = 256
     num_blocks = (2**31) // (block_size * NUM_KV_HEADS * HEAD_DIM) + 64
@@ -209,7 +217,7 @@ def test_int64_addressing_large_cache(kernels):
     assert torch.equal(k_cache[num_blocks - 1, 5], key[5])
     q = torch.randn(1, NUM_HEADS, HEAD_DIM, device="cuda").to(DTYPE)
     sl = torch.tensor([n], dtype=torch.int32, device="cuda")
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, blocks, sl, SCALE)
+    ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, blocks, sl, SCALE)
     _check(kernels.paged_decode_attention(q, k_cache, v_cache, blocks, sl, SCALE), ref)
     cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     _check(kernels.paged_prefill_attention(q, k_cache, v_cache, blocks, cu, sl, 1, SCALE), ref)
@@ -218,7 +226,7 @@ def test_int64_addressing_large_cache(kernels):
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (256, 8, 1), (128, 32, 8)])
-def test_other_head_dims_gpu(kernels, head_dim, num_heads, num_kv_heads):
+def test_other_head_dims_gpu(kernels, kernel_refs, head_dim, num_heads, num_kv_heads):
     # other Qwen3-like geometries: the launchers pick per-head_dim tile configs
     block_size = 16
     seq_lens = [1, 16, 17, 1000, 2500, 333]
@@ -240,8 +248,8 @@ def test_other_head_dims_gpu(kernels, head_dim, num_heads, num_kv_heads):
     qd = torch.randn(len(seq_lens), num_heads, head_dim, device="cuda").to(DTYPE)
     for ns in (None, 3):
         out = kernels.paged_decode_attention(qd, k_cache, v_cache, bt, sl, scale, num_splits=ns)
-        _check(out, kernels.paged_decode_attention_ref(qd, k_cache, v_cache, bt, sl, scale))
+        _check(out, kernel_refs.paged_decode_attention_ref(qd, k_cache, v_cache, bt, sl, scale))
     qp = torch.randn(sum(qlens), num_heads, head_dim, device="cuda").to(DTYPE)
     cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     args = (qp, k_cache, v_cache, bt, cu, sl, max(qlens), scale)
-    _check(kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args))
+    _check(kernels.paged_prefill_attention(*args), kernel_refs.paged_prefill_attention_ref(*args))

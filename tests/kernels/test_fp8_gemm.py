@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("triton")
 import torch  # noqa: E402
 
+import kernel_refs  # noqa: E402
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from nvray.quantization.fp8_math import quantize_per_block, quantize_per_channel  # noqa: E402
@@ -37,7 +38,7 @@ def _operands(m: int, n: int, k: int, seed: int):
 def test_activation_quantization_matches_reference(group):
     x, _ = _operands(9, 8, 384, seed=1)
     q, scale = kernels.quantize_fp8_act(x, group)
-    q_ref, scale_ref = kernels.quantize_fp8_act_ref(x, group)
+    q_ref, scale_ref = kernel_refs.quantize_fp8_act_ref(x, group)
     torch.testing.assert_close(scale, scale_ref, atol=0, rtol=1e-6)
     if not INTERPRET:
         assert torch.equal(q.float(), q_ref.float())
@@ -49,9 +50,9 @@ def test_block_fp8_gemm_matches_reference(m):
     x, w = _operands(m, 200, 256, seed=m)  # 200 rows: the last weight block is partial
     wq, ws = quantize_per_block(w.cpu(), BLOCK)
     wq, ws = wq.to(DEVICE), ws.to(DEVICE)
-    aq, a_scale = kernels.quantize_fp8_act_ref(x, BLOCK[1])
+    aq, a_scale = kernel_refs.quantize_fp8_act_ref(x, BLOCK[1])
     out = kernels.block_fp8_mm(aq, a_scale, wq, ws, BLOCK, torch.float32)
-    ref = kernels.block_fp8_mm_ref(aq, a_scale, wq, ws, BLOCK, torch.float32)
+    ref = kernel_refs.block_fp8_mm_ref(aq, a_scale, wq, ws, BLOCK, torch.float32)
     # Hopper's FP8 tensor cores accumulate a K block in less than fp32 precision
     torch.testing.assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
 
@@ -59,7 +60,7 @@ def test_block_fp8_gemm_matches_reference(m):
 def test_block_fp8_gemm_rejects_mismatched_scales():
     x, w = _operands(3, 256, 256, seed=2)
     wq, ws = quantize_per_block(w.cpu(), BLOCK)
-    aq, a_scale = kernels.quantize_fp8_act_ref(x, BLOCK[1])
+    aq, a_scale = kernel_refs.quantize_fp8_act_ref(x, BLOCK[1])
     with pytest.raises(ValueError, match="scales"):
         kernels.block_fp8_mm(aq, a_scale[:, :1], wq.to(DEVICE), ws.to(DEVICE), BLOCK, torch.float32)
 
@@ -70,9 +71,9 @@ def test_channel_fp8_gemm_matches_reference(m, n, k):
     rows and columns off the tile grid."""
     x, w = _operands(m, n, k, seed=m + k)
     wq, ws = quantize_per_channel(w.cpu())
-    aq, a_scale = kernels.quantize_fp8_act_ref(x, None)
+    aq, a_scale = kernel_refs.quantize_fp8_act_ref(x, None)
     out = kernels.channel_fp8_mm(aq, a_scale, wq.to(DEVICE), ws.to(DEVICE), torch.float32)
-    ref = kernels.channel_fp8_mm_ref(aq, a_scale, wq.to(DEVICE), ws.to(DEVICE), torch.float32)
+    ref = kernel_refs.channel_fp8_mm_ref(aq, a_scale, wq.to(DEVICE), ws.to(DEVICE), torch.float32)
     torch.testing.assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-3)
     with pytest.raises(ValueError, match="scales"):
         kernels.channel_fp8_mm(aq, a_scale.repeat(1, 2), wq.to(DEVICE), ws.to(DEVICE), torch.float32)
@@ -87,7 +88,7 @@ def test_fp8_linear_matches_reference_at_real_shapes(m, n, k, block):
     x = x.to(torch.bfloat16)
     wq, ws = quantize_per_channel(w) if block is None else quantize_per_block(w, block)
     out = kernels.fp8_linear(x, wq, ws, block, None).float()
-    ref = kernels.fp8_linear_ref(x.float(), wq, ws, block, None)
+    ref = kernel_refs.fp8_linear_ref(x.float(), wq, ws, block, None)
     # both multiply the same FP8 values; the difference is bf16 output rounding and fp32 order
     torch.testing.assert_close(out, ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
 
@@ -106,11 +107,11 @@ def test_fp8_linear_takes_an_activation_quantized_before_it(block, m, n, k):
     act = Fp8Activation(*kernels.quantize_fp8_act(x, group), x.dtype)
     torch.testing.assert_close(kernels.fp8_linear(act, wq, ws, block, None),
                                kernels.fp8_linear(x, wq, ws, block, None), atol=0, rtol=0)
-    act_ref = Fp8Activation(*kernels.quantize_fp8_act_ref(x, group), x.dtype)  # rounds to e4m3
-    torch.testing.assert_close(kernels.fp8_linear_ref(act_ref, wq, ws, block, None),
-                               kernels.fp8_linear_ref(x, wq, ws, block, None), atol=1e-5, rtol=1e-5)
+    act_ref = Fp8Activation(*kernel_refs.quantize_fp8_act_ref(x, group), x.dtype)  # rounds to e4m3
+    torch.testing.assert_close(kernel_refs.fp8_linear_ref(act_ref, wq, ws, block, None),
+                               kernel_refs.fp8_linear_ref(x, wq, ws, block, None), atol=1e-5, rtol=1e-5)
     other = Fp8Activation(*kernels.quantize_fp8_act(x, 128 if block is None else None), x.dtype)
-    for linear in (kernels.fp8_linear, kernels.fp8_linear_ref):
+    for linear in (kernels.fp8_linear, kernel_refs.fp8_linear_ref):
         with pytest.raises(ValueError, match="does not fit"):
             linear(other, wq, ws, block, None)
 

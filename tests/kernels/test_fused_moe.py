@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import kernel_refs  # noqa: E402
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from nvray.quantization.fp8_math import dequantize, quantize_per_block  # noqa: E402
@@ -73,7 +74,7 @@ def _check(x, w13, w2, topk_weights, topk_ids, naive_w13=None, naive_w2=None, **
     """The kernel against the reference, and both against the naive loop."""
     dtype = x.dtype
     out = kernels.fused_moe(x, w13, w2, topk_weights, topk_ids, **fp8)
-    ref = kernels.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **fp8)
+    ref = kernel_refs.fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **fp8)
     assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
     assert ref.shape == x.shape and ref.dtype == dtype
     assert torch.isfinite(out).all()
@@ -171,7 +172,7 @@ def test_pairs_of_other_ranks_experts_add_nothing():
     ids[1::3, 1] = 7
     got = kernels.fused_moe(x, w13, w2, topk_weights, ids, skips_pairs=True)
     keep = (ids >= 0) & (ids < 4)
-    want = kernels.fused_moe_ref(x, w13, w2, topk_weights * keep, torch.where(keep, ids, 0))
+    want = kernel_refs.fused_moe_ref(x, w13, w2, topk_weights * keep, torch.where(keep, ids, 0))
     torch.testing.assert_close(got, want, **TOL_REF[torch.float32])
 
 
@@ -181,7 +182,7 @@ def test_no_tokens():
     x = torch.empty(0, 64, dtype=torch.bfloat16, device=DEVICE)
     topk_weights = torch.empty(0, 2, device=DEVICE)
     topk_ids = torch.empty(0, 2, dtype=torch.int32, device=DEVICE)
-    for fn in (kernels.fused_moe, kernels.fused_moe_ref):
+    for fn in (kernels.fused_moe, kernel_refs.fused_moe_ref):
         out = fn(x, w13, w2, topk_weights, topk_ids)
         assert out.shape == (0, 64) and out.dtype == torch.bfloat16
     sorted_ids, expert_ids, total = kernels.moe_align(topk_ids, 4, 16)
@@ -311,7 +312,7 @@ def test_validation_names_the_argument():
         ("topk_ids", (x, w13, w2, tw, ti[:, 0])),
     ]
     for name, args in bad:
-        for fn in (kernels.fused_moe, kernels.fused_moe_ref):
+        for fn in (kernels.fused_moe, kernel_refs.fused_moe_ref):
             with pytest.raises(ValueError, match=name):
                 fn(*args)
     q13 = w13.to(torch.float8_e4m3fn)
@@ -349,7 +350,7 @@ def test_cuda_graph_capture_and_large_batches(dtype, num_tokens):
     x = _x(t, h, dtype, g)
     topk_weights, topk_ids = _routing(t, e, top_k, g)
     out = kernels.fused_moe(x, w13, w2, topk_weights, topk_ids)  # compile outside the capture
-    torch.testing.assert_close(out, kernels.fused_moe_ref(x, w13, w2, topk_weights, topk_ids),
+    torch.testing.assert_close(out, kernel_refs.fused_moe_ref(x, w13, w2, topk_weights, topk_ids),
                                **TOL_REF[dtype])
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -365,7 +366,7 @@ def test_cuda_graph_capture_and_large_batches(dtype, num_tokens):
     topk_weights.copy_(new_weights)
     topk_ids.copy_(new_ids)
     graph.replay()
-    torch.testing.assert_close(captured, kernels.fused_moe_ref(x, w13, w2, topk_weights, topk_ids),
+    torch.testing.assert_close(captured, kernel_refs.fused_moe_ref(x, w13, w2, topk_weights, topk_ids),
                                **TOL_REF[dtype])
     if num_tokens == 16:
         for small in (1, 3, 16):

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("triton")
 import torch  # noqa: E402
 
+import kernel_refs  # noqa: E402
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 
@@ -41,7 +42,7 @@ def test_listed_rows_lose_exactly_their_forbidden_tokens(dtype, launch):
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
     rows, sources = [3, 0, 4], [2, 0, 1]  # row 3 takes mask 2, ...; rows 1 and 2 unlisted
     got = logits.to(DEVICE)
-    run = kernels.mask_logits if launch == "kernel" else kernels.mask_logits_ref
+    run = kernels.mask_logits if launch == "kernel" else kernel_refs.mask_logits_ref
     run(got, masks, torch.tensor(rows, device=DEVICE), torch.tensor(sources, device=DEVICE))
     got = got.cpu()
     for row in range(5):

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import kernel_refs  # noqa: E402
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from kernels import decode_attention as _dec  # noqa: E402
@@ -118,7 +119,7 @@ def test_store_kvcache(dtype, slot_dtype, block_size, num_kv_heads, head_dim):
     v_cache = _randn((num_blocks, block_size, num_kv_heads, head_dim), dtype, g)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     kernels.store_kvcache(key, value, k_cache, v_cache, slots)
-    kernels.store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    kernel_refs.store_kvcache_ref(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)
     # spot check the contract directly
@@ -150,7 +151,7 @@ def test_decode_gqa_blocks(block_size, num_heads, num_kv_heads):
     k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=2)
     q = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(3))
     sl = _i32(seq_lens)
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
+    ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
     _assert_close(out, ref, dtype)
 
@@ -163,7 +164,7 @@ def test_decode_splits(dtype, num_splits):
     k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=4)
     q = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(5))
     sl = _i32(seq_lens)
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.125)
+    ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.125)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.125, num_splits=num_splits)
     _assert_close(out, ref, dtype)
     # an explicit, tight max_seq_len gives the same answer
@@ -181,7 +182,7 @@ def test_decode_order_changes_no_result(num_splits):
     k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed=21)
     q = _randn((len(seq_lens), num_heads, head_dim), torch.float32, _gen(22))
     sl = _i32(seq_lens)
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.17)
+    ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.17)
     longest_first = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
     for order in (longest_first, [4, 3, 2, 1, 0]):
         out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.17, num_splits=num_splits,
@@ -240,7 +241,7 @@ def test_decode_head_dims_and_strided_q(head_dim):
     q = fused[:, :num_heads]
     assert not q.is_contiguous()
     sl = _i32(seq_lens)
-    ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
+    ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, head_dim**-0.5)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, head_dim**-0.5, num_splits=2)
     _assert_close(out, ref, dtype)
 
@@ -254,7 +255,7 @@ def test_decode_zero_length_padding_rows_are_zero():
     q = _randn((3, 4, head_dim), torch.float32, _gen(9))
     for ns in (1, 2):
         out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, 0.2, num_splits=ns)
-        ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.2)
+        ref = kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, 0.2)
         _assert_close(out, ref, torch.float32)
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
@@ -295,7 +296,7 @@ def test_prefill_gqa_blocks(block_size, num_heads, num_kv_heads):
     k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=10)
     q = _randn((sum(qlens), num_heads, head_dim), dtype, _gen(11))
     args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), max(qlens), head_dim**-0.5)
-    ref = kernels.paged_prefill_attention_ref(*args)
+    ref = kernel_refs.paged_prefill_attention_ref(*args)
     out = kernels.paged_prefill_attention(*args)
     _assert_close(out, ref, dtype)
 
@@ -310,7 +311,7 @@ def test_prefill_chunked_ragged(dtype):
     fused = _randn((sum(qlens), num_heads + 2 * num_kv_heads, head_dim), dtype, _gen(13))
     q = fused[:, :num_heads]  # strided view
     cu, sl = _cu(qlens), _i32(seq_lens)
-    ref = kernels.paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, sl, max(qlens), 0.1)
+    ref = kernel_refs.paged_prefill_attention_ref(q, k_cache, v_cache, bt, cu, sl, max(qlens), 0.1)
     out = kernels.paged_prefill_attention(q, k_cache, v_cache, bt, cu, sl, max(qlens), 0.1)
     _assert_close(out, ref, dtype)
     # a loose (larger) max_seqlen_q is fine too
@@ -328,7 +329,7 @@ def test_prefill_prefix_lengths_around_tile_edges():
     k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, 1, head_dim, torch.float32, seed=19)
     q = _randn((sum(qlens), 2, head_dim), torch.float32, _gen(20))
     args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), 3, 0.25)
-    _assert_close(kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args), torch.float32)
+    _assert_close(kernels.paged_prefill_attention(*args), kernel_refs.paged_prefill_attention_ref(*args), torch.float32)
 
 
 def test_prefill_qlen1_matches_decode():
@@ -455,7 +456,7 @@ def test_store_kvcache_into_fp8_rounds_and_saturates_like_the_reference(dtype):
     slots = _i32([3, -1, 0, 17, 30, 8, 9, 1, 31])
     caches = [torch.zeros((4, 8, 4, 64), dtype=FP8, device=DEVICE) for _ in range(4)]
     kernels.store_kvcache(key, value, caches[0], caches[1], slots)
-    kernels.store_kvcache_ref(key, value, caches[2], caches[3], slots)
+    kernel_refs.store_kvcache_ref(key, value, caches[2], caches[3], slots)
     assert caches[2].float().abs().max() == 448
     for got, want in zip(caches[:2], caches[2:]):
         assert torch.equal(got.float(), want.float())
@@ -470,11 +471,11 @@ def test_decode_and_prefill_read_fp8_caches_like_the_reference(dtype):
     k_cache, v_cache, bt = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, FP8, seed=41)
     q = _randn((sum(qlens), num_heads, head_dim), dtype, _gen(42)).to(DEVICE)
     args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), max(qlens), head_dim**-0.5)
-    _assert_close(kernels.paged_prefill_attention(*args), kernels.paged_prefill_attention_ref(*args),
+    _assert_close(kernels.paged_prefill_attention(*args), kernel_refs.paged_prefill_attention_ref(*args),
                   dtype)
     q_dec = _randn((len(seq_lens), num_heads, head_dim), dtype, _gen(43)).to(DEVICE)
     dec = (q_dec, k_cache, v_cache, bt, _i32(seq_lens), head_dim**-0.5)
-    _assert_close(kernels.paged_decode_attention(*dec), kernels.paged_decode_attention_ref(*dec),
+    _assert_close(kernels.paged_decode_attention(*dec), kernel_refs.paged_decode_attention_ref(*dec),
                   dtype)
 
 
@@ -561,7 +562,7 @@ def test_decode_sliding_window(window, num_splits):
     out = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, scale, num_splits=num_splits,
                                          sliding_window=window)
     _assert_close(out, want, dtype)
-    _assert_close(kernels.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, scale,
+    _assert_close(kernel_refs.paged_decode_attention_ref(q, k_cache, v_cache, bt, sl, scale,
                                                      sliding_window=window), want, dtype)
     full = kernels.paged_decode_attention(q, k_cache, v_cache, bt, sl, scale, num_splits=num_splits)
     if window >= max(seq_lens):  # the window holds every context: full attention
@@ -588,9 +589,9 @@ def test_decode_sliding_window_skips_freed_blocks(window, num_splits, max_seq_le
     args = (q, kp, vp, btp, _i32(seq_lens), scale)
     _assert_close(kernels.paged_decode_attention(*args, num_splits=num_splits, max_seq_len=max_seq_len,
                                                  sliding_window=window), want, dtype)
-    _assert_close(kernels.paged_decode_attention_ref(*args, sliding_window=window), want, dtype)
+    _assert_close(kernel_refs.paged_decode_attention_ref(*args, sliding_window=window), want, dtype)
     bad_ids = _invalid_ids(btp, k_cache.shape[0])
-    _assert_close(kernels.paged_decode_attention_ref(q, kp, vp, bad_ids, _i32(seq_lens), scale,
+    _assert_close(kernel_refs.paged_decode_attention_ref(q, kp, vp, bad_ids, _i32(seq_lens), scale,
                                                      sliding_window=window), want, dtype)
 
 
@@ -632,7 +633,7 @@ def test_prefill_sliding_window(window, num_heads, num_kv_heads):
     args = (q, k_cache, v_cache, bt, _cu(qlens), _i32(seq_lens), max(qlens), scale)
     out = kernels.paged_prefill_attention(*args, sliding_window=window)
     _assert_close(out, want, dtype)
-    _assert_close(kernels.paged_prefill_attention_ref(*args, sliding_window=window), want, dtype)
+    _assert_close(kernel_refs.paged_prefill_attention_ref(*args, sliding_window=window), want, dtype)
     full = kernels.paged_prefill_attention(*args)
     if window >= max(seq_lens):
         torch.testing.assert_close(out, full, atol=1e-6, rtol=1e-6)
@@ -658,9 +659,9 @@ def test_prefill_sliding_window_skips_freed_blocks(window):
     assert poisoned >= 5
     args = (q, kp, vp, btp, _cu(qlens), _i32(seq_lens), max(qlens), 0.25)
     _assert_close(kernels.paged_prefill_attention(*args, sliding_window=window), want, dtype)
-    _assert_close(kernels.paged_prefill_attention_ref(*args, sliding_window=window), want, dtype)
+    _assert_close(kernel_refs.paged_prefill_attention_ref(*args, sliding_window=window), want, dtype)
     bad_ids = _invalid_ids(btp, k_cache.shape[0])
-    _assert_close(kernels.paged_prefill_attention_ref(q, kp, vp, bad_ids, *args[4:], sliding_window=window),
+    _assert_close(kernel_refs.paged_prefill_attention_ref(q, kp, vp, bad_ids, *args[4:], sliding_window=window),
                   want, dtype)
 
 
@@ -742,7 +743,7 @@ def test_gdn_decode_matches_reference(num_k_heads, num_v_heads, dk, dv, kernel):
     positions = torch.tensor([7, 0, 2, 9], dtype=torch.int32, device=DEVICE)
     states = [(conv_state.clone(), ssm.clone()) for _ in range(2)]
     outs = [fn(mixed, c, weight, g, beta, s, slots, positions, num_k_heads, dk, dv)
-            for fn, (c, s) in zip((kernels.gdn_decode, kernels.gdn_decode_ref), states)]
+            for fn, (c, s) in zip((kernels.gdn_decode, kernel_refs.gdn_decode_ref), states)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     for ours, ref in zip(states[0], states[1]):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
@@ -774,7 +775,7 @@ def test_gdn_rows_match_reference_and_the_chunked_form(num_k_heads, num_v_heads,
     qsl = torch.tensor([0, 3, 4, 9], dtype=torch.int32, device=DEVICE)
     states = [ssm.clone() for _ in range(2)]
     outs = [fn(conv, g, beta, s, read, write, resumes, qsl, num_k_heads, dk, dv)
-            for fn, s in zip((kernels.gdn_rows, kernels.gdn_rows_ref), states)]
+            for fn, s in zip((kernels.gdn_rows, kernel_refs.gdn_rows_ref), states)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(states[0], states[1], atol=1e-4, rtol=1e-4)
     q, k, v = split_heads(conv.cpu(), num_k_heads, num_v_heads, dk, dv)
@@ -814,7 +815,7 @@ def test_gdn_short_conv_matches_reference_and_the_conv_by_definition(channels, k
     resumes = torch.tensor([True, False, True], device=DEVICE)
     held_at = torch.arange(9, dtype=index, device=DEVICE) * 2 if held else None
     results = []
-    for fn in (kernels.gdn_short_conv, kernels.gdn_short_conv_ref):
+    for fn in (kernels.gdn_short_conv, kernel_refs.gdn_short_conv_ref):
         state = conv_state.clone()
         held_x, held_out = (torch.zeros(20, channels, dtype=dtype, device=DEVICE) for _ in "xo")
         out = fn(mixed, state, weight, read, write, resumes, qsl,
@@ -872,11 +873,11 @@ def test_gdn_commit_matches_reference_and_decode_steps(num_k_heads, num_v_heads,
             conv_out[at] = torch.nn.functional.silu((line * weight).sum(-1))
             window = line[:, 1:]
             if j < count:
-                kernels.gdn_decode_ref(mixed[at:at + 1], decoded[0], weight, g[at:at + 1],
+                kernel_refs.gdn_decode_ref(mixed[at:at + 1], decoded[0], weight, g[at:at + 1],
                                        beta[at:at + 1], decoded[1], slots[i:i + 1],
                                        starts[i:i + 1] + j, num_k_heads, dk, dv)
     states = [(conv_state.clone(), ssm.clone()) for _ in range(2)]
-    for fn, (c, s) in zip((kernels.gdn_commit, kernels.gdn_commit_ref), states):
+    for fn, (c, s) in zip((kernels.gdn_commit, kernel_refs.gdn_commit_ref), states):
         fn(mixed, conv_out, g, beta, c, s, slots, starts, counts, r, num_k_heads, dk, dv)
     for ours, ref, want in zip(states[0], states[1], decoded):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from kernel_device import kernel_device  # noqa: E402
-from kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref  # noqa: E402
+from kernel_refs import lora_expand_ref, lora_shrink_ref  # noqa: E402
+from kernels.lora import lora_expand, lora_shrink  # noqa: E402
 from nvray.lora.batch import LoRABatch  # noqa: E402
 from nvray.lora.ops import expand_torch, shrink_torch  # noqa: E402
 

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("triton")
 import torch  # noqa: E402
 
+import kernel_refs  # noqa: E402
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from nvray.layers.activation import silu_and_mul  # noqa: E402
@@ -64,7 +65,7 @@ def test_rms_norm_matches_the_layers(dtype, num_tokens, hidden, with_residual):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     else:
         _assert_as_close_as_the_layers(out, want, truth)
-    ref = kernels.rms_norm_ref(x, weight, 1e-6, residual)  # the kernel's own roundings
+    ref = kernel_refs.rms_norm_ref(x, weight, 1e-6, residual)  # the kernel's own roundings
     ref = ref[0] if with_residual else ref
     ulp = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(out, ref, **ulp)
@@ -82,7 +83,7 @@ def test_silu_and_mul_matches_the_layer(dtype, num_tokens, inter):
     else:
         _assert_as_close_as_the_layers(out, want, silu_and_mul(x.float()))
     ulp = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(out, kernels.silu_and_mul_ref(x), **ulp)
+    torch.testing.assert_close(out, kernel_refs.silu_and_mul_ref(x), **ulp)
 
 
 def test_no_tokens():
@@ -151,7 +152,7 @@ def test_rms_norm_fp8_equals_the_norm_then_quantization(dtype, num_tokens, hidde
     weight = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype=dtype, device=DEVICE)
     fused = kernels.rms_norm_fp8(x, weight, 1e-6, residual, group)
     plain = kernels.rms_norm(x, weight, 1e-6, residual)
-    ref = kernels.rms_norm_fp8_ref(x, weight, 1e-6, residual, group)
+    ref = kernel_refs.rms_norm_fp8_ref(x, weight, 1e-6, residual, group)
     if with_residual:
         (fused, new_residual), (plain, want_residual), ref = fused, plain, ref[0]
         assert torch.equal(new_residual, want_residual)
@@ -172,7 +173,7 @@ def test_silu_and_mul_fp8_equals_the_activation_then_quantization(dtype, num_tok
     q, scale = kernels.quantize_fp8_act(kernels.silu_and_mul(x), group)
     assert fused.q.dtype == torch.float8_e4m3fn and fused.dtype == dtype
     _assert_same_quantization(fused, q, scale)
-    ref = kernels.silu_and_mul_fp8_ref(x, group)
+    ref = kernel_refs.silu_and_mul_fp8_ref(x, group)
     torch.testing.assert_close(fused.scale, ref.scale, atol=0, rtol=2e-2 if dtype != torch.float32 else 1e-5)
 
 
@@ -230,7 +231,7 @@ def test_sum_rms_norm_equals_the_all_reduce_then_the_norm(dtype, num_tokens, hid
         want, want_residual = kernels.rms_norm_fp8(summed, weight, 1e-6, residual, group)
         assert torch.equal(out.q.float(), want.q.float()) and torch.equal(out.scale, want.scale)
     assert torch.equal(new_residual, want_residual)
-    ref, ref_residual = kernels.sum_rms_norm_ref(parts, residual, weight, 1e-6, group)
+    ref, ref_residual = kernel_refs.sum_rms_norm_ref(parts, residual, weight, 1e-6, group)
     assert torch.equal(ref_residual, want_residual)
     if group is False:
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)

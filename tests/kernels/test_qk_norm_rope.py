@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("triton")
 import torch  # noqa: E402
 
+import kernel_refs  # noqa: E402
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 from nvray.layers.norm import RMSNorm  # noqa: E402
@@ -88,7 +89,7 @@ def test_matches_the_model_layers(dtype, num_heads, num_kv_heads, head_dim, norm
             kernel_err = (got.float() - exact).abs()
             assert kernel_err.max() <= 1.5 * layers_err.max()
             assert kernel_err.mean() <= 1.1 * layers_err.mean()
-    ref_q, ref_k = kernels.qk_norm_rope_ref(*args)  # the same roundings as the kernel
+    ref_q, ref_k = kernel_refs.qk_norm_rope_ref(*args)  # the same roundings as the kernel
     ulp = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(q, ref_q, **ulp)
     torch.testing.assert_close(k, ref_k, **ulp)
@@ -134,7 +135,7 @@ def test_store_variant_writes_what_the_store_kernel_would(dtype, num_heads, num_
     shape = (4, 8, num_kv_heads, head_dim)  # 4 blocks of 8 slots
     fill = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype=dtype, device=DEVICE)
     want_k, want_v = fill.clone(), fill.clone() + 1
-    kernels.store_kvcache_ref(k, v, want_k, want_v, slots)
+    kernel_refs.store_kvcache_ref(k, v, want_k, want_v, slots)
     k_cache, v_cache = fill.clone(), fill.clone() + 1
     q = kernels.qk_norm_rope_store(*args, k_cache, v_cache, slots)
     torch.testing.assert_close(q, want_q, atol=0, rtol=0)
@@ -175,7 +176,7 @@ def test_store_variant_into_an_fp8_cache_writes_what_the_store_reference_would(d
     shape = (4, 8, num_kv_heads, head_dim)
     want_k = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=DEVICE)
     want_v = want_k.clone()
-    kernels.store_kvcache_ref(k, v, want_k, want_v, slots)
+    kernel_refs.store_kvcache_ref(k, v, want_k, want_v, slots)
     k_cache, v_cache = want_k.clone().zero_(), want_v.clone().zero_()
     q = kernels.qk_norm_rope_store(*args, k_cache, v_cache, slots)
     torch.testing.assert_close(q, want_q, atol=0, rtol=0)

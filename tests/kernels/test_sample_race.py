@@ -10,11 +10,12 @@ import pytest
 pytest.importorskip("triton")
 import torch  # noqa: E402
 
+import kernel_refs  # noqa: E402
 import kernels  # noqa: E402
 from kernel_device import kernel_device  # noqa: E402
 
 INTERPRET, DEVICE = kernel_device()
-SAMPLERS = [kernels.race_sample, kernels.race_sample_ref]
+SAMPLERS = [kernels.race_sample, kernel_refs.race_sample_ref]
 NARROW = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 # three blocks of the kernel's loop: the likely tokens sit in different blocks
 WIDE_VOCAB = 2500

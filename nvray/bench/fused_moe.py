@@ -8,7 +8,7 @@ kernel. GPU time per call is the median of CUDA-event-timed calls after warm-up 
 host syncs included: it needs each expert's token count on the host). Also reported: the bytes
 the fused call must read (the experts its tokens pick, ``experts_touched``) over its time.
 
-Run ``python -m kernels.bench_moe`` (prints JSON lines).
+Run ``python -m nvray.bench.fused_moe`` (prints JSON lines).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ the GPU time). A ``torch_copy`` row (a device-to-device copy of the decode
 kernel's byte count, bytes read + written) gives the achievable bandwidth for
 comparison.
 
-Run ``python -m kernels.bench_kernels`` to print the table.
+Run ``python -m nvray.bench.kernel_bandwidth`` to print the table.
 """
 
 from __future__ import annotations
