@@ -5,7 +5,9 @@
 vocabulary, ``model``, run on the target's ranks: ``nvray/worker/drafter.py``; ``"eagle3"``:
 an EAGLE-3 head, ``model``, reading the target's hidden states on its ranks:
 ``nvray/worker/eagle_drafter.py``; ``"mtp"``: Qwen3.5's multi-token-prediction head from the
-target's own checkpoint, reading its final hidden states: ``nvray/worker/mtp_drafter.py``),
+target's own checkpoint, reading its final hidden states: ``nvray/worker/mtp_drafter.py``; each
+method is a plug-in class declaring where it runs and what it builds:
+``nvray/speculative_methods.py``),
 ``num_speculative_tokens`` (k), ``prompt_lookup_min`` /
 ``prompt_lookup_max`` (the n-gram lengths tried, longest first), ``disable_by_batch_size``: no
 drafts in a step while more sequences than this run (default 32: past that a verification
@@ -47,11 +49,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-# drafts proposed on the ranks (nvray/worker/drafter.py, eagle_drafter.py, mtp_drafter.py)
-MODEL_METHODS = ("draft_model", "eagle3", "mtp")
-# ... by a head reading the target's hidden states, its row at a position holding the next token
-HEAD_METHODS = ("eagle3", "mtp")
+from nvray.speculative_methods import SPECULATIVE_METHODS, SpeculativeMethod
+
 _MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -85,15 +84,10 @@ class SpeculativeConfig:
         return config
 
     def validate(self) -> None:
-        _require(self.method in METHODS, "method", self.method, f"must be one of {list(METHODS)}")
-        if self.method in MODEL_METHODS and self.method != "mtp":
-            _require(isinstance(self.model, str) and bool(self.model), "model", self.model,
-                     f"method {self.method!r} needs the drafter's checkpoint directory")
-        else:
-            _require(self.model is None, "model", self.model,
-                     f"method {self.method!r} takes no model"
-                     + (" (the head is the target checkpoint's own)" if self.method == "mtp"
-                        else ""))
+        _require(self.method in SPECULATIVE_METHODS, "method", self.method,
+                 f"must be one of {list(SPECULATIVE_METHODS)}")
+        refusal = self.method_class.check_model(self.model)
+        _require(refusal is None, "model", self.model, str(refusal))
         k = self.num_speculative_tokens
         _require(isinstance(k, int) and 1 <= k <= _MAX_SPECULATIVE_TOKENS,
                  "num_speculative_tokens", k, f"must be in [1, {_MAX_SPECULATIVE_TOKENS}]")
@@ -107,22 +101,27 @@ class SpeculativeConfig:
                  "must be an int >= 1")
 
     @property
+    def method_class(self) -> type[SpeculativeMethod]:
+        """The method's plug-in (``nvray/speculative_methods.py``): what it declares and builds."""
+        return SPECULATIVE_METHODS[self.method]
+
+    @property
     def drafts_on_ranks(self) -> bool:
         """Whether the ranks propose the drafts (a model), not the engine's host."""
-        return self.method in MODEL_METHODS
+        return self.method_class.on_ranks
 
     @property
     def drafter_rows_lag(self) -> bool:
         """Whether the drafter's row at a position holds the next token (EAGLE-3, MTP): a
         block's last row then depends on the block after it."""
-        return self.method in HEAD_METHODS
+        return self.method_class.rows_lag
 
     @property
     def refeeds_accepted(self) -> bool:
         """Whether the drafter's rows of accepted drafts are fed again once verified (EAGLE-3,
         MTP: they were computed from its own hidden states, the target's features now
         exist)."""
-        return self.method in HEAD_METHODS
+        return self.method_class.refeeds_accepted
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -42,7 +42,7 @@ from typing import Sequence as Sequence_
 
 from nvray.engine.prefix_cache import CachedPrefix
 from nvray.engine.sequence import SeqPlan, Sequence
-from nvray.speculative import NgramProposer, SpecCounters, SpeculativeConfig, accepted_run
+from nvray.speculative import SpecCounters, SpeculativeConfig, accepted_run
 
 
 _MAX_PAUSE = 32  # steps a sequence whose drafts keep failing waits before it drafts again
@@ -128,7 +128,7 @@ class Speculator:
         self.config = config
         self.feed_budget = feed_budget
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config)
+        self.proposer = config.method_class.host_proposer(config)  # None: drafts on the ranks
         self.on_ranks = config.drafts_on_ranks
         self.max_model_len = max_model_len
         self.counters = SpecCounters(self.k)
@@ -195,7 +195,9 @@ class Speculator:
             room = min(room, params.max_tokens - num_output - 1)
         if room <= 0:
             return []
-        return [MODEL_DRAFT] * room if self.on_ranks else self.proposer.propose(seq.token_ids, room)
+        if self.proposer is None:  # the ranks' drafter proposes them
+            return [MODEL_DRAFT] * room
+        return self.proposer.propose(seq.token_ids, room)
 
     def _may_speculate(self, seq: Sequence, plan: SeqPlan) -> bool:
         """Whether this sequence's request allows drafts now (see the module docstring)."""

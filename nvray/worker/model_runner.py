@@ -25,7 +25,6 @@ its output on, and the last stage's first rank samples and answers (the others r
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import logging
 from typing import Any, NamedTuple
@@ -45,6 +44,7 @@ from nvray.lora.model import LoRAModel
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
+from nvray.speculative_methods import SPECULATIVE_METHODS
 from nvray.startup_phases import StartupPhases
 from nvray.step_protocol import SampleSpec, StepInput, StepOutput, sample_specs
 from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
@@ -52,15 +52,11 @@ from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capaci
 from nvray.grammar import grammar_compiler
 from nvray.model_facts import ModelFacts
 from nvray.worker.device_lists import to_device
-from nvray.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
-from nvray.models.qwen3_5_mtp import ARCHITECTURE as MTP_ARCHITECTURE
 from nvray.worker.drafter import Drafter
-from nvray.worker.eagle_drafter import Eagle3Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
 from nvray.worker.held_chunks import HeldChunks
 from nvray.worker.held_commit import HeldCommit
-from nvray.worker.mtp_drafter import MtpDrafter
 from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.kv_cache import PagedKV, RankCaches, StateRows
 from nvray.worker.logits_processors import adjust_logits
@@ -86,14 +82,8 @@ class Forwarded(NamedTuple):
 def _refuse_drafter(model_path: str, hf_config: Any) -> None:
     """A drafter's checkpoint given as the model to serve: say where it goes."""
     archs = set(getattr(hf_config, "architectures", None) or [])
-    if archs & set(EAGLE3_ARCHITECTURES):
-        raise ValueError(f"{model_path} is an EAGLE-3 drafter, not a model to serve: pass it "
-                         "beside its target as speculative_config={'method': 'eagle3', "
-                         f"'model': {model_path!r}}}")
-    if MTP_ARCHITECTURE in archs:
-        raise ValueError(f"{model_path} names Qwen3.5's MTP head ({MTP_ARCHITECTURE}), not a "
-                         "model to serve: serve the Qwen3.5 checkpoint that holds it, with "
-                         "speculative_config={'method': 'mtp'}")
+    for method in SPECULATIVE_METHODS.values():
+        method.refuse_as_target(model_path, archs)
 
 
 class ModelRunner:
@@ -195,15 +185,9 @@ class ModelRunner:
         if any(w is not None and w < self.max_model_len for w in self.kv_layout.group_windows):
             raise ValueError(f"speculative_config method {spec.method!r} needs a target whose "
                              "layers all attend fully: this model has sliding-window layers")
-        if spec.method == "mtp":  # the head is the target checkpoint's own
-            spec = dataclasses.replace(spec, model=self.model_path)
-        args = (spec, self.config, self.hf_config.vocab_size, self.device, self.dtype,
-                self.kv_dtype, self.max_model_len, self.backend, self.inputs.tables, graphs)
-        if spec.method == "eagle3":
-            return Eagle3Drafter(*args, target=self.model)
-        if spec.method == "mtp":
-            return MtpDrafter(*args, target=self.model)
-        return Drafter(*args)
+        args = (self.config, self.hf_config.vocab_size, self.device, self.dtype, self.kv_dtype,
+                self.max_model_len, self.backend, self.inputs.tables, graphs)
+        return spec.method_class.build_drafter(spec, args, self.model, self.model_path)
 
     def reset_tables(self) -> None:
         """Forget every sequence's block table and held chunk (after start-up's made-up

@@ -20,6 +20,7 @@ import torch
 from nvray import LLM, SamplingParams
 from nvray.models.tiny import SPECIAL_TOKENS, resolve_model
 from nvray.speculative import NgramProposer, SpeculativeConfig, accepted_run
+from nvray.speculative_methods import SPECULATIVE_METHODS, SpeculativeMethod, register
 from drafters import Recorded
 from oracle import hf_greedy, random_prompts
 from stepping import assert_clean, mixed_workload, run_steps, with_stop_rules
@@ -340,6 +341,40 @@ def test_speculation_is_refused_by_name_where_it_cannot_run():
         LLM("tiny", runtime="inprocess", speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM("tiny", runtime="inprocess", speculative_config={"num_speculative_tokens": 0})
+
+
+def test_a_method_registered_as_a_plug_in_speculates_by_its_name():
+    """A new host method is one class (``nvray/speculative_methods.py``): registered, it is
+    accepted by name, its proposer drafts every step and the tokens are plain decoding's."""
+    proposed = []
+
+    class RepeatLast:  # drafts the newest token again
+        def propose(self, token_ids: list[int], k: int) -> list[int]:
+            proposed.append(k)
+            return [token_ids[-1]] * k
+
+    @register
+    class RepeatLastMethod(SpeculativeMethod):
+        name = "repeat_last"
+
+        @classmethod
+        def host_proposer(cls, config):  # noqa: ANN001, ANN206
+            return RepeatLast()
+
+    prompts = ["the cat sat on the mat", "one two three"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    try:
+        spec = LLM("tiny", runtime="inprocess", speculative_config={
+            "method": "repeat_last", "num_speculative_tokens": K, "adaptive": False})
+        outs = spec.generate(prompts, params, use_tqdm=False)
+        counted = spec.engine.speculator.counters.stats()
+    finally:
+        del SPECULATIVE_METHODS["repeat_last"]
+    plain = LLM("tiny", runtime="inprocess").generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert proposed and counted["num_drafts"] > 0, counted
+    with pytest.raises(ValueError, match="speculative_config method='repeat_last'"):
+        LLM("tiny", runtime="inprocess", speculative_config={"method": "repeat_last"})
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-moe"])
