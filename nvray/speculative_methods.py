@@ -39,6 +39,13 @@ def register(cls: type[SpeculativeMethod]) -> type[SpeculativeMethod]:
     return cls
 
 
+def refuse_drafter_served(path: str, hf_config: Any) -> None:
+    """A drafter's checkpoint given as the model to serve: say where it goes."""
+    archs = set(getattr(hf_config, "architectures", None) or [])
+    for method in SPECULATIVE_METHODS.values():
+        method.refuse_as_target(path, archs)
+
+
 class SpeculativeMethod:
     """A method's declarations (the module docstring); subclasses override what differs."""
 

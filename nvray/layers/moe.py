@@ -214,3 +214,21 @@ class FusedMoE(nn.Module):
         out = self._experts(x, self.w13_weight, self.w2_weight, weights.float(), ids,
                             skips_pairs=self.expert_parallel, **scales)
         return PartialSum(out) if tp_size() > 1 else out
+
+
+def _expert_parallel_layers(model: nn.Module) -> list[FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, FusedMoE) and m.expert_parallel]
+
+
+def expert_load(model: nn.Module) -> list[int]:
+    """Expert parallel: the (token, expert) pairs each of this rank's experts computed since
+    the last reset, summed over the model's layers (empty without expert parallelism)."""
+    layers = _expert_parallel_layers(model)
+    if not layers:
+        return []
+    return torch.stack([m.pairs_per_expert[:m.local_experts] for m in layers]).sum(0).tolist()
+
+
+def reset_expert_load(model: nn.Module) -> None:
+    for m in _expert_parallel_layers(model):
+        m.reset_load()

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nvray.layers.tp import tp_group
+from nvray.layers.tp import tp_group, tp_size, use_p2p_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -189,3 +189,19 @@ def create_p2p_all_reduce(dtype: torch.dtype, device: torch.device,
     logger.info("all-reduce: P2P two-shot over symmetric memory from %d KiB to %d MiB, NCCL "
                 "outside", MIN_BYTES >> 10, max_bytes >> 20)
     return P2pAllReduce(buffer, handle, group_name, max_bytes)
+
+
+def set_up_all_reduce(mode: str, dtype: torch.dtype, device: torch.device) -> str:
+    """Collective: decode-sized all-reduces over P2P shared memory where the ranks can
+    (``all_reduce="auto"``, CUDA, TP > 1, one host), NCCL for the rest; what is in use
+    (``"none"`` with TP 1, ``"gloo"`` on the CPU)."""
+    use_p2p_all_reduce(None)
+    if tp_size() == 1:
+        return "none"
+    if device.type != "cuda":
+        return "gloo"
+    if mode != "auto":
+        return "nccl"
+    p2p = create_p2p_all_reduce(dtype, device)
+    use_p2p_all_reduce(p2p)
+    return p2p.describe() if p2p is not None else "nccl"

@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from nvray.layers.attention import AttentionMetadata
 from nvray.worker.inputs import GraphShapes, InputBuilder, StepBatch
+
+if TYPE_CHECKING:
+    from nvray.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 _MAX_GRAPH_BS = 512
@@ -76,6 +79,29 @@ def graph_capacity(shapes: GraphShapes) -> int:
     """Tokens the static inputs must hold for these graphs."""
     return max([*shapes.decode, *shapes.prefill,
                 *(bs * shapes.verify_q for bs in shapes.verify)], default=0)
+
+
+def graph_shapes_for(config: EngineConfig) -> GraphShapes:
+    """The graphs to capture: decode batches, short prefills and, with speculation,
+    verification batches of k + 1 tokens a sequence."""
+    spec = config.speculative
+    verify = (verify_graph_sizes(config.max_num_seqs, spec.disable_by_batch_size)
+              if spec is not None else [])
+    return GraphShapes(tuple(graph_batch_sizes(config.max_num_seqs)),
+                       tuple(prefill_graph_sizes(config.max_prefill_graph_tokens)),
+                       tuple(verify), spec.num_speculative_tokens + 1 if spec else 0)
+
+
+def graphs_possible(device: torch.device, enforce_eager: bool, backend: Any) -> bool:
+    """Whether this rank captures graphs: CUDA, not ``enforce_eager``, a backend that can be
+    captured (a warning says why not otherwise)."""
+    if device.type != "cuda" or enforce_eager:
+        return False
+    if not backend.supports_cuda_graphs:
+        logger.warning("CUDA graphs are off: the %s attention backend cannot be captured",
+                       backend.name)
+        return False
+    return True
 
 
 class StepGraphs:

@@ -27,31 +27,30 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
-from nvray.layers.moe import FusedMoE
-from nvray.layers.p2p_allreduce import create_p2p_all_reduce
+from nvray.layers.moe import expert_load, reset_expert_load
+from nvray.layers.p2p_allreduce import set_up_all_reduce
 from nvray.layers.pp import is_last_stage, pp_size, pp_stage, recv_from_prev, send_to_next
-from nvray.layers.tp import (broadcast_from_first, expert_parallel, set_expert_parallel, tp_rank,
+from nvray.layers.tp import (expert_parallel, set_expert_parallel, tp_rank,
                              tp_size, use_p2p_all_reduce)
 from nvray.kv_layout import plan_kv_layout
 from nvray.lora.model import LoRAModel
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
-from nvray.speculative_methods import SPECULATIVE_METHODS
+from nvray.speculative_methods import refuse_drafter_served
 from nvray.startup_phases import StartupPhases
-from nvray.step_protocol import SampleSpec, StepInput, StepOutput, sample_specs
-from nvray.worker.cuda_graph import (StepGraphs, graph_batch_sizes, graph_capacity,
-                                     prefill_graph_sizes, verify_graph_sizes)
+from nvray.step_protocol import StepInput, StepOutput
+from nvray.worker.cuda_graph import (StepGraphs, graph_capacity, graph_shapes_for,
+                                     graphs_possible)
 from nvray.grammar import grammar_compiler
 from nvray.model_facts import ModelFacts
-from nvray.worker.device_lists import to_device
 from nvray.worker.drafter import Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
@@ -59,31 +58,15 @@ from nvray.worker.held_chunks import HeldChunks
 from nvray.worker.held_commit import HeldCommit
 from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.kv_cache import PagedKV, RankCaches, StateRows
-from nvray.worker.logits_processors import adjust_logits
-from nvray.worker.logprobs import HostLogprobs, LogprobRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory, measure_used
 from nvray.worker.sampled_ids import HostIds, SampledIds
-from nvray.worker.sampler import sample
+from nvray.worker.step_sampler import Forwarded, StepSampler
+from nvray.worker.draft_ids import DraftIds
 from nvray.worker.setup import (build_model, enable_torch_compile,
                                 resolve_dtype, resolve_max_model_len, torch_device,
                                 use_triton_kernels)
 
 logger = logging.getLogger(__name__)
-
-
-class Forwarded(NamedTuple):
-    """A step whose forward pass is queued: its logits of the rows to sample (rank 0) and
-    hidden states of the prompt rows to score, then of those to pool."""
-    step: StepInput
-    logits: torch.Tensor | None
-    read_hidden: torch.Tensor | None
-
-
-def _refuse_drafter(model_path: str, hf_config: Any) -> None:
-    """A drafter's checkpoint given as the model to serve: say where it goes."""
-    archs = set(getattr(hf_config, "architectures", None) or [])
-    for method in SPECULATIVE_METHODS.values():
-        method.refuse_as_target(model_path, archs)
 
 
 class ModelRunner:
@@ -97,17 +80,29 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             self.memory_baseline = measure_used(self.device)
         self.hf_config = load_model_config(model_path, config.hf_overrides)  # no transformers import
-        _refuse_drafter(model_path, self.hf_config)
+        refuse_drafter_served(model_path, self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.quant_config = quant_config_for(self.hf_config, config.quantization)
-        fp8_kv = config.kv_cache_dtype == "fp8"
-        self.kv_dtype = FP8_DTYPE if fp8_kv else self.dtype
+        self.kv_dtype = FP8_DTYPE if config.kv_cache_dtype == "fp8" else self.dtype
         self.block_size = config.kvcache_block_size
         self.max_model_len = resolve_max_model_len(config, self.hf_config)
         self.startup = StartupPhases()  # this rank's start-up, by phase (startup_phases.py)
+        self._load_model()
+        self._set_up_attention()
+        graphs_wanted = graphs_possible(self.device, config.enforce_eager, self.backend)
+        self.graph_shapes = graph_shapes_for(config) if graphs_wanted else GraphShapes()
+        self._set_up_caches()
+        self.stage_input = self._stage_input_buffer()
+        self.drafter = self._drafter(graphs_wanted)  # reads this rank's block tables
+        self.lora = self._lora_model()
+        self._set_up_steps()
+
+    def _load_model(self) -> None:
+        """The model with its weights; its attention and recurrent layers."""
+        config = self.config
         with self.startup.phase("model_and_weights"):
             set_expert_parallel(config.enable_expert_parallel)
-            self.model = build_model(self.hf_config, model_path, self.dtype, self.device,
+            self.model = build_model(self.hf_config, self.model_path, self.dtype, self.device,
                                      config.seed, self.quant_config, config.load_format)
         self.attention_layers = self.model.attention_layers()
         # recurrent layers (layers/gated_deltanet.py): a state per slot, a slot per sequence
@@ -121,7 +116,11 @@ class ModelRunner:
                 f"pipeline stage {pp_stage()} holds no attention layer (layers {layers.start}.."
                 f"{layers.stop - 1} are all linear attention): choose a "
                 f"pipeline_parallel_size={pp_size()} that gives every stage one")
-        self._set_up_all_reduce()
+
+    def _set_up_attention(self) -> None:
+        """The all-reduce, the KV layout's groups, the attention backend, compiled layers."""
+        config, fp8_kv = self.config, self.config.kv_cache_dtype == "fp8"
+        self.all_reduce_in_use = set_up_all_reduce(config.all_reduce, self.dtype, self.device)
         self.kv_layout = plan_kv_layout([layer.sliding_window for layer in self.attention_layers])
         for layer, (group, _) in zip(self.attention_layers, self.kv_layout.layer_slots):
             layer.kv_group = group
@@ -135,15 +134,16 @@ class ModelRunner:
         if self.use_torch_compile:
             enable_torch_compile(self.model)
             self.fused_sampler = use_triton_kernels(self.model)
-        graphs_wanted = self._graphs_wanted()
-        self.graph_shapes = self._graph_shapes() if graphs_wanted else GraphShapes()
-        spec = config.speculative
+
+    def _set_up_caches(self) -> None:
+        """The cache kinds (``kv_cache.py``, allocated at start-up), held chunks, the inputs."""
+        spec, config = self.config.speculative, self.config
         # speculation over recurrent layers: a verified chunk's rows held a slot (held_chunks.py)
         self.held_rows = spec.num_speculative_tokens + 1 if spec and self.state_layers else 0
         self.held_chunks = HeldChunks(self.held_rows)
         self.held_commit = (HeldCommit(self.state_layers, self.graph_shapes.verify, self.device)
                             if self.held_rows else None)
-        self.caches = RankCaches(  # the cache kinds (kv_cache.py)
+        self.caches = RankCaches(
             PagedKV(self.attention_layers, self.kv_layout, self.block_size, self.kv_dtype,
                     self.device),
             StateRows(self.state_layers, self.dtype, self.device, self.held_rows))
@@ -151,30 +151,28 @@ class ModelRunner:
                                    graph_capacity(self.graph_shapes), self.device,
                                    self.kv_layout.num_groups, has_state=bool(self.state_layers),
                                    held_rows=self.held_rows)
-        self.stage_input = self._stage_input_buffer()
-        self.drafter = self._drafter(graphs_wanted)  # reads this rank's block tables
-        self.step_drafts: torch.Tensor | None = None  # the drafter's ids for the step running
-        # their copy on the host, started before the target's forward (penalties and grammar
-        # masks of draft rows and the step's answer read it), and its copy's event (None on
-        # the CPU); then the ids as a list, once read
-        self.step_drafts_host: tuple[torch.Tensor, Any] | list[int] | None = None
-        self.lora = self._lora_model()
+
+    def _set_up_steps(self) -> None:
+        """What running steps keeps: graphs (captured at start-up), the steps in flight, the
+        drafter's ids, grammar masks, the sampler, counters, the profiler."""
+        config, vocab_size = self.config, self.hf_config.vocab_size
+        self.step_drafts = DraftIds(self.device)  # the drafter's ids for the step running
         self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
         self.memory_report: GpuMemoryReport | None = None
         self.graph_memory = 0
         self.num_graph_replays = 0
         self.num_verify_replays = 0  # of them, verification graphs'
-        self.last_sampled: torch.Tensor | None = None  # the newest step's sampled ids (device)
         self.in_flight: collections.deque[SampledIds] = collections.deque()
         self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
-        self.host_ids = HostIds(config.max_sampled_rows, self.device)
         self.profiler = StepProfiler(  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
-        vocab_size = self.hf_config.vocab_size
         self.grammar_masks = GrammarMasks(  # a step's sampled rows (drafts' too), twice over
-            lambda: grammar_compiler(model_path, vocab_size), config.max_sampled_rows,
+            lambda: grammar_compiler(self.model_path, vocab_size), config.max_sampled_rows,
             self.device)
+        self.sampler = StepSampler(self.model, self.grammar_masks,
+                                   HostIds(config.max_sampled_rows, self.device), self.device,
+                                   self.fused_sampler, self.samples)
 
     def _drafter(self, graphs: bool) -> Drafter | None:
         """The drafter on this rank (``speculative_config`` method ``draft_model``, ``eagle3``
@@ -230,32 +228,13 @@ class ModelRunner:
         self.model.model.stage_input = buffer
         return buffer
 
-    def _set_up_all_reduce(self) -> None:
-        """Collective: decode-sized all-reduces over P2P shared memory where the ranks can
-        (``all_reduce="auto"``, CUDA, TP > 1, one host), NCCL for the rest."""
-        use_p2p_all_reduce(None)
-        self.all_reduce_in_use = "nccl" if self.device.type == "cuda" else "gloo"
-        if tp_size() == 1:
-            self.all_reduce_in_use = "none"
-        elif self.config.all_reduce == "auto" and self.device.type == "cuda":
-            p2p = create_p2p_all_reduce(self.dtype, self.device)
-            use_p2p_all_reduce(p2p)
-            self.all_reduce_in_use = p2p.describe() if p2p is not None else "nccl"
-
-    def _moe_layers(self) -> list[FusedMoE]:
-        return [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.expert_parallel]
-
     def expert_load(self) -> list[int]:
         """Expert parallel: the (token, expert) pairs each of this rank's experts computed
-        since start-up, over all layers (empty without expert parallelism)."""
-        layers = self._moe_layers()
-        if not layers:
-            return []
-        return torch.stack([m.pairs_per_expert[:m.local_experts] for m in layers]).sum(0).tolist()
+        since start-up, over all layers (``layers/moe.expert_load``)."""
+        return expert_load(self.model)
 
     def reset_expert_load(self) -> None:
-        for m in self._moe_layers():
-            m.reset_load()
+        reset_expert_load(self.model)
 
     def parallelism(self) -> dict[str, Any]:
         """How the ranks split the model and talk, for stats and the model card."""
@@ -270,25 +249,6 @@ class ModelRunner:
     @property
     def prefill_sizes(self) -> list[int]:
         return list(self.graph_shapes.prefill)
-
-    def _graph_shapes(self) -> GraphShapes:
-        """The graphs to capture: decode batches, short prefills and, with speculation,
-        verification batches of k + 1 tokens a sequence."""
-        config, spec = self.config, self.config.speculative
-        verify = (verify_graph_sizes(config.max_num_seqs, spec.disable_by_batch_size)
-                  if spec is not None else [])
-        return GraphShapes(tuple(graph_batch_sizes(config.max_num_seqs)),
-                           tuple(prefill_graph_sizes(config.max_prefill_graph_tokens)),
-                           tuple(verify), spec.num_speculative_tokens + 1 if spec else 0)
-
-    def _graphs_wanted(self) -> bool:
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return False
-        if not self.backend.supports_cuda_graphs:
-            logger.warning("CUDA graphs are off: the %s attention backend cannot be captured",
-                           self.backend.name)
-            return False
-        return True
 
     def dtypes(self) -> dict[str, str]:
         """What the weights and the KV cache are stored in, for stats and the model card."""
@@ -354,7 +314,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.close()
             self.drafter = None
-        self.model = None  # type: ignore[assignment]
+        self.model = self.sampler.model = None  # type: ignore[assignment]
         self.attention_layers = []
         if self.device.type == "cuda":
             free_cached_memory()
@@ -376,12 +336,11 @@ class ModelRunner:
             self.caches.states.copy(step.state_copies)
         if self.lora is not None:
             self.lora.begin_step(step)
-        graphs, fill = self.graphs, self.last_sampled
+        graphs, fill = self.graphs, self.sampler.last_sampled
         if self.drafter is not None:  # its drafts fill the step's draft placeholders
-            self.step_drafts = self.drafter.run(step)
-            fill = self.step_drafts if self.step_drafts is not None else fill
-            self.step_drafts_host = (self._drafts_to_host(self.step_drafts)
-                                     if self.step_drafts is not None else None)
+            drafts = self.drafter.run(step)
+            fill = drafts if drafts is not None else fill
+            self.step_drafts.start(drafts)
         batch = self.inputs.prepare(step, graphs.shapes if graphs is not None else GraphShapes(),
                                     fill)
         if self.lora is not None:
@@ -402,35 +361,14 @@ class ModelRunner:
         reads_more = batch.num_scores or batch.num_pools
         return logits, (rows[batch.num_samples:] if reads_more else None)
 
-    def _drafts_to_host(self, drafts: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Start copying the drafter's ids to the host (queued before the target's forward,
-        so reading them waits for the drafter's forwards only)."""
-        if self.device.type != "cuda":
-            return drafts.clone(), None
-        host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-        host.copy_(drafts, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
-
-    def _drafts_on_host(self) -> list[int] | None:
-        """The step's drafter ids whose copy ``forward`` started (None: the step has none)."""
-        if self.step_drafts_host is None or isinstance(self.step_drafts_host, list):
-            return self.step_drafts_host
-        host, done = self.step_drafts_host
-        if done is not None:
-            done.synchronize()
-        self.step_drafts_host = host.tolist()
-        return self.step_drafts_host
-
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         """Run ``step`` and return its sampled ids and log-probabilities (rank 0; empty
         elsewhere)."""
         self.profiler.step()
         out = self._sample(self._forward_step(step), share_ids=False).result()
-        drafts = self._drafts_on_host()
-        self.step_drafts = self.step_drafts_host = None
+        drafts = self.step_drafts.host()
+        self.step_drafts.clear()
         if drafts is not None and self.samples:  # what the drafter proposed, for the engine
             out = out._replace(drafts=drafts)
         return out
@@ -450,7 +388,7 @@ class ModelRunner:
         if step is not None and step.answer_now:
             assert not self.in_flight and self.deferred is None, (
                 "a step to answer at once was handed over while others are in flight")
-            self.last_sampled = None  # the next step holds no placeholders
+            self.sampler.last_sampled = None  # the next step holds no placeholders
             return self.execute(step)
         self.profiler.step()
         if self.deferred is not None:
@@ -472,7 +410,7 @@ class ModelRunner:
         """Drop launched steps whose ids will never be read (their requests were failed)."""
         self.in_flight.clear()
         self.deferred = None
-        self.last_sampled = None
+        self.sampler.last_sampled = None
         self.grammar_masks.clear()
 
     def _forward_step(self, step: StepInput) -> Forwarded:
@@ -483,76 +421,5 @@ class ModelRunner:
         return Forwarded(step, logits, read_hidden)
 
     def _sample(self, forwarded: Forwarded, share_ids: bool) -> SampledIds:
-        """Queue the sampling of a forwarded step on the device; keep its ids there and start
-        their copy to the host. ``share_ids`` (overlapped steps, whose next step reads them on
-        the device): every rank gets rank 0's ids."""
-        step, logits, read_hidden = forwarded
-        if not is_last_stage():
-            return SampledIds.none()  # (no overlapped steps with pipeline stages)
-        num_score_rows = sum(len(s.score.targets) for s in step.seqs if s.score is not None)
-        score_hidden = read_hidden[:num_score_rows] if num_score_rows else None
-        pooled, widths = self._pool(step, read_hidden, num_score_rows)
-        # a draft row's penalties and mask follow the drafts before it
-        drafted = self._drafts_on_host() if step.constrained or step.adjusts_logits else None
-        specs = sample_specs(step, drafted)
-        masks, constrained = self.grammar_masks, []
-        if logits is not None:
-            raw = logits if step.samples_logprobs else None
-            if step.adjusts_logits:
-                logits = adjust_logits(logits.to(torch.float32, copy=True), specs,
-                                       self.last_sampled)
-            if step.constrained:
-                if logits is raw:
-                    logits = logits.clone()  # log-probabilities come from the raw logits
-                constrained = masks.mask(step, logits, drafted)
-            ids = sample(logits, specs, fused=self.fused_sampler).to(torch.int32)  # type: ignore[arg-type]
-        else:
-            raw = None
-            ids = torch.empty(len(specs), dtype=torch.int32, device=self.device)
-        if share_ids and specs:
-            broadcast_from_first(ids)
-        logprobs, ks = self._logprobs(step, specs, raw, ids, score_hidden)
-        self.last_sampled = ids
-        if not self.samples:
-            return SampledIds.none()
-        sampled = self.host_ids.copy_from(ids, logprobs, ks, pooled, widths)
-        masks.advance(sampled, constrained)  # the next masks, filled while the caller goes on
-        return sampled
-
-    def _pool(self, step: StepInput, read_hidden: torch.Tensor | None, first: int
-              ) -> tuple[torch.Tensor | None, list[int]]:
-        """The pooled rows (``SeqStep.pool``), flattened to one float32 tensor, and each row's
-        width: a last token's final hidden state, or the logits of the listed ids there (every
-        rank takes part in the LM head)."""
-        pools = [s.pool for s in step.seqs if s.pool is not None]
-        if not pools:
-            return None, []
-        hidden = read_hidden[first:first + len(pools)]  # type: ignore[index]
-        logits = self.model.compute_logits(hidden) if any(pools) else None
-        if not self.samples:
-            return None, []
-        rows = [logits[i, list(ids)] if ids else hidden[i]  # type: ignore[index]
-                for i, ids in enumerate(pools)]
-        return torch.cat([r.float() for r in rows]), [r.numel() for r in rows]
-
-    def _logprobs(self, step: StepInput, specs: list[SampleSpec], raw: torch.Tensor | None,
-                  ids: torch.Tensor, score_hidden: torch.Tensor | None
-                  ) -> tuple[HostLogprobs | None, list[int] | None]:
-        """Log-probabilities of the sampled rows that ask, then of the prompt rows to score (in
-        the step protocol's order); every rank takes part (the LM head of prompt rows)."""
-        if not step.samples_logprobs and score_hidden is None:
-            return None, None
-        scores = [s.score for s in step.seqs if s.score is not None]
-        asked = [i for i, spec in enumerate(specs) if spec.logprobs >= 0]
-        ks = [specs[i].logprobs for i in asked] + [sc.num_logprobs for sc in scores
-                                                   for _ in sc.targets]
-        rows = LogprobRows(max(ks))
-        if raw is not None and asked:
-            where = to_device(asked, self.device)
-            rows.add_sampled(raw.index_select(0, where), ids.index_select(0, where))
-        if score_hidden is not None:
-            targets = to_device([t for sc in scores for t in sc.targets], self.device)
-            rows.add_prompt(score_hidden, targets, self.model.compute_logits)
-        if not self.samples:
-            return None, None
-        return rows.to_host(), ks
+        """Queue the sampling of a forwarded step on the device (``step_sampler.py``)."""
+        return self.sampler.sample(forwarded, share_ids, self.step_drafts.host)
