@@ -246,15 +246,8 @@ def _compiled_template(source: str) -> Any:
     return _jinja_environment().from_string(source)
 
 
-def _jinja_environment() -> Any:
-    """A sandboxed jinja2 environment with what Hub chat templates expect of transformers."""
-    import jinja2  # noqa: PLC0415
-    import jinja2.ext  # noqa: PLC0415
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
-
-    if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
-        raise ImportError(f"chat templates need jinja2>=3.1.6 (older sandboxes can be escaped); "
-                          f"this is {jinja2.__version__}")
+def _generation_tag(jinja2: Any) -> Any:
+    """The jinja2 extension of transformers' ``{% generation %}`` tag."""
 
     class GenerationTag(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` marks the assistant's text for training
@@ -270,6 +263,12 @@ def _jinja_environment() -> Any:
 
         def _body(self, caller: Any) -> str:
             return caller()
+
+    return GenerationTag
+
+
+def _safe_namespace(jinja2: Any) -> Any:
+    """jinja2's ``namespace`` refusing underscore names."""
 
     class Namespace(jinja2.utils.Namespace):
         """``namespace(...)`` that refuses underscore names (no way into Python internals)."""
@@ -289,6 +288,21 @@ def _jinja_environment() -> Any:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
                     f"a chat template may not set the underscore attribute {name!r}")
+
+    return Namespace
+
+
+def _jinja_environment() -> Any:
+    """A sandboxed jinja2 environment with what Hub chat templates expect of transformers."""
+    import jinja2  # noqa: PLC0415
+    import jinja2.ext  # noqa: PLC0415
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+    if tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit()) < (3, 1, 6):
+        raise ImportError(f"chat templates need jinja2>=3.1.6 (older sandboxes can be escaped); "
+                          f"this is {jinja2.__version__}")
+
+    GenerationTag, Namespace = _generation_tag(jinja2), _safe_namespace(jinja2)
 
     class DictFactory:
         """``dict(...)`` and ``dict.fromkeys(...)``, nothing else of the type."""

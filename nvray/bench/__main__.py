@@ -1,6 +1,8 @@
 """``python -m nvray.bench``: benchmarks that print and save figures (tests never time things).
 
-Subcommands:
+Each subcommand is a module of ``nvray/bench`` with ``add_arguments(parser)`` and
+``run(args) -> figures``, named in ``SUBCOMMANDS`` with its line of help: a new benchmark is
+its module and that line. Subcommands:
 - ``control-plane``: scheduler + block manager time per step, and the whole control plane
   (schedule, step input, stop checks, detokenization) with 256 running sequences; the model is
   replaced by an executor that answers instantly, so only the control plane is timed
@@ -76,81 +78,45 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
 import sys
 from typing import Any
 
-from nvray.bench import scaleup, serve, soak, startup
-from nvray.bench.allreduce import ROWS as ALLREDUCE_ROWS
-from nvray.bench.checkpoints import QWEN3_SHAPES, SHAPES
-from nvray.bench.throughput import (FEATURES, LoRAWorkload, bench_throughput,
-                                    resolve_placements)
-from nvray.config import ALL_REDUCES, KV_CACHE_DTYPES
+from nvray.bench.cli_args import show_defaults
+
+# subcommand: (its module in nvray/bench, which gives add_arguments(parser) and run(args), and
+# its line in the help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "control-plane": ("control_plane", "scheduler + block manager time per step"),
+    "ray-overhead": ("ray_overhead", "Ray rank actors vs in-process, per decode step"),
+    "throughput": ("throughput",
+                   "nano-vllm's bench workload: output tok/s, in-process and on Ray"),
+    "embed": ("embed", "LLM.embed prompt tok/s and rows/s against the prefill floor"),
+    "speculative": ("speculative",
+                    "speculative decoding with a drafter of set acceptance, against none"),
+    "step-gap": ("step_gap", "a drafting step's host pieces and device span, beside a plain "
+                             "step's"),
+    "allreduce": ("allreduce", "the TP all-reduce by message size: NCCL, P2P one-shot, "
+                               "two-shot"),
+    "gpu-busy": ("gpu_busy", "GPU busy share of decode steps (torch profiler), overlap on and "
+                             "off"),
+    "sampler": ("sampler", "the sampler's GPU and host time per step by filter mix"),
+    "structured": ("structured", "structured outputs: tok/s under a schema, compile time, TTFT"),
+    "idle": ("idle", "an idle engine's CPU use per process, and the first token that wakes it"),
+    "serve": ("serve", "load generator for a running app (or one it starts): latency and tok/s"),
+    "scaleup": ("scaleup",
+                "a burst that makes Serve add an engine replica: time to its first answer"),
+    "startup": ("startup", "seconds from a new process to a ready engine: LLM(), serve run"),
+    "long-context": ("long_context", "decode tok/s at long context, hybrid against full "
+                                     "attention"),
+    "prefix-ttft": ("prefix_ttft", "TTFT of a long system prompt, prefix-cache miss against hit"),
+    "soak": ("soak", "streaming load with random disconnects for minutes: errors, memory"),
+}
 
 
-def _word_list(flag: str, text: str, values: dict[str, Any]) -> tuple[Any, ...]:
-    """``--flag a,b``: the values of comma-separated words from ``values``; others refused."""
-    words = text.split(",")
-    if any(w not in values for w in words):
-        raise SystemExit(f"{flag} {text!r}: give {', '.join(values)} or {','.join(values)}")
-    return tuple(values[w] for w in words)
-
-
-def _budgets(text: str | None) -> tuple[int | None, ...]:
-    if text is None:
-        return (None,)
-    try:
-        return tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise SystemExit(f"--max-num-batched-tokens {text!r}: give token counts, e.g. 8192,16384") from None
-
-
-def _sizes(text: str, flag: str = "--tensor-parallel-size") -> tuple[int, ...]:
-    try:
-        return tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise SystemExit(f"{flag} {text!r}: give sizes, e.g. 1,2") from None
-
-
-def _names(flag: str, text: str, known: list[str]) -> tuple[str, ...]:
-    """``--flag a,b``: the comma-separated names, each one of ``known``; others refused."""
-    names = tuple(text.split(","))
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"{flag}: unknown {unknown}; choose from {known}")
-    return names
-
-
-def _add_drafting_workload(parser: argparse.ArgumentParser, concurrency: str,
-                           output_len: int) -> None:
-    """The workload options of ``speculative`` and ``step-gap``."""
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory or 'tiny' (default: a random checkpoint of "
-                             "--shape)")
-    parser.add_argument("--shape", default="0.6b", choices=SHAPES)
-    parser.add_argument("--concurrency", default=concurrency, help="comma-separated")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k")
-    parser.add_argument("--mean-acceptance-length", type=float, default=3.0,
-                        help="the oracle drafter's accepted drafts + 1, on average")
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=output_len)
-
-
-class _DefaultsShown(argparse.HelpFormatter):
-    """Each option's default after its help (options with no help text too), unless the help
-    already says it or there is none to say."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if not _has_default(action) or "default" in text:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-def _has_default(action: argparse.Action) -> bool:
-    return bool(action.option_strings) and not any(
-        action.default is none for none in (None, argparse.SUPPRESS, False))
+def _module(cmd: str) -> Any:
+    return importlib.import_module(f"nvray.bench.{SUBCOMMANDS[cmd][0]}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,265 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out", help="also write the figures to this JSON file")
-    cp = sub.add_parser("control-plane", parents=[common], help="scheduler + block manager time per step")
-    cp.add_argument("--num-seqs", type=int, default=256)
-    cp.add_argument("--steps", type=int, default=200)
-    cp.add_argument("--block-size", type=int, default=16)
-    cp.add_argument("--stream", action="store_true",
-                    help="every request streams (an output per step, detokenized as it goes)")
-    ro = sub.add_parser("ray-overhead", parents=[common],
-                        help="Ray rank actors vs in-process, per decode step")
-    ro.add_argument("--model", default="tiny")
-    ro.add_argument("--num-seqs", type=int, default=32)
-    ro.add_argument("--rounds", type=int, default=3)
-    tp = sub.add_parser("throughput", parents=[common],
-                        help="nano-vllm's bench workload: output tok/s, in-process and on Ray")
-    tp.add_argument("--model", default=None,
-                    help="checkpoint directory (default: a random Qwen3-0.6B-shaped bf16 one)")
-    tp.add_argument("--runtimes", default="inprocess,ray")
-    tp.add_argument("--eager", action="store_true", help="also run with enforce_eager=True")
-    tp.add_argument("--num-seqs", type=int, default=256)
-    tp.add_argument("--max-model-len", type=int, default=4096)
-    tp.add_argument("--shape", default="0.6b", choices=SHAPES,
-                    help="shape of the random checkpoint built without --model: Qwen3 0.6b/8b, "
-                         "or a family's (llama3-8b, qwen3-30b-a3b, gemma3-12b: config only, "
-                         "random weights made on the GPU)")
-    tp.add_argument("--tensor-parallel-size", default="1",
-                    help="TP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only)")
-    tp.add_argument("--pipeline-parallel-size", default="1",
-                    help="PP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only; "
-                         "each with every TP size)")
-    tp.add_argument("--floor", type=float, default=None,
-                    help="TP=1 physical floor in output tok/s for the %% column (default: from "
-                         "the model's shape, the workload and the GPU's measured bandwidth, "
-                         "nvray/bench/floor.py; TP=n: n times it)")
-    tp.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
-    tp.add_argument("--max-num-batched-tokens", default=None,
-                    help="token budgets per step to compare, comma-separated (default: the engine's)")
-    tp.add_argument("--quantization", default="none",
-                    help="weights to compare, comma-separated: none (the checkpoint's), fp8 "
-                         "(quantized at load)")
-    tp.add_argument("--kv-cache-dtype", default="auto",
-                    help="KV caches to compare, comma-separated: auto (the compute dtype), fp8")
-    tp.add_argument("--features", default="plain",
-                    help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
-    tp.add_argument("--all-reduce", default="auto",
-                    help="TP all-reduces to compare, comma-separated: auto (P2P for decode "
-                         "sizes on one host), nccl")
-    tp.add_argument("--expert-parallel", default="off",
-                    help="MoE experts at TP>1 to compare, comma-separated: off (each expert's "
-                         "width split over the ranks), on (whole experts per rank)")
-    tp.add_argument("--loras", type=int, default=0,
-                    help="also run with this many random LoRA adapters (a tenth of the requests "
-                         "on the base), in-process: lora_vs_base, swaps/s, first-use latency")
-    tp.add_argument("--lora-rank", type=int, default=16)
-    tp.add_argument("--max-loras", type=int, default=8, help="GPU adapter slots (--loras)")
-    tp.add_argument("--profile", default=None, metavar="DIR",
-                    help="write each rank's kernel times over 20 decode steps under DIR "
-                         "(nvray/worker/step_profiler.py)")
-    em = sub.add_parser("embed", parents=[common],
-                        help="LLM.embed prompt tok/s and rows/s against the prefill floor")
-    em.add_argument("--model", default=None,
-                    help="checkpoint directory or 'tiny' (default: a random checkpoint of --shape)")
-    em.add_argument("--shape", default="0.6b", choices=SHAPES)
-    em.add_argument("--input-len", type=int, default=512, help="tokens per prompt")
-    em.add_argument("--batch", type=int, default=256, help="prompts per llm.embed call")
-    em.add_argument("--repeats", type=int, default=5, help="timed passes (after one warm-up)")
-    em.add_argument("--runtimes", default="inprocess", help="inprocess, ray or inprocess,ray")
-    em.add_argument("--max-num-batched-tokens", default=None,
-                    help="token budgets per step to compare, comma-separated (default: the engine's)")
-    sp = sub.add_parser("speculative", parents=[common],
-                        help="speculative decoding with a drafter of set acceptance, against none")
-    _add_drafting_workload(sp, concurrency="1,8,32,128", output_len=256)
-    sp.add_argument("--shared-prefix", type=int, default=0,
-                    help="tokens every prompt starts with (a system prompt), before its own")
-    sp.add_argument("--repeats", type=int, default=3, help="timed passes (after one warm-up)")
-    sp.add_argument("--no-echo", dest="echo", action="store_false",
-                    help="keep the loaded weights (default: turn them into a network that "
-                         "repeats its last token, whose tokens do not depend on the batch shape)")
-    sp.add_argument("--draft-model", default=None,
-                    help="also a draft model on the target's rank: a checkpoint directory or a "
-                         "Qwen3 shape (e.g. 0.6b), random, then echoed")
-    sp.add_argument("--eagle3", action="store_true",
-                    help="also an EAGLE-3 head of the target's shape on its rank (draft "
-                         "vocabulary 32000), random, then echoed")
-    sp.add_argument("--mtp", action="store_true",
-                    help="add the target's own MTP head (Qwen3.5) drafting on its rank")
-    sp.add_argument("--no-host-drafters", dest="host_drafters", action="store_false",
-                    help="skip the oracle, never-right and n-gram runs")
-    sp.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="the target's ranks (>1: rank actors on Ray, the engine in this process)")
-    sg = sub.add_parser("step-gap", parents=[common],
-                        help="a drafting step's host pieces and device span, beside a plain step's")
-    _add_drafting_workload(sg, concurrency="1,32", output_len=128)
-    ar = sub.add_parser("allreduce", parents=[common],
-                        help="the TP all-reduce by message size: NCCL, P2P one-shot, two-shot")
-    ar.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
-    ar.add_argument("--hidden", type=int, default=4096)
-    ar.add_argument("--rows", default=",".join(map(str, ALLREDUCE_ROWS)))
-    gb = sub.add_parser("gpu-busy", parents=[common],
-                        help="GPU busy share of decode steps (torch profiler), overlap on and off")
-    gb.add_argument("--model", default=None)
-    gb.add_argument("--batch-sizes", default="256,32", help="running sequences, comma-separated")
-    gb.add_argument("--prompt-len", type=int, default=256)
-    gb.add_argument("--steps", type=int, default=30)
-    gb.add_argument("--max-model-len", type=int, default=4096)
-    sm = sub.add_parser("sampler", parents=[common],
-                        help="the sampler's GPU and host time per step by filter mix")
-    sm.add_argument("--rows", type=int, default=256)
-    sm.add_argument("--iters", type=int, default=20)
-    so = sub.add_parser("structured", parents=[common],
-                        help="structured outputs: tok/s under a schema, compile time, TTFT")
-    so.add_argument("--model", default=None)
-    so.add_argument("--num-seqs", type=int, default=256)
-    so.add_argument("--max-model-len", type=int, default=4096)
-    il = sub.add_parser("idle", parents=[common],
-                        help="an idle engine's CPU use per process, and the first token that wakes it")
-    il.add_argument("--model", default=None)
-    il.add_argument("--idle-s", type=float, default=5.0)
-    il.add_argument("--window-s", type=float, default=3.0)
-    il.add_argument("--runs", type=int, default=5)
-    il.add_argument("--max-model-len", type=int, default=4096)
-    sv = sub.add_parser("serve", parents=[common],
-                        help="load generator for a running app (or one it starts): latency and tok/s")
-    serve.add_arguments(sv)
-    su = sub.add_parser("scaleup", parents=[common],
-                        help="a burst that makes Serve add an engine replica: time to its first answer")
-    scaleup.add_arguments(su)
-    st = sub.add_parser("startup", parents=[common],
-                        help="seconds from a new process to a ready engine: LLM(), serve run")
-    st.add_argument("--model", default=None,
-                    help="checkpoint path or 'tiny' (default: a random checkpoint of --shape, "
-                         "built on first use: GPU-sized; give 'tiny' on a CPU)")
-    st.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES))
-    startup.add_arguments(st)
-    lc = sub.add_parser("long-context", parents=[common],
-                        help="decode tok/s at long context, hybrid against full attention")
-    lc.add_argument("--shape", default="qwen3.5-9b,qwen3-8b", help="comma-separated shapes")
-    lc.add_argument("--num-seqs", type=int, default=64)
-    lc.add_argument("--context", type=int, default=32768, help="prompt tokens per sequence")
-    lc.add_argument("--steps", type=int, default=30, help="decode steps timed")
-    pt = sub.add_parser("prefix-ttft", parents=[common],
-                        help="TTFT of a long system prompt, prefix-cache miss against hit")
-    pt.add_argument("--shape", default="qwen3.5-9b", help="comma-separated shapes")
-    pt.add_argument("--system-len", type=int, default=4096)
-    pt.add_argument("--question-len", type=int, default=64)
-    pt.add_argument("--requests", type=int, default=8, help="timed requests of each kind")
-    sk = sub.add_parser("soak", parents=[common],
-                        help="streaming load with random disconnects for minutes: errors, memory")
-    soak.add_arguments(sk)
-    for subcommand in sub.choices.values():
-        subcommand.formatter_class = _DefaultsShown
-        for action in subcommand._actions:  # argparse prints no help line without a help
-            if action.help is None and _has_default(action):
-                action.help = "(default: %(default)s)"
+    for cmd, (_, summary) in SUBCOMMANDS.items():
+        parser = sub.add_parser(cmd, parents=[common], help=summary)
+        _module(cmd).add_arguments(parser)
+        show_defaults(parser)
     return p
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The figures of the subcommand ``args`` names (each imports what it runs, when it runs)."""
-    if args.cmd == "serve":
-        return serve.run(args)
-    if args.cmd == "soak":
-        return soak.run(args)
-    if args.cmd == "startup":
-        return startup.run(args)
-    if args.cmd == "scaleup":
-        return scaleup.run(args, serve.parse_app_args(args.app_args or []))
-    if args.cmd == "control-plane":
-        from nvray.bench.control_plane import bench_control_plane  # noqa: PLC0415
-
-        return bench_control_plane(args.num_seqs, args.steps, args.block_size, args.stream)
-    if args.cmd == "throughput":
-        runtimes, sizes = tuple(args.runtimes.split(",")), _sizes(args.tensor_parallel_size)
-        stages = _sizes(args.pipeline_parallel_size, "--pipeline-parallel-size")
-        try:
-            resolve_placements(runtimes, sizes, stages)  # refused before a checkpoint is built
-        except ValueError as e:
-            raise SystemExit(f"throughput: {e}") from None
-        overlaps = _word_list("--overlap", args.overlap, {"on": True, "off": False})
-        quantizations = _word_list("--quantization", args.quantization, {"none": None, "fp8": "fp8"})
-        kv_dtypes = _word_list("--kv-cache-dtype", args.kv_cache_dtype, {d: d for d in KV_CACHE_DTYPES})
-        all_reduces = _word_list("--all-reduce", args.all_reduce, {a: a for a in ALL_REDUCES})
-        expert_parallels = _word_list("--expert-parallel", args.expert_parallel,
-                                      {"off": False, "on": True})
-        if args.profile:  # read by the ranks (Ray's local workers inherit this environment)
-            os.environ["NVRAY_PROFILE_DIR"] = args.profile
-        if args.loras < 0 or args.lora_rank < 1 or args.max_loras < 1:
-            raise SystemExit("throughput: --loras must be >= 0, --lora-rank and --max-loras >= 1")
-        lora = (LoRAWorkload(args.loras, args.lora_rank, args.max_loras) if args.loras else None)
-        return bench_throughput(args.model, runtimes, args.eager, args.num_seqs,
-                                args.max_model_len, args.floor, overlaps,
-                                _names("--features", args.features, list(FEATURES)),
-                                _budgets(args.max_num_batched_tokens),
-                                sizes, args.shape, quantizations, kv_dtypes, all_reduces,
-                                expert_parallels, stages, lora)
-    if args.cmd == "embed":
-        from nvray.bench.embed import bench_embed  # noqa: PLC0415
-
-        runtimes = _names("--runtimes", args.runtimes, ["inprocess", "ray"])
-        if min(args.input_len, args.batch, args.repeats) < 1:
-            raise SystemExit("embed: --input-len, --batch and --repeats must be >= 1")
-        return bench_embed(args.model, args.shape, args.input_len, args.batch, args.repeats,
-                           runtimes, _budgets(args.max_num_batched_tokens))
-    if args.cmd == "speculative":
-        from nvray.bench.speculative import bench_speculative  # noqa: PLC0415
-
-        concurrencies = tuple(int(c) for c in args.concurrency.split(","))
-        if min(*concurrencies, args.input_len, args.output_len, args.repeats,
-               args.tensor_parallel_size, args.shared_prefix + 1) < 1:
-            raise SystemExit("speculative: concurrencies, lengths, --repeats and "
-                             "--tensor-parallel-size must be >= 1 (--shared-prefix >= 0)")
-        return bench_speculative(args.model, args.shape, concurrencies,
-                                 args.num_speculative_tokens, args.mean_acceptance_length,
-                                 args.input_len, args.output_len, args.repeats, args.echo,
-                                 args.draft_model, args.host_drafters, args.eagle3,
-                                 args.mtp, args.tensor_parallel_size, args.shared_prefix)
-    if args.cmd == "step-gap":
-        from nvray.bench.step_gap import bench_step_gap  # noqa: PLC0415
-
-        concurrencies = tuple(int(c) for c in args.concurrency.split(","))
-        if min(*concurrencies, args.input_len, args.output_len) < 1:
-            raise SystemExit("step-gap: concurrencies and lengths must be >= 1")
-        return bench_step_gap(args.model, args.shape, concurrencies, args.num_speculative_tokens,
-                              args.mean_acceptance_length, args.input_len, args.output_len)
-    if args.cmd == "allreduce":
-        from nvray.bench.allreduce import bench_allreduce  # noqa: PLC0415
-
-        return bench_allreduce(args.world_size, args.hidden,
-                               tuple(int(r) for r in args.rows.split(",")))
-    if args.cmd == "sampler":
-        from nvray.bench.sampler import bench_sampler  # noqa: PLC0415
-
-        return bench_sampler(args.rows, iters=args.iters)
-    if args.cmd == "structured":
-        from nvray.bench.structured import bench_structured  # noqa: PLC0415
-
-        return bench_structured(args.model, args.num_seqs, args.max_model_len)
-    if args.cmd == "idle":
-        from nvray.bench.idle import bench_idle  # noqa: PLC0415
-
-        return bench_idle(args.model, args.idle_s, args.window_s, args.runs,
-                          max_model_len=args.max_model_len)
-    if args.cmd == "long-context":
-        from nvray.bench.long_context import bench_long_context  # noqa: PLC0415
-
-        return bench_long_context(_names("--shape", args.shape, SHAPES), args.num_seqs,
-                                  args.context, args.steps)
-    if args.cmd == "prefix-ttft":
-        from nvray.bench.prefix_ttft import bench_prefix_ttft  # noqa: PLC0415
-
-        return bench_prefix_ttft(_names("--shape", args.shape, SHAPES), args.system_len,
-                                 args.question_len,
-                                 args.requests)
-    if args.cmd == "gpu-busy":
-        from nvray.bench.gpu_busy import bench_gpu_busy  # noqa: PLC0415
-
-        return bench_gpu_busy(args.model, tuple(int(b) for b in args.batch_sizes.split(",")),
-                              args.prompt_len, args.steps, max_model_len=args.max_model_len)
-    from nvray.bench.ray_overhead import bench_ray_overhead  # noqa: PLC0415
-
-    return bench_ray_overhead(args.model, args.num_seqs, rounds=args.rounds)
+    """The figures of the subcommand ``args`` names (its module's ``run``)."""
+    return _module(args.cmd).run(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -425,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args)
     print(json.dumps(result, indent=2))
     if args.cmd == "serve" and "levels" in result:  # a sweep: a table for people, on stderr
-        print(serve.table(result), file=sys.stderr)
+        print(_module("serve").table(result), file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -19,6 +19,8 @@ import statistics
 import tempfile
 from typing import Any, Callable
 
+from nvray.bench.cli_args import sizes
+
 ROWS = (1, 32, 256, 1024, 2048, 8192)
 
 
@@ -158,3 +160,13 @@ def _graph_us(fn: Callable[[Any], Any], x: Any, calls: int, replays: int,
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / calls)
     return statistics.median(times)
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--world-size", type=int, default=None, help="GPUs (default: all)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--rows", default=",".join(map(str, ROWS)))
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_allreduce(args.world_size, args.hidden, sizes(args.rows, "--rows"))

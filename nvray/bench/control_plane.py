@@ -107,3 +107,15 @@ def bench_control_plane(num_seqs: int = 256, steps: int = 200, block_size: int =
             "step_input_us_median": statistics.median(input_us),
             "full_control_plane_step_us_median": statistics.median(step_us),
             "full_control_plane_step_us_p90": sorted(step_us)[int(0.9 * steps)]}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--stream", action="store_true",
+                   help="every request streams (an output per step, detokenized as it goes)")
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_control_plane(args.num_seqs, args.steps, args.block_size, args.stream)

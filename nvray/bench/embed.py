@@ -30,10 +30,11 @@ import statistics
 import time
 from typing import Any
 
-from nvray.bench.checkpoints import default_checkpoint, is_config_only
+from nvray.bench.checkpoints import SHAPES, default_checkpoint, is_config_only
 from nvray.bench.floor import measured_matmul_peak, prefill_flops, read_config
 from nvray.bench.throughput import _gpu_memory_used, _wait_gpu_memory_released
 from nvray.models.tiny import resolve_model
+from nvray.bench.cli_args import budgets, names
 
 FLOOR_FORMULA = ("2*P*L + 2*2*layers*q_heads*head_dim*L(L+1)/2 FLOPs per prompt "
                  "(P: decoder linear params, no LM head) at the bf16 matmul peak")
@@ -156,3 +157,24 @@ def bench_embed(model: str | None = None, shape: str = "0.6b", input_len: int = 
     return {"benchmark": "embed", "workload": f"{batch} random token-id prompts of {input_len}",
             "model": model, "device": device, "input_len": input_len, "batch": batch,
             "repeats": repeats, **floor, "runs": runs}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or 'tiny' (default: a random checkpoint of --shape)")
+    p.add_argument("--shape", default="0.6b", choices=SHAPES)
+    p.add_argument("--input-len", type=int, default=512, help="tokens per prompt")
+    p.add_argument("--batch", type=int, default=256, help="prompts per llm.embed call")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes (after one warm-up)")
+    p.add_argument("--runtimes", default="inprocess", help="inprocess, ray or inprocess,ray")
+    p.add_argument("--max-num-batched-tokens", default=None,
+                   help="token budgets per step to compare, comma-separated (default: the "
+                        "engine's)")
+
+
+def run(args: Any) -> dict[str, Any]:
+    runtimes = names("--runtimes", args.runtimes, ["inprocess", "ray"])
+    if min(args.input_len, args.batch, args.repeats) < 1:
+        raise SystemExit("embed: --input-len, --batch and --repeats must be >= 1")
+    return bench_embed(args.model, args.shape, args.input_len, args.batch, args.repeats,
+                       runtimes, budgets(args.max_num_batched_tokens))

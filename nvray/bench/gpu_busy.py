@@ -18,6 +18,7 @@ from typing import Any
 
 from nvray.bench.checkpoints import default_checkpoint
 from nvray.sampling_params import SamplingParams
+from nvray.bench.cli_args import sizes
 
 
 def fill_running(engine: Any, num_seqs: int, prompt_len: int, vocab: int) -> None:
@@ -126,3 +127,16 @@ def bench_gpu_busy(model: str | None = None, batch_sizes: tuple[int, ...] = (256
             llm.shutdown()
     return {"benchmark": "gpu-busy", "model": model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "prompt_len": prompt_len, "steps": steps, "runs": runs}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch-sizes", default="256,32", help="running sequences, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_gpu_busy(args.model, sizes(args.batch_sizes, "--batch-sizes"), args.prompt_len,
+                          args.steps, max_model_len=args.max_model_len)

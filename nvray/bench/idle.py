@@ -51,3 +51,16 @@ def bench_idle(model: str | None = None, idle_s: float = 5.0, window_s: float = 
                 "ttft_after_a_request_ms": round(1e3 * statistics.median(warm), 2)}
     finally:
         llm.shutdown()
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--idle-s", type=float, default=5.0)
+    p.add_argument("--window-s", type=float, default=3.0)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_idle(args.model, args.idle_s, args.window_s, args.runs,
+                      max_model_len=args.max_model_len)

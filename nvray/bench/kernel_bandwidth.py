@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,6 +81,16 @@ def _row(name: str, shape: str, nbytes: int, timing: tuple[float, float]) -> dic
     }
 
 
+class _Cache(NamedTuple):
+    """The paged KV cache every kernel here reads, at the decode-heavy shape."""
+    k: torch.Tensor
+    v: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    num_blocks: int
+    kv_bytes: int  # what a decode step over every sequence reads
+
+
 def measure_bandwidth(device: str | torch.device = "cuda", warmup: int = 10, iters: int = 50) -> list[dict]:
     """Median time and effective DRAM bandwidth of each kernel at a decode-heavy shape."""
     device = torch.device(device)
@@ -93,7 +104,27 @@ def measure_bandwidth(device: str | torch.device = "cuda", warmup: int = 10, ite
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     g = torch.Generator(device=device).manual_seed(0)
-    es = torch.tensor([], dtype=DTYPE).element_size()
+    cache = _paged_cache(g, device)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        return _time_ms(fn, warmup, iters)
+
+    rows = _store_rows(kernels, cache, g, device, timed)
+    rows += _decode_rows(kernels, cache, g, device, timed)
+    rows += _prefill_rows(kernels, cache, g, device, timed)
+    # achievable bandwidth: copy as many bytes as the decode kernel moves
+    qo_bytes = 2 * BATCH * NUM_HEADS * HEAD_DIM * _ES
+    src = torch.empty((cache.kv_bytes + qo_bytes) // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    rows.append(_row("torch_copy (read+write)", f"{src.numel() >> 20} MiB", 2 * src.numel(),
+                     timed(lambda: dst.copy_(src))))
+    return rows
+
+
+_ES = torch.tensor([], dtype=DTYPE).element_size()
+
+
+def _paged_cache(g: torch.Generator, device: torch.device) -> _Cache:
     blocks_per_seq = CONTEXT // BLOCK_SIZE
     num_blocks = BATCH * blocks_per_seq
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -101,64 +132,66 @@ def measure_bandwidth(device: str | torch.device = "cuda", warmup: int = 10, ite
     v_cache = torch.randn(shape, generator=g, device=device).to(DTYPE)
     block_tables = torch.randperm(num_blocks, generator=g, device=device).to(torch.int32).view(BATCH, blocks_per_seq)
     seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device=device)
-    scale = HEAD_DIM**-0.5
-    kv_bytes = 2 * BATCH * CONTEXT * NUM_KV_HEADS * HEAD_DIM * es
-    rows = []
+    kv_bytes = 2 * BATCH * CONTEXT * NUM_KV_HEADS * HEAD_DIM * _ES
+    return _Cache(k_cache, v_cache, block_tables, seq_lens, num_blocks, kv_bytes)
 
-    # store_kvcache: one decode step (one new token per sequence)
+
+def _store_rows(kernels: Any, c: _Cache, g: torch.Generator, device: torch.device,
+                timed: Callable[[Callable[[], Any]], float]) -> list[dict]:
+    """store_kvcache: one decode step (one new token per sequence), then a prefill-sized
+    write (16 x 1024 tokens)."""
     key = torch.randn(BATCH, NUM_KV_HEADS, HEAD_DIM, generator=g, device=device).to(DTYPE)
     value = torch.randn_like(key)
-    slots = (block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1).contiguous()
-    t = _time_ms(lambda: kernels.store_kvcache(key, value, k_cache, v_cache, slots), warmup, iters)
-    rows.append(_row("store_kvcache", f"{BATCH} tok", 2 * 2 * key.numel() * es + slots.numel() * 8, t))
-    # store_kvcache: a prefill-sized write (16 x 1024 tokens)
+    slots = (c.block_tables[:, -1].long() * BLOCK_SIZE + BLOCK_SIZE - 1).contiguous()
+    t = timed(lambda: kernels.store_kvcache(key, value, c.k, c.v, slots))
+    rows = [_row("store_kvcache", f"{BATCH} tok", 2 * 2 * key.numel() * _ES + slots.numel() * 8, t)]
     n = 16 * CONTEXT
     key_p = torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=g, device=device).to(DTYPE)
     value_p = torch.randn_like(key_p)
-    slots_p = torch.randperm(num_blocks * BLOCK_SIZE, generator=g, device=device)[:n]
-    t = _time_ms(lambda: kernels.store_kvcache(key_p, value_p, k_cache, v_cache, slots_p), warmup, iters)
-    rows.append(_row("store_kvcache", f"{n} tok", 2 * 2 * key_p.numel() * es + n * 8, t))
+    slots_p = torch.randperm(c.num_blocks * BLOCK_SIZE, generator=g, device=device)[:n]
+    t = timed(lambda: kernels.store_kvcache(key_p, value_p, c.k, c.v, slots_p))
+    rows.append(_row("store_kvcache", f"{n} tok", 2 * 2 * key_p.numel() * _ES + n * 8, t))
+    return rows
 
-    # paged_decode_attention: batch 256 x context 1024
+
+def _decode_rows(kernels: Any, c: _Cache, g: torch.Generator, device: torch.device,
+                 timed: Callable[[Callable[[], Any]], float]) -> list[dict]:
+    """paged_decode_attention: batch 256 x context 1024, then batch 8 (the context split
+    across programs: flash-decoding)."""
+    scale = HEAD_DIM**-0.5
     q = torch.randn(BATCH, NUM_HEADS, HEAD_DIM, generator=g, device=device).to(DTYPE)
-    qo_bytes = 2 * q.numel() * es
-    t = _time_ms(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale), warmup, iters)
-    rows.append(_row("paged_decode_attention", f"b{BATCH} ctx{CONTEXT}", kv_bytes + qo_bytes, t))
-    # same, batch 8: the context is split across programs (flash-decoding)
+    qo_bytes = 2 * q.numel() * _ES
+    t = timed(lambda: kernels.paged_decode_attention(q, c.k, c.v, c.block_tables, c.seq_lens, scale))
+    rows = [_row("paged_decode_attention", f"b{BATCH} ctx{CONTEXT}", c.kv_bytes + qo_bytes, t)]
     b8 = 8
-    t = _time_ms(
-        lambda: kernels.paged_decode_attention(q[:b8], k_cache, v_cache, block_tables[:b8], seq_lens[:b8], scale),
-        warmup, iters,
-    )
-    rows.append(_row("paged_decode_attention", f"b{b8} ctx{CONTEXT} (split)", kv_bytes * b8 // BATCH + qo_bytes * b8 // BATCH, t))
+    t = timed(lambda: kernels.paged_decode_attention(q[:b8], c.k, c.v, c.block_tables[:b8],
+                                                     c.seq_lens[:b8], scale))
+    rows.append(_row("paged_decode_attention", f"b{b8} ctx{CONTEXT} (split)",
+                     c.kv_bytes * b8 // BATCH + qo_bytes * b8 // BATCH, t))
+    return rows
 
-    # paged_prefill_attention, decode-heavy: 8 new tokens per sequence over a 1024 context
-    qlen = 8
+
+def _prefill_rows(kernels: Any, c: _Cache, g: torch.Generator, device: torch.device,
+                  timed: Callable[[Callable[[], Any]], float]) -> list[dict]:
+    """paged_prefill_attention, decode-heavy (8 new tokens per sequence over a 1024 context),
+    then a full prefill 16 x 1024 (compute-bound: TFLOP/s too)."""
+    scale, qlen = HEAD_DIM**-0.5, 8
     qp = torch.randn(BATCH * qlen, NUM_HEADS, HEAD_DIM, generator=g, device=device).to(DTYPE)
     cu = torch.arange(0, (BATCH + 1) * qlen, qlen, dtype=torch.int32, device=device)
-    t = _time_ms(
-        lambda: kernels.paged_prefill_attention(qp, k_cache, v_cache, block_tables, cu, seq_lens, qlen, scale),
-        warmup, iters,
-    )
-    rows.append(_row("paged_prefill_attention", f"b{BATCH} q{qlen} ctx{CONTEXT}", kv_bytes + 2 * qp.numel() * es, t))
-    # paged_prefill_attention, full prefill 16 x 1024 (compute-bound; TFLOP/s also reported)
+    t = timed(lambda: kernels.paged_prefill_attention(qp, c.k, c.v, c.block_tables, cu,
+                                                      c.seq_lens, qlen, scale))
+    rows = [_row("paged_prefill_attention", f"b{BATCH} q{qlen} ctx{CONTEXT}",
+                 c.kv_bytes + 2 * qp.numel() * _ES, t)]
     bp = 16
     qf = torch.randn(bp * CONTEXT, NUM_HEADS, HEAD_DIM, generator=g, device=device).to(DTYPE)
     cuf = torch.arange(0, (bp + 1) * CONTEXT, CONTEXT, dtype=torch.int32, device=device)
-    t = _time_ms(
-        lambda: kernels.paged_prefill_attention(qf, k_cache, v_cache, block_tables[:bp], cuf, seq_lens[:bp], CONTEXT, scale),
-        warmup, iters,
-    )
-    row = _row("paged_prefill_attention", f"b{bp} q{CONTEXT} ctx{CONTEXT}", kv_bytes * bp // BATCH + 2 * qf.numel() * es, t)
+    t = timed(lambda: kernels.paged_prefill_attention(qf, c.k, c.v, c.block_tables[:bp], cuf,
+                                                      c.seq_lens[:bp], CONTEXT, scale))
+    row = _row("paged_prefill_attention", f"b{bp} q{CONTEXT} ctx{CONTEXT}",
+               c.kv_bytes * bp // BATCH + 2 * qf.numel() * _ES, t)
     causal_flops = 4 * bp * NUM_HEADS * HEAD_DIM * CONTEXT * (CONTEXT + 1) / 2
     row["tflop_per_s"] = causal_flops / (row["ms"] * 1e-3) / 1e12
     rows.append(row)
-
-    # achievable bandwidth: copy as many bytes as the decode kernel moves
-    src = torch.empty((kv_bytes + qo_bytes) // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    t = _time_ms(lambda: dst.copy_(src), warmup, iters)
-    rows.append(_row("torch_copy (read+write)", f"{src.numel() >> 20} MiB", 2 * src.numel(), t))
     return rows
 
 

@@ -16,8 +16,9 @@ import statistics
 import time
 from typing import Any
 
-from nvray.bench.checkpoints import default_checkpoint, is_config_only
+from nvray.bench.checkpoints import SHAPES, default_checkpoint, is_config_only
 from nvray.bench.gpu_busy import drain, fill_running, step_times
+from nvray.bench.cli_args import names
 
 DECODE_ROOM = 1024  # tokens a sequence may decode past its prompt during the whole run
 
@@ -68,3 +69,15 @@ def bench_long_context(shapes: tuple[str, ...] = ("qwen3.5-9b", "qwen3-8b"), num
     return {"benchmark": "long-context",
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "context": context, "steps": steps, "runs": runs}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--shape", default="qwen3.5-9b,qwen3-8b", help="comma-separated shapes")
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--context", type=int, default=32768, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed")
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_long_context(names("--shape", args.shape, SHAPES), args.num_seqs, args.context,
+                              args.steps)

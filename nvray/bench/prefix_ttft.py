@@ -18,8 +18,9 @@ import statistics
 import time
 from typing import Any
 
-from nvray.bench.checkpoints import default_checkpoint, is_config_only
+from nvray.bench.checkpoints import SHAPES, default_checkpoint, is_config_only
 from nvray.sampling_params import SamplingParams
+from nvray.bench.cli_args import names
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
@@ -68,3 +69,15 @@ def bench_prefix_ttft(shapes: tuple[str, ...] = ("qwen3.5-9b",), system_len: int
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "system_len": system_len, "question_len": question_len, "requests": requests,
             "runs": runs}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--shape", default="qwen3.5-9b", help="comma-separated shapes")
+    p.add_argument("--system-len", type=int, default=4096)
+    p.add_argument("--question-len", type=int, default=64)
+    p.add_argument("--requests", type=int, default=8, help="timed requests of each kind")
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_prefix_ttft(names("--shape", args.shape, SHAPES), args.system_len,
+                             args.question_len, args.requests)

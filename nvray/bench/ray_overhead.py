@@ -71,3 +71,13 @@ def bench_ray_overhead(model: str = "tiny", num_seqs: int = 32, prompt_len: int 
             "num_seqs": num_seqs, "rounds": rounds, "decode_step_us_median": medians,
             "overhead_us_vs_inprocess": {k: v - base for k, v in medians.items() if k != "inprocess"},
             "ratio_vs_inprocess": {k: v / base for k, v in medians.items() if k != "inprocess"}}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--num-seqs", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_ray_overhead(args.model, args.num_seqs, rounds=args.rounds)

@@ -76,3 +76,12 @@ def bench_sampler(rows: int = 256, vocab: int = 151936, iters: int = 20) -> dict
                          "host_ms": round(_host_ms(call, iters), 3)})
     return {"device": torch.cuda.get_device_name(), "rows": rows, "vocab": vocab,
             "iters": iters, "runs": runs}
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--iters", type=int, default=20)
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_sampler(args.rows, iters=args.iters)

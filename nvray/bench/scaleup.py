@@ -23,6 +23,7 @@ from typing import Any
 
 from nvray.bench.http_load import (LoadSpec, RequestRecord, percentiles, read_model_card,
                                    request_body, send, start_app)
+from nvray.bench.serve import parse_app_args
 
 _ENGINE_SAMPLE = re.compile(r'^nvray_(generation_tokens_total|startup_total_seconds)\{([^}]*)\} (\S+)$',
                             re.M)
@@ -131,10 +132,10 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def run(args: Any, app_args: dict[str, Any]) -> dict[str, Any]:
+def run(args: Any) -> dict[str, Any]:
     app_args = {"min_replicas": 1, "max_replicas": 2, "ingress_replicas": 1,
                 "upscale_delay_s": 0, "target_ongoing_requests": max(1, args.concurrency // 4),
-                **app_args}
+                **parse_app_args(args.app_args or [])}
     name = "nvray-scaleup"
     url = start_app(app_args, args.port, name)
     spec = LoadSpec(url, None, "completions", args.prompt_len, args.output_len)

@@ -53,6 +53,7 @@ from typing import Any
 from nvray.bench.checkpoints import default_checkpoint, eagle3_checkpoint, is_config_only
 from nvray.bench.engine_here import engine_here, on_ranks
 from nvray.speculative import SpeculativeConfig
+from nvray.bench.cli_args import add_drafting_workload, sizes
 
 _WARM_TOKENS = 16  # a warm-up's tokens a sequence
 
@@ -363,3 +364,38 @@ def _host_drafter_runs(model: str, options: dict[str, Any], k: int, keep: float,
     finally:
         spec_llm.shutdown()
     return runs
+
+
+def add_arguments(p: Any) -> None:
+    add_drafting_workload(p, concurrency="1,8,32,128", output_len=256)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens every prompt starts with (a system prompt), before its own")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes (after one warm-up)")
+    p.add_argument("--no-echo", dest="echo", action="store_false",
+                   help="keep the loaded weights (default: turn them into a network that "
+                        "repeats its last token, whose tokens do not depend on the batch shape)")
+    p.add_argument("--draft-model", default=None,
+                   help="also a draft model on the target's rank: a checkpoint directory or a "
+                        "Qwen3 shape (e.g. 0.6b), random, then echoed")
+    p.add_argument("--eagle3", action="store_true",
+                   help="also an EAGLE-3 head of the target's shape on its rank (draft "
+                        "vocabulary 32000), random, then echoed")
+    p.add_argument("--mtp", action="store_true",
+                   help="add the target's own MTP head (Qwen3.5) drafting on its rank")
+    p.add_argument("--no-host-drafters", dest="host_drafters", action="store_false",
+                   help="skip the oracle, never-right and n-gram runs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="the target's ranks (>1: rank actors on Ray, the engine in this process)")
+
+
+def run(args: Any) -> dict[str, Any]:
+    concurrencies = sizes(args.concurrency, "--concurrency")
+    if min(*concurrencies, args.input_len, args.output_len, args.repeats,
+           args.tensor_parallel_size, args.shared_prefix + 1) < 1:
+        raise SystemExit("speculative: concurrencies, lengths, --repeats and "
+                         "--tensor-parallel-size must be >= 1 (--shared-prefix >= 0)")
+    return bench_speculative(args.model, args.shape, concurrencies, args.num_speculative_tokens,
+                             args.mean_acceptance_length, args.input_len, args.output_len,
+                             args.repeats, args.echo, args.draft_model, args.host_drafters,
+                             args.eagle3, args.mtp, args.tensor_parallel_size,
+                             args.shared_prefix)

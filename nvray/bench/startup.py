@@ -40,6 +40,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from nvray.bench.checkpoints import QWEN3_SHAPES
 from nvray.bench.http_load import metric_value
 
 RUNTIMES = ("inprocess", "ray")
@@ -254,6 +255,10 @@ def positive_int(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint path or 'tiny' (default: a random checkpoint of --shape, "
+                        "built on first use: GPU-sized; give 'tiny' on a CPU)")
+    p.add_argument("--shape", default="0.6b", choices=sorted(QWEN3_SHAPES))
     p.add_argument("--runtimes", type=parse_runtimes, default=list(RUNTIMES),
                    help="comma-separated LLM() runtimes to start (inprocess, ray); empty: none")
     p.add_argument("--serve", action="store_true",

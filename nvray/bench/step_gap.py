@@ -32,6 +32,7 @@ from nvray.bench.checkpoints import default_checkpoint, is_config_only
 from nvray.bench.engine_here import engine_here
 from nvray.bench.speculative import (OracleProposer, echo_weights, greedy_params,
                                      keep_probability, random_prompts)
+from nvray.bench.cli_args import add_drafting_workload, sizes
 
 
 def bench_step_gap(model: str | None = None, shape: str = "0.6b",
@@ -156,3 +157,15 @@ def _device_spans(runner: Any, spans: list[tuple[Any, Any]]) -> Iterator[None]:
     finally:
         runner.forward, runner._sample = forward, sample  # (``_timing``'s, undone after this)
         torch.cuda.synchronize()
+
+
+def add_arguments(p: Any) -> None:
+    add_drafting_workload(p, concurrency="1,32", output_len=128)
+
+
+def run(args: Any) -> dict[str, Any]:
+    concurrencies = sizes(args.concurrency, "--concurrency")
+    if min(*concurrencies, args.input_len, args.output_len) < 1:
+        raise SystemExit("step-gap: concurrencies and lengths must be >= 1")
+    return bench_step_gap(args.model, args.shape, concurrencies, args.num_speculative_tokens,
+                          args.mean_acceptance_length, args.input_len, args.output_len)

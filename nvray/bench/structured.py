@@ -177,3 +177,13 @@ def bench_structured(model: str | None = None, num_seqs: int = 256, max_model_le
         return figures
     finally:
         llm.shutdown()
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=4096)
+
+
+def run(args: Any) -> dict[str, Any]:
+    return bench_structured(args.model, args.num_seqs, args.max_model_len)

@@ -21,6 +21,7 @@ disk, loaded into a slot) beside one through a resident adapter.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -30,11 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from nvray.bench.checkpoints import default_checkpoint, is_config_only
+from nvray.bench.checkpoints import SHAPES, default_checkpoint, is_config_only
 from nvray.bench.floor import (floor_output_tok_per_s, measured_bandwidth, measured_matmul_peak,
                                read_config, roofline_output_tok_per_s)
 from nvray.models.tiny import resolve_model
 from nvray.sampling_params import SamplingParams
+from nvray.bench.cli_args import budgets, names, sizes, word_list
+from nvray.config import ALL_REDUCES, KV_CACHE_DTYPES
 
 
 # what ``--features`` adds to every request of the throughput workload
@@ -241,21 +244,14 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
     max_model_len, vocab_size = _fit_to_model(model, max_model_len)
     if "ray" in runtimes:
         from nvray.runtime.cluster import ensure_ray  # noqa: PLC0415
-
         ensure_ray()
     cuda = torch.cuda.is_available()
     if cuda:  # e.g. TP=2 x PP=2 on a two-GPU machine: said, not tried
-        fits = [p for p in placements if p[1] * p[2] <= torch.cuda.device_count()]
-        for runtime, tp, pp in sorted(set(placements) - set(fits)):
-            print(f"skipped: {runtime} TP={tp} x PP={pp} needs {tp * pp} GPUs, "
-                  f"{torch.cuda.device_count()} visible", file=sys.stderr, flush=True)
-        placements = fits
-    baseline = _gpu_memory_used() if cuda else []
-    runs = []
-    for enforce_eager, feature in ((e, f) for e in ((False, True) if eager else (False,))
-                                   for f in features):
+        placements = _placements_that_fit(placements, torch.cuda.device_count())
+    baseline, runs = (_gpu_memory_used() if cuda else []), []
+    split = [(a, ep) for a in all_reduces for ep in expert_parallels]  # how TP>1 splits
+    for enforce_eager, feature in itertools.product((False, True) if eager else (False,), features):
         prompts, params = bench_workload(num_seqs, vocab_size=vocab_size, **FEATURES[feature])
-        split = [(a, ep) for a in all_reduces for ep in expert_parallels]  # how TP>1 splits
         for (runtime, tp, pp), overlap, budget, quant, kv, (reduce, ep) in (
                 (p, o, b, q, kv, s) for s in split for kv in kv_cache_dtypes
                 for q in quantizations for b in token_budgets for o in overlaps
@@ -263,17 +259,15 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
             options = {"max_model_len": max_model_len, "overlap_scheduling": overlap,
                        "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
                        "quantization": quant, "kv_cache_dtype": kv,
-                       "all_reduce": reduce, "enable_expert_parallel": ep}
-            if dummy:
-                options["load_format"] = "dummy"
-            if budget is not None:
-                options["max_num_batched_tokens"] = budget
+                       "all_reduce": reduce, "enable_expert_parallel": ep,
+                       **({"load_format": "dummy"} if dummy else {}),
+                       **({"max_num_batched_tokens": budget} if budget is not None else {})}
             with_loras = (None, lora) if lora is not None and runtime == "inprocess" else (None,)
             for workload in with_loras:
                 runs.append({"features": feature, "max_num_batched_tokens": budget or "default",
                              "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                             "quantization": quant,
-                             "kv_cache_dtype": kv, "all_reduce": reduce, "expert_parallel": ep,
+                             "quantization": quant, "kv_cache_dtype": kv,
+                             "all_reduce": reduce, "expert_parallel": ep,
                              **_throughput_run(model, runtime, enforce_eager, prompts, params,
                                                options, workload)})
                 if workload is not None:
@@ -284,21 +278,39 @@ def bench_throughput(model: str | None = None, runtimes: tuple[str, ...] = ("inp
                     _wait_gpu_memory_released(baseline)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     for run in runs:
-        floors = _floors(model, device, num_seqs, floor_tok_per_s, run["quantization"],
-                         run["kv_cache_dtype"])
-        for name, floor in floors.items():
-            floor *= run["tensor_parallel_size"] * run["pipeline_parallel_size"]  # GPUs
-            run[name] = round(floor)
-            run["pct_of_" + name.removesuffix("_output_tok_per_s")] = round(
-                100 * run["output_tok_per_s"] / floor, 1)
+        _add_floors(run, _floors(model, device, num_seqs, floor_tok_per_s, run["quantization"],
+                                 run["kv_cache_dtype"]))
         _add_speedup_vs_tp1(run, runs)
+    return _report(model, device, num_seqs, max_model_len, floor_tok_per_s, runs)
+
+
+def _report(model: str, device: str, num_seqs: int, max_model_len: int,
+            floor_tok_per_s: float | None, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    floors = _floors(model, device, num_seqs, floor_tok_per_s, None, "auto")
     return {"benchmark": "throughput", "workload": "nano-vllm bench: 256 seqs, seed 0",
             "model": model, "device": device, "num_seqs": num_seqs,
             "max_model_len": max_model_len, "bandwidth_tb_per_s": measured_bandwidth(device),
             "matmul_tflop_per_s": measured_matmul_peak(device),
-            **{name: round(floor) for name, floor in _floors(model, device, num_seqs,
-                                                              floor_tok_per_s, None, "auto").items()},
-            "runs": runs}
+            **{name: round(floor) for name, floor in floors.items()}, "runs": runs}
+
+
+def _placements_that_fit(placements: list[tuple[str, int, int]], num_gpus: int
+                         ) -> list[tuple[str, int, int]]:
+    """The (runtime, TP, PP) placements this machine's GPUs hold; the others said on stderr."""
+    fits = [p for p in placements if p[1] * p[2] <= num_gpus]
+    for runtime, tp, pp in sorted(set(placements) - set(fits)):
+        print(f"skipped: {runtime} TP={tp} x PP={pp} needs {tp * pp} GPUs, {num_gpus} visible",
+              file=sys.stderr, flush=True)
+    return fits
+
+
+def _add_floors(run: dict[str, Any], floors: dict[str, float]) -> None:
+    """A run's floors (times its GPUs) and its share of each."""
+    for name, floor in floors.items():
+        floor *= run["tensor_parallel_size"] * run["pipeline_parallel_size"]  # GPUs
+        run[name] = round(floor)
+        run["pct_of_" + name.removesuffix("_output_tok_per_s")] = round(
+            100 * run["output_tok_per_s"] / floor, 1)
 
 
 def _floors(model: str, device: str, num_seqs: int, floor: float | None,
@@ -350,3 +362,75 @@ def resolve_placements(runtimes: tuple[str, ...], tensor_parallel_sizes: tuple[i
         raise ValueError("a pipeline-parallel size above 1 needs the ray runtime (--runtimes ray)")
     return [(r, tp, pp) for pp in pipeline_parallel_sizes for tp in tensor_parallel_sizes
             for r in runtimes if r == "ray" or tp * pp == 1]
+
+
+def add_arguments(p: Any) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: a random Qwen3-0.6B-shaped bf16 one)")
+    p.add_argument("--runtimes", default="inprocess,ray")
+    p.add_argument("--eager", action="store_true", help="also run with enforce_eager=True")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--shape", default="0.6b", choices=SHAPES,
+                   help="shape of the random checkpoint built without --model: Qwen3 0.6b/8b, "
+                        "or a family's (llama3-8b, qwen3-30b-a3b, gemma3-12b: config only, "
+                        "random weights made on the GPU)")
+    p.add_argument("--tensor-parallel-size", default="1",
+                   help="TP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only)")
+    p.add_argument("--pipeline-parallel-size", default="1",
+                   help="PP sizes to compare, comma-separated, e.g. 1,2 (above 1: Ray only; "
+                        "each with every TP size)")
+    p.add_argument("--floor", type=float, default=None,
+                   help="TP=1 physical floor in output tok/s for the %% column (default: from "
+                        "the model's shape, the workload and the GPU's measured bandwidth, "
+                        "nvray/bench/floor.py; TP=n: n times it)")
+    p.add_argument("--overlap", default="on", help="overlapped steps: on, off or on,off")
+    p.add_argument("--max-num-batched-tokens", default=None,
+                   help="token budgets per step to compare, comma-separated (default: the "
+                        "engine's)")
+    p.add_argument("--quantization", default="none",
+                   help="weights to compare, comma-separated: none (the checkpoint's), fp8 "
+                        "(quantized at load)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV caches to compare, comma-separated: auto (the compute dtype), fp8")
+    p.add_argument("--features", default="plain",
+                   help=f"per-request features to add, comma-separated: {', '.join(FEATURES)}")
+    p.add_argument("--all-reduce", default="auto",
+                   help="TP all-reduces to compare, comma-separated: auto (P2P for decode "
+                        "sizes on one host), nccl")
+    p.add_argument("--expert-parallel", default="off",
+                   help="MoE experts at TP>1 to compare, comma-separated: off (each expert's "
+                        "width split over the ranks), on (whole experts per rank)")
+    p.add_argument("--loras", type=int, default=0,
+                   help="also run with this many random LoRA adapters (a tenth of the requests "
+                        "on the base), in-process: lora_vs_base, swaps/s, first-use latency")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=8, help="GPU adapter slots (--loras)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write each rank's kernel times over 20 decode steps under DIR "
+                        "(nvray/worker/step_profiler.py)")
+
+
+def run(args: Any) -> dict[str, Any]:
+    runtimes, tp_sizes = tuple(args.runtimes.split(",")), sizes(args.tensor_parallel_size)
+    stages = sizes(args.pipeline_parallel_size, "--pipeline-parallel-size")
+    try:
+        resolve_placements(runtimes, tp_sizes, stages)  # refused before a checkpoint is built
+    except ValueError as e:
+        raise SystemExit(f"throughput: {e}") from None
+    overlaps = word_list("--overlap", args.overlap, {"on": True, "off": False})
+    quantizations = word_list("--quantization", args.quantization, {"none": None, "fp8": "fp8"})
+    kv_dtypes = word_list("--kv-cache-dtype", args.kv_cache_dtype, {d: d for d in KV_CACHE_DTYPES})
+    all_reduces = word_list("--all-reduce", args.all_reduce, {a: a for a in ALL_REDUCES})
+    expert_parallels = word_list("--expert-parallel", args.expert_parallel,
+                                 {"off": False, "on": True})
+    if args.profile:  # read by the ranks (Ray's local workers inherit this environment)
+        os.environ["NVRAY_PROFILE_DIR"] = args.profile
+    if args.loras < 0 or args.lora_rank < 1 or args.max_loras < 1:
+        raise SystemExit("throughput: --loras must be >= 0, --lora-rank and --max-loras >= 1")
+    lora = LoRAWorkload(args.loras, args.lora_rank, args.max_loras) if args.loras else None
+    return bench_throughput(args.model, runtimes, args.eager, args.num_seqs, args.max_model_len,
+                            args.floor, overlaps, names("--features", args.features,
+                                                        list(FEATURES)),
+                            budgets(args.max_num_batched_tokens), tp_sizes, args.shape,
+                            quantizations, kv_dtypes, all_reduces, expert_parallels, stages, lora)
