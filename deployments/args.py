@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from deployments.admission import AdmissionGate
 from deployments.lora_names import parse_lora_modules
-from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from nvray.options import Option, exposed_options, options_of
+from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, exposed_options
+from nvray.options import Option, options_of
 
 _ENGINE = EngineConfig()  # the engine's defaults, the one source of each
 # The app's own default and help where they differ from the engine's

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from nvray.options import option, options_of
+from nvray.options import Option, option, options_of
 from nvray.speculative import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "sjf", "priority")
@@ -208,3 +208,8 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def exposed_options() -> list[Option]:
+    """The engine options the app and the batch job offer as arguments of their own."""
+    return [o for o in options_of(EngineConfig) if o.exposed]

@@ -4,7 +4,8 @@ choices once (``option()``), and everything that offers engine options reads the
 - ``EngineConfig`` checks each value against its field's bounds and choices (``check``), with
   one message shape: ``name=value is invalid: must be ...``.
 - The Serve app's arguments (``deployments/args.py``) and the batch job's flags
-  (``nvray/batch/__main__.py``) are made from the fields marked ``exposed``, with the engine's
+  (``nvray/batch/__main__.py``) are made from the fields marked ``exposed``
+  (``nvray.config.exposed_options``), with the engine's
   default and help; the other fields reach the engine through each surface's pass-through
   (``engine_options``). A new engine option is therefore one field: declared with ``option()``
   it is checked, documented, and (when exposed) an app argument, an ``nvray serve`` flag and a
@@ -93,10 +94,3 @@ def options_of(cls: type) -> list[Option]:
                    f.metadata["gt"], f.metadata["le"], f.metadata["choices"],
                    f.metadata["exposed"])
             for f in dataclasses.fields(cls) if "help" in f.metadata]
-
-
-def exposed_options() -> list[Option]:
-    """The engine options the app and the batch job offer as arguments of their own."""
-    from nvray.config import EngineConfig  # noqa: PLC0415 (EngineConfig declares with option())
-
-    return [o for o in options_of(EngineConfig) if o.exposed]

@@ -45,11 +45,12 @@ token's position; penalties at a draft position count the drafts before it.
 from __future__ import annotations
 
 import dataclasses
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from nvray.speculative_methods import SPECULATIVE_METHODS, SpeculativeMethod
+from nvray.speculative_methods import SPECULATIVE_METHODS, NgramProposer, SpeculativeMethod
+
+__all__ = ["NgramProposer", "SpecCounters", "SpeculativeConfig", "accepted_run"]
 
 _MAX_SPECULATIVE_TOKENS = 16
 
@@ -125,39 +126,6 @@ class SpeculativeConfig:
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-class NgramProposer:
-    """Prompt lookup over a sequence's own tokens (prompt and output)."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``token_ids`` (none when no suffix recurs)."""
-        if k <= 0 or len(token_ids) <= self.min_n:
-            return []
-        raw = array("i", token_ids).tobytes()  # int32: a match must start on a 4-byte edge
-        length = len(token_ids)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = raw[4 * (length - n):]
-            end = 4 * (length - 1)  # an earlier occurrence ends before the last token
-            while (at := raw.rfind(suffix, 0, end)) >= 0:
-                if at % 4 == 0:
-                    return self._copy(token_ids, at // 4 + n, k)
-                end = at + len(suffix) - 1  # misaligned: look further left
-        return []
-
-
-    @staticmethod
-    def _copy(token_ids: list[int], follow: int, k: int) -> list[int]:
-        """``k`` tokens copied from ``follow`` on, the copy reading its own output past the end
-        (an overlapping copy, as LZ77's)."""
-        drafts = token_ids[follow:follow + k]
-        period = len(token_ids) - follow
-        while len(drafts) < k:
-            drafts.append(drafts[len(drafts) - period])
-        return drafts
 
 
 def accepted_run(drafts: list[int] | tuple[int, ...], sampled: list[int]) -> list[int]:

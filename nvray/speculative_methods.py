@@ -13,10 +13,12 @@ A method's class declares what the engine and the ranks ask of it, and nothing e
   directory, required), ``"target"`` (the head is the target checkpoint's own; none given) or
   ``"none"`` (none given);
 - ``host_proposer(config)``: the proposer run on the engine's host (a host method);
-- ``build_drafter(...)``: its drafter on a rank (``nvray/worker/drafter.py`` and subclasses),
-  imported there, so the host never imports torch for it;
-- ``refuse_as_target(path, architectures)``: a checkpoint of its drafter given as the model to
-  serve is refused with where it goes instead.
+- ``drafter``: its drafter class on a rank (``nvray/worker/drafter.py`` and subclasses), named
+  ``"module:Class"`` and imported there by ``build_drafter``, so the host never imports torch
+  for it (a head's drafter also gets the target model);
+- ``drafter_architectures``: the architectures its drafter's checkpoints name: such a
+  checkpoint given as the model to serve is refused with where it goes instead
+  (``refuse_as_target``).
 
 ``SPECULATIVE_METHODS`` maps each name to its class (``SpeculativeConfig.method_class``). A new
 method is one class here (``@register``) and, for a method on the ranks, its drafter module.
@@ -25,11 +27,9 @@ method is one class here (``@register``) and, for a method on the ranks, its dra
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
-
-if TYPE_CHECKING:
-    from nvray.speculative import NgramProposer, SpeculativeConfig
-    from nvray.worker.drafter import Drafter
+import importlib
+from array import array
+from typing import Any, ClassVar
 
 SPECULATIVE_METHODS: dict[str, type[SpeculativeMethod]] = {}
 
@@ -46,6 +46,45 @@ def refuse_drafter_served(path: str, hf_config: Any) -> None:
         method.refuse_as_target(path, archs)
 
 
+class NgramProposer:
+    """Prompt lookup over a sequence's own tokens (prompt and output)."""
+
+    def __init__(self, config: Any) -> None:  # a SpeculativeConfig
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token_ids`` (none when no suffix recurs)."""
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        raw = array("i", token_ids).tobytes()  # int32: a match must start on a 4-byte edge
+        length = len(token_ids)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = raw[4 * (length - n):]
+            end = 4 * (length - 1)  # an earlier occurrence ends before the last token
+            while (at := raw.rfind(suffix, 0, end)) >= 0:
+                if at % 4 == 0:
+                    return self._copy(token_ids, at // 4 + n, k)
+                end = at + len(suffix) - 1  # misaligned: look further left
+        return []
+
+    @staticmethod
+    def _copy(token_ids: list[int], follow: int, k: int) -> list[int]:
+        """``k`` tokens copied from ``follow`` on, the copy reading its own output past the end
+        (an overlapping copy, as LZ77's)."""
+        drafts = token_ids[follow:follow + k]
+        period = len(token_ids) - follow
+        while len(drafts) < k:
+            drafts.append(drafts[len(drafts) - period])
+        return drafts
+
+
+def _load(path: str) -> Any:
+    """``"package.module:Name"``: that object, its module imported now (drafters and model
+    modules import torch: the ranks load them, the host never does)."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class SpeculativeMethod:
     """A method's declarations (the module docstring); subclasses override what differs."""
 
@@ -54,6 +93,8 @@ class SpeculativeMethod:
     rows_lag: ClassVar[bool] = False
     refeeds_accepted: ClassVar[bool] = False
     model: ClassVar[str] = "none"
+    drafter: ClassVar[str | None] = None  # its drafter class on a rank, "module:Class"
+    drafter_architectures: ClassVar[str | None] = None  # "module:NAMES" its checkpoints name
 
     @classmethod
     def check_model(cls, model: str | None) -> str | None:
@@ -68,19 +109,36 @@ class SpeculativeMethod:
         return None
 
     @classmethod
-    def host_proposer(cls, config: SpeculativeConfig) -> NgramProposer | None:
-        """The proposer the engine's host runs (None: the drafts come from the ranks)."""
+    def host_proposer(cls, config: Any) -> NgramProposer | None:
+        """The proposer the engine's host runs for ``config`` (a ``SpeculativeConfig``; None:
+        the drafts come from the ranks)."""
         return None
 
     @classmethod
-    def build_drafter(cls, spec: SpeculativeConfig, args: tuple[Any, ...],
-                      target: Any, target_path: str) -> Drafter:
-        """The drafter on a rank: ``args`` are ``Drafter``'s, ``target`` the target model."""
-        raise TypeError(f"speculative method {cls.name!r} drafts on the host, not on a rank")
+    def build_drafter(cls, spec: Any, args: tuple[Any, ...], target: Any,
+                      target_path: str) -> Any:
+        """The drafter on a rank for ``spec`` (a ``SpeculativeConfig``): ``args`` are
+        ``Drafter``'s after it, ``target`` the target model, ``target_path`` its checkpoint."""
+        if cls.drafter is None:
+            raise TypeError(f"speculative method {cls.name!r} drafts on the host, not on a rank")
+        if cls.model == "target":  # the head is the target checkpoint's own
+            spec = dataclasses.replace(spec, model=target_path)
+        extra = {"target": target} if cls.rows_lag else {}  # a head reads the target's states
+        return _load(cls.drafter)(spec, *args, **extra)
 
     @classmethod
     def refuse_as_target(cls, path: str, architectures: set[str]) -> None:
         """Raise when ``path`` (of ``architectures``) is this method's drafter, not a model."""
+        if cls.drafter_architectures is None:
+            return
+        names = _load(cls.drafter_architectures)
+        if architectures & ({names} if isinstance(names, str) else set(names)):
+            raise ValueError(f"{path} {cls.served_refusal(path, names)}")
+
+    @classmethod
+    def served_refusal(cls, path: str, names: Any) -> str:
+        """What a checkpoint of this method's drafter (of ``names``) given as the model is."""
+        return f"is a drafter ({names}), not a model to serve"
 
 
 @register
@@ -90,9 +148,7 @@ class Ngram(SpeculativeMethod):
     name = "ngram"
 
     @classmethod
-    def host_proposer(cls, config: SpeculativeConfig) -> NgramProposer:
-        from nvray.speculative import NgramProposer  # noqa: PLC0415 (speculative imports us)
-
+    def host_proposer(cls, config: Any) -> NgramProposer:
         return NgramProposer(config)
 
 
@@ -103,13 +159,7 @@ class DraftModel(SpeculativeMethod):
     name = "draft_model"
     on_ranks = True
     model = "checkpoint"
-
-    @classmethod
-    def build_drafter(cls, spec: SpeculativeConfig, args: tuple[Any, ...],
-                      target: Any, target_path: str) -> Drafter:
-        from nvray.worker.drafter import Drafter  # noqa: PLC0415 (torch: ranks only)
-
-        return Drafter(spec, *args)
+    drafter = "nvray.worker.drafter:Drafter"
 
 
 @register
@@ -121,22 +171,13 @@ class Eagle3(SpeculativeMethod):
     rows_lag = True
     refeeds_accepted = True
     model = "checkpoint"
+    drafter = "nvray.worker.eagle_drafter:Eagle3Drafter"
+    drafter_architectures = "nvray.models.eagle3:ARCHITECTURES"
 
     @classmethod
-    def build_drafter(cls, spec: SpeculativeConfig, args: tuple[Any, ...],
-                      target: Any, target_path: str) -> Drafter:
-        from nvray.worker.eagle_drafter import Eagle3Drafter  # noqa: PLC0415
-
-        return Eagle3Drafter(spec, *args, target=target)
-
-    @classmethod
-    def refuse_as_target(cls, path: str, architectures: set[str]) -> None:
-        from nvray.models.eagle3 import ARCHITECTURES  # noqa: PLC0415
-
-        if architectures & set(ARCHITECTURES):
-            raise ValueError(f"{path} is an EAGLE-3 drafter, not a model to serve: pass it "
-                             "beside its target as speculative_config={'method': 'eagle3', "
-                             f"'model': {path!r}}}")
+    def served_refusal(cls, path: str, names: Any) -> str:
+        return ("is an EAGLE-3 drafter, not a model to serve: pass it beside its target as "
+                f"speculative_config={{'method': 'eagle3', 'model': {path!r}}}")
 
 
 @register
@@ -148,20 +189,10 @@ class Mtp(SpeculativeMethod):
     rows_lag = True
     refeeds_accepted = True
     model = "target"
+    drafter = "nvray.worker.mtp_drafter:MtpDrafter"
+    drafter_architectures = "nvray.models.qwen3_5_mtp:ARCHITECTURE"
 
     @classmethod
-    def build_drafter(cls, spec: SpeculativeConfig, args: tuple[Any, ...],
-                      target: Any, target_path: str) -> Drafter:
-        from nvray.worker.mtp_drafter import MtpDrafter  # noqa: PLC0415
-
-        own = dataclasses.replace(spec, model=target_path)  # the head is the target's own
-        return MtpDrafter(own, *args, target=target)
-
-    @classmethod
-    def refuse_as_target(cls, path: str, architectures: set[str]) -> None:
-        from nvray.models.qwen3_5_mtp import ARCHITECTURE  # noqa: PLC0415
-
-        if ARCHITECTURE in architectures:
-            raise ValueError(f"{path} names Qwen3.5's MTP head ({ARCHITECTURE}), not a model "
-                             "to serve: serve the Qwen3.5 checkpoint that holds it, with "
-                             "speculative_config={'method': 'mtp'}")
+    def served_refusal(cls, path: str, names: Any) -> str:
+        return (f"names Qwen3.5's MTP head ({names}), not a model to serve: serve the Qwen3.5 "
+                "checkpoint that holds it, with speculative_config={'method': 'mtp'}")

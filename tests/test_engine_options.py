@@ -9,8 +9,8 @@ import pytest
 from deployments.args import AppArgs, parse_args
 from nvray.batch.__main__ import engine_kwargs_from_args
 from nvray.batch.__main__ import parse_args as parse_batch_args
-from nvray.config import EngineConfig
-from nvray.options import Option, exposed_options, options_of
+from nvray.config import EngineConfig, exposed_options
+from nvray.options import Option, options_of
 
 BATCH = ["--input", "in.jsonl", "--output", "out.jsonl"]
 # values that need another option to hold (the rest are picked from the bounds and choices)

@@ -34,8 +34,8 @@ from typing import Any
 
 from nvray.batch.io import InputSpec, OutputWriter, check_output_path, output_schema, \
     validate_input
-from nvray.config import EngineConfig
-from nvray.options import Option, exposed_options
+from nvray.config import EngineConfig, exposed_options
+from nvray.options import Option
 from nvray.sampling_params import SamplingParams
 
 EXIT_BAD_INPUT = 2
