@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nvray.architectures import ARCHITECTURES
 from nvray.structured_outputs import StructuredOutputsParams, canonical_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -342,14 +343,8 @@ HERMES = ToolParser("hermes", "qwen_3", ToolCallStream)
 QWEN3_XML = ToolParser("qwen3_xml", "qwen_3_coder", XmlToolCallStream)
 LLAMA3_JSON = ToolParser("llama3_json", "llama", JsonToolCallStream)
 TOOL_PARSERS = {p.name: p for p in (HERMES, QWEN3_XML, LLAMA3_JSON)}
-# What each architecture's chat template asks its model to write
-_BY_ARCHITECTURE = {"LlamaForCausalLM": "llama3_json",
-                    **{arch: "qwen3_xml" for arch in (
-                        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")}}
-
-
 def tool_parser_for(name: str | None, architecture: str) -> ToolParser:
     """The app's ``tool_call_parser``, or (None) the architecture's: Llama 3.x's JSON calls,
     Qwen3.5's XML calls, Hermes ``<tool_call>`` blocks for the others (Qwen's)."""
-    return TOOL_PARSERS[name or _BY_ARCHITECTURE.get(architecture, "hermes")]
+    known = ARCHITECTURES.get(architecture)  # what its chat template asks its model to write
+    return TOOL_PARSERS[name or (known.tool_call_format if known is not None else "hermes")]

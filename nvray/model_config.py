@@ -17,70 +17,16 @@ import os
 import types
 from typing import Any
 
-# What transformers' config classes default to, for the keys nvray's models read (read off
-# transformers 5.24; tests/worker/test_model_config.py holds them to the installed version).
-_COMMON: dict[str, Any] = {
-    "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-    "rope_scaling": None, "quantization_config": None, "attention_bias": False,
-}
-_QWEN_DEFAULTS: dict[str, Any] = {
-    **_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-    "max_position_embeddings": 32768,
-}
+from nvray.architectures import ARCHITECTURES, QWEN_DEFAULTS, names_where
+
 _DEFAULT_ROPE_THETA = 10000.0
-_BACKBONES = {"Qwen3Model"}  # nvray.models.BACKBONES (that package imports torch)
 # Keys transformers writes under another name than the checkpoints on the Hub (its attribute_map)
 _ALIASES = {"num_local_experts": "num_experts"}
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "Qwen3ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": 128},
-    "Qwen3Model": {**_QWEN_DEFAULTS, "head_dim": 128},
-    "Qwen2ForCausalLM": {**_QWEN_DEFAULTS, "head_dim": None},  # hidden_size // heads
-    "Qwen3MoeForCausalLM": {
-        **_QWEN_DEFAULTS, "hidden_size": 2048, "intermediate_size": 6144,
-        "num_hidden_layers": 24, "num_key_value_heads": 4, "head_dim": None,
-        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "LlamaForCausalLM": {
-        **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
-        "max_position_embeddings": 2048, "head_dim": None, "mlp_bias": False},
-    "MistralForCausalLM": {
-        **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "max_position_embeddings": 131072, "head_dim": None, "sliding_window": 4096},
-    "Gemma3ForCausalLM": {
-        **_COMMON, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131072, "tie_word_embeddings": True,
-        "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None,
-        "sliding_window_pattern": 6, "final_logit_softcapping": None,
-        "attn_logit_softcapping": None, "use_bidirectional_attention": False,
-        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0},
-}
-_QWEN3_5_DEFAULTS: dict[str, Any] = {
-    **_COMMON, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
-    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
-    "head_dim": 256, "max_position_embeddings": 32768, "partial_rotary_factor": 0.25,
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "layer_types": None,
-    "full_attention_interval": 4}
-_QWEN3_5_MOE_DEFAULTS: dict[str, Any] = {
-    **_QWEN3_5_DEFAULTS, "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
-    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-    "num_experts_per_tok": 8, "num_experts": 256}
-_DEFAULTS.update({
-    "LlamaForCausalLMEagle3": _DEFAULTS["LlamaForCausalLM"],  # EAGLE-3 drafters: a Llama layer
-    "Eagle3LlamaForCausalLM": _DEFAULTS["LlamaForCausalLM"],
-    "Qwen3_5ForCausalLM": _QWEN3_5_DEFAULTS,
-    "Qwen3_5ForConditionalGeneration": _QWEN3_5_DEFAULTS,
-    "Qwen3_5MoeForCausalLM": _QWEN3_5_MOE_DEFAULTS,
-    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MOE_DEFAULTS,
-})
-# Checkpoints of a vision-language model whose language model nvray serves: its keys live in
-# ``text_config`` (the top level keeps the architecture, the tying and the quantization)
-_LANGUAGE_MODEL_OF = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+# each architecture's config defaults (nvray/architectures.py); others get Qwen's
+_DEFAULTS = {name: arch.config_defaults for name, arch in ARCHITECTURES.items()
+             if arch.config_defaults}
+_BACKBONES = set(names_where(backbone=True))
+_LANGUAGE_MODEL_OF = names_where(language_model_of=True)
 
 
 class ModelConfig(types.SimpleNamespace):
@@ -139,7 +85,7 @@ def speculators_keys(raw: dict[str, Any]) -> dict[str, Any]:
 def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     raw = language_model_keys(speculators_keys(raw))
     archs = raw.get("architectures") or []
-    defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), _QWEN_DEFAULTS)
+    defaults = next((_DEFAULTS[a] for a in archs if a in _DEFAULTS), QWEN_DEFAULTS)
     raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
     values = {**defaults, **raw}
     if set(archs) & _BACKBONES:  # no LM head of its own: pooling requests never read one

@@ -31,10 +31,11 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from nvray.architectures import names_where
 from nvray.sampling_params import SamplingParams
 
 Task = Literal["generate", "embed", "score"]
-_BACKBONES = ("Qwen3Model",)
+_BACKBONES = names_where(backbone=True)  # embedding checkpoints (nvray/architectures.py)
 
 # Qwen3-Reranker's prompt (its model card's format): a judge that answers "yes" or "no"
 RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
