@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deployments.responses import ChatFormat, new_id
+from deployments.openai_format import ChatFormat, new_id
 from nvray.outputs import RequestOutput
 
 

@@ -22,7 +22,7 @@ output through the grammar; ``reasoning.effort`` ``none`` turns the chat templat
 ``max_tool_calls`` (it bounds hosted tools' calls: none here) and ``text.verbosity`` are
 accepted; ``background``, ``conversation``, ``prompt`` (stored prompts), ``truncation: auto``
 and ``include: message.output_text.logprobs`` are refused by name. The answer is
-``deployments/responses_api_format.py``'s.
+``deployments/responses_format.py``'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from deployments.protocol import ChatCompletionRequest, StrictModel, UnsupportedParameter
+from deployments.openai_api import ChatCompletionRequest, StrictModel, UnsupportedParameter
 
 _SUPPORTED_TOOL = "nvray runs function tools only (type 'function')"
 # the chat request's field names as a Responses client knows them

@@ -1,7 +1,7 @@
 """The Responses API's routes (OpenAI's ``/v1/responses``), a route group of NvrayServer
 (``deployments/server.py``): requests are translated to chat completions
 (``deployments/responses_api.py``), answered in the Responses shape
-(``deployments/responses_api_format.py``) and kept in the app's response store
+(``deployments/responses_format.py``) and kept in the app's response store
 (``deployments/response_store.py``), which every replica reaches, so ``previous_response_id``
 continues a response whichever replica served it.
 
@@ -18,10 +18,10 @@ from fastapi.responses import JSONResponse
 
 from deployments.errors import OpenAIError
 from deployments.http_app import api
-from deployments.protocol import UnsupportedParameter
-from deployments.responses import ChatFormat
+from deployments.openai_api import UnsupportedParameter
+from deployments.openai_format import ChatFormat
 from deployments.responses_api import ResponsesRequest
-from deployments.responses_api_format import ResponsesFormat, input_items_page
+from deployments.responses_format import ResponsesFormat, input_items_page
 from nvray.reasoning import THINK_END
 
 

@@ -1,6 +1,6 @@
 """NvrayServer: the app's ingress — the OpenAI-compatible HTTP API (FastAPI,
 ``deployments/http_app.py``), Anthropic's Messages API on the same chat path
-(``deployments/anthropic.py``), and a Python handle API (``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks. Two route
+(``deployments/messages_api.py``), and a Python handle API (``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks. Two route
 groups live in their own files and are mixed in: the Responses API
 (``deployments/responses_routes.py``) and pooling (``deployments/pooling_routes.py``).
 
@@ -55,7 +55,7 @@ from starlette.background import BackgroundTask
 from ray import serve
 
 from deployments.args import AppArgs, parse_args
-from deployments.anthropic import CountTokensRequest, MessagesRequest
+from deployments.messages_api import CountTokensRequest, MessagesRequest
 from deployments.messages_format import MessagesFormat
 from deployments.pooling_routes import PoolingRoutes
 from deployments.response_store import StoredResponses
@@ -69,11 +69,11 @@ from deployments.lora_names import LoRANames, parse_lora_modules
 from deployments.metrics import render_metrics
 from deployments.prefix_router import routing_key
 from deployments.tools import tool_parser_for
-from deployments.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from deployments.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   LoadLoRARequest, SamplingFields, TokenizeRequest,
                                   UnloadLoRARequest)
 from deployments.logprobs_format import TokenTexts
-from deployments.responses import ChatFormat, CompletionFormat, StreamFormat, with_usage
+from deployments.openai_format import ChatFormat, CompletionFormat, StreamFormat, with_usage
 from nvray.lora.request import LoRARequest
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
@@ -368,7 +368,7 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
 
     @api.post("/v1/messages")
     async def messages(self, body: MessagesRequest, request: Request) -> Any:
-        """Anthropic's Messages API over the chat machinery (``deployments/anthropic.py``)."""
+        """Anthropic's Messages API over the chat machinery (``deployments/messages_api.py``)."""
         chat = self._chat_of_messages(body, request)
         lora = self._adapter(body.model)
         params = chat.sampling_params(chat.output_limit(), reasoning=self.reasoning is not None,

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from deployments.messages_format import MessagesFormat
-from deployments.responses import ChatFormat
+from deployments.openai_format import ChatFormat
 from deployments.tools import HERMES
 from nvray.outputs import RequestOutput
 

@@ -109,7 +109,7 @@ def test_an_expected_400_is_answered_by_its_handler_with_one_log_line(caplog):
     from fastapi import FastAPI
 
     from deployments.errors import install_error_handlers
-    from deployments.protocol import UnsupportedParameter
+    from deployments.openai_api import UnsupportedParameter
 
     app = FastAPI()
     install_error_handlers(app)

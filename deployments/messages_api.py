@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from deployments.protocol import ChatCompletionRequest, StrictModel, UnsupportedParameter
+from deployments.openai_api import ChatCompletionRequest, StrictModel, UnsupportedParameter
 
 # Anthropic's temperature range (OpenAI's is [0, 2])
 MAX_TEMPERATURE = 1.0

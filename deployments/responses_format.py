@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from deployments.responses import ChatFormat
+from deployments.openai_format import ChatFormat
 from deployments.responses_api import ResponsesRequest
 from nvray.outputs import RequestOutput
 
