@@ -7,6 +7,7 @@ A method's class declares what the engine and the ranks ask of it, and nothing e
   target whose layers all attend fully;
 - ``rows_lag``: its drafter's row at a position holds the next token (a head reading the
   target's hidden states), so a block's last row depends on the block after it;
+- ``reads_target``: its drafter reads the target model's hidden states (built with it);
 - ``refeeds_accepted``: its rows of accepted drafts are fed again once verified (they were
   computed from its own hidden states; the target's now exist for them);
 - ``model``: what ``speculative_config`` ``model`` is for it: ``"checkpoint"`` (the drafter's
@@ -92,6 +93,7 @@ class SpeculativeMethod:
     on_ranks: ClassVar[bool] = False
     rows_lag: ClassVar[bool] = False
     refeeds_accepted: ClassVar[bool] = False
+    reads_target: ClassVar[bool] = False  # its drafter reads the target model's hidden states
     model: ClassVar[str] = "none"
     drafter: ClassVar[str | None] = None  # its drafter class on a rank, "module:Class"
     drafter_architectures: ClassVar[str | None] = None  # "module:NAMES" its checkpoints name
@@ -123,7 +125,7 @@ class SpeculativeMethod:
             raise TypeError(f"speculative method {cls.name!r} drafts on the host, not on a rank")
         if cls.model == "target":  # the head is the target checkpoint's own
             spec = dataclasses.replace(spec, model=target_path)
-        extra = {"target": target} if cls.rows_lag else {}  # a head reads the target's states
+        extra = {"target": target} if cls.reads_target else {}
         return _load(cls.drafter)(spec, *args, **extra)
 
     @classmethod
@@ -170,6 +172,7 @@ class Eagle3(SpeculativeMethod):
     on_ranks = True
     rows_lag = True
     refeeds_accepted = True
+    reads_target = True
     model = "checkpoint"
     drafter = "nvray.worker.eagle_drafter:Eagle3Drafter"
     drafter_architectures = "nvray.models.eagle3:ARCHITECTURES"
@@ -188,6 +191,7 @@ class Mtp(SpeculativeMethod):
     on_ranks = True
     rows_lag = True
     refeeds_accepted = True
+    reads_target = True
     model = "target"
     drafter = "nvray.worker.mtp_drafter:MtpDrafter"
     drafter_architectures = "nvray.models.qwen3_5_mtp:ARCHITECTURE"
