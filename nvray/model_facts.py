@@ -1,11 +1,11 @@
 """ModelFacts: what the loaded model is, as its ranks found it.
 
-A fact is found once, on the ranks (``ModelRunner.facts()``, rank 0's answer), and travels
+A fact is found once, on the ranks (``worker/rank_facts.rank_facts``, rank 0's answer), and travels
 whole: the executor holds it (``Executor.facts``), the engine keeps it in its limits
 (``ModelLimits``, which adds the KV cache's size and the EOS ids), and the driver's start-up
 info, with ``/v1/models`` and the replica's ready line, read it from there
-(``as_info()``). A new fact is one field here and the line of ``ModelRunner.facts()`` that
-finds it.
+(``as_info()``). A new fact is one field here and the line of ``rank_facts``
+that finds it.
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ class RankWorker:
 
     def model_facts(self) -> ModelFacts:
         assert self.runner is not None, "load() first"
-        return self.runner.facts()
+        from nvray.worker.rank_facts import rank_facts  # noqa: PLC0415 - see the docstring
+
+        return rank_facts(self.runner)
 
     def startup_phases(self) -> dict[str, float]:
         """This rank's start-up seconds by phase (startup_phases.py)."""
@@ -136,13 +138,13 @@ class RankWorker:
     def execute(self, step: StepInput) -> StepOutput:
         assert self.runner is not None, "load() first"
         with self._failing_fast():
-            return self.runner.execute(step)
+            return self.runner.steps.execute(step)
 
     @on_own_gpu
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
         assert self.runner is not None, "load() first"
         with self._failing_fast():
-            return self.runner.execute_overlapped(step)
+            return self.runner.steps.execute_overlapped(step)
 
     @contextlib.contextmanager
     def _failing_fast(self) -> Iterator[None]:
@@ -162,9 +164,11 @@ class RankWorker:
 
     @on_own_gpu
     def expert_load(self) -> list[int]:
-        """Pairs this rank's experts computed (``ModelRunner.expert_load``)."""
+        """Pairs this rank's experts computed (``layers/moe.expert_load``)."""
         assert self.runner is not None, "load() first"
-        return self.runner.expert_load()
+        from nvray.layers.moe import expert_load  # noqa: PLC0415 - see the docstring
+
+        return expert_load(self.runner.model)
 
     def ping(self) -> int:
         return os.getpid()

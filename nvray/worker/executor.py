@@ -11,7 +11,9 @@ import collections
 from nvray.config import EngineConfig
 from nvray.step_protocol import StepInput, StepOutput
 from nvray.gc_freeze import release_frozen_objects
+from nvray.layers.moe import expert_load
 from nvray.worker.model_runner import ModelRunner
+from nvray.worker.rank_facts import rank_facts
 from nvray.worker.startup import num_kvcache_blocks, prepare_kv_cache
 
 
@@ -23,30 +25,30 @@ class InProcessExecutor:
         self.runner = ModelRunner(config, model_path)
         self.num_blocks = num_kvcache_blocks(self.runner)
         prepare_kv_cache(self.runner, self.num_blocks)
-        self.facts = self.runner.facts()
+        self.facts = rank_facts(self.runner)
         self.startup_phases = dict(self.runner.startup.seconds)
         self.submitted: collections.deque[StepOutput] = collections.deque()  # submit, collect
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+        return self.runner.steps.execute(step)
 
     def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
-        return self.runner.execute_overlapped(step)
+        return self.runner.steps.execute_overlapped(step)
 
     def submit(self, step: StepInput) -> None:
         """Pipeline stages' half of the protocol: one stage here, so the step runs now and
         ``collect`` gives its result."""
-        self.submitted.append(self.runner.execute(step))
+        self.submitted.append(self.runner.steps.execute(step))
 
     def collect(self) -> StepOutput:
         return self.submitted.popleft()
 
     def discard_in_flight(self) -> None:
         self.submitted.clear()
-        self.runner.discard_in_flight()
+        self.runner.steps.discard_in_flight()
 
     def expert_load(self) -> list[list[int]]:
-        return [self.runner.expert_load()]
+        return [expert_load(self.runner.model)]
 
     def check_health(self) -> None:
         """The runner lives in this process: it cannot die on its own."""

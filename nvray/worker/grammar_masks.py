@@ -9,7 +9,7 @@ The matchers advance off the launching thread. Once a step's sampling is queued,
 on the host, has each row's matcher accept its token and fills the next mask of every matcher
 still open into a pinned host buffer (xgrammar; many rows at once in its own threads, without
 the GIL). Meanwhile the launching thread goes on: with overlapped steps the runner queues a
-constrained step's sampling only at the next launch (``ModelRunner.execute_overlapped``), so
+constrained step's sampling only at the next launch (``StepLauncher.execute_overlapped``), so
 the engine reads the step before and schedules the next one while the filler works. ``mask``
 then takes the filler's masks (waiting only for what is not done yet), fills the rows it has
 none for (a first sample, a sequence back from preemption), copies them to the device and

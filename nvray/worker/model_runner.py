@@ -1,56 +1,45 @@
-"""ModelRunner: one tensor-parallel rank — model shard, paged KV cache, step execution.
+"""ModelRunner: one tensor-parallel rank — model shard, paged KV cache, the forward pass.
 
 Lifecycle: ``ModelRunner(config, model_path)`` sets the rank up (``setup.py``: device, dtype,
 the model with its weights, the attention backend, the CUDA graph sizes); the start-up work
 (``startup.py``: memory profile, KV cache sizing, kernel warm-up, graph capture) runs before the
-first request; then ``execute(step)`` runs one scheduled batch and, on rank 0, returns the
-sampled token ids (other ranks return []); ``execute_overlapped(step)`` launches a step and
-returns the ids of the one launched before it, so the caller works while the device computes
-(placeholders in a step's ids are filled from the previous step's sampled ids on the device;
-TP ranks all get rank 0's; a step with constrained rows has its sampling queued at the next
-call, so that its grammar masks are filled meanwhile). On the GPU the norms, the attention prologue, the activation and
-the plain sampler (greedy, or no filters, bans or seeds) run as hand-written Triton kernels
-(``kernels/``; the layers ``torch.compile``d and the sampler eager where Triton is missing),
-also with ``enforce_eager``, which turns off graphs only. Inputs are built by ``InputBuilder``
-(one host-to-device copy per step); decode-only batches, speculative verification batches and
-one-sequence short prefills that fit a graph replay it (``cuda_graph.py``), everything else
-runs eager; the LM head and the sampler always run eager on the rows to sample.
-Under pipeline parallelism (``layers/pp.py``) every rank runs every step on its stage's layers:
-a stage after the first receives the previous stage's activations into the model's
-``stage_input`` before its forward (eager or a graph's replay), a stage before the last sends
-its output on, and the last stage's first rank samples and answers (the others return []).
-``close()`` gives the GPU memory back.
+first request; then ``steps`` (``step_launcher.py``) runs scheduled batches, one at a time or
+launched ahead of their answers, each through ``forward(step)`` and the sampler. On the GPU the
+norms, the attention prologue, the activation and the plain sampler run as hand-written Triton
+kernels (``kernels/``; the layers ``torch.compile``d and the sampler eager where Triton is
+missing), also with ``enforce_eager``, which turns off graphs only. Inputs are built by
+``InputBuilder`` (one host-to-device copy per step); decode-only batches, speculative
+verification batches and one-sequence short prefills that fit a graph replay it
+(``cuda_graph.py``), everything else runs eager; the LM head and the sampler always run eager on
+the rows to sample. Under pipeline parallelism (``layers/pp.py``) every rank runs every step on
+its stage's layers: a stage after the first receives the previous stage's activations into the
+model's ``stage_input`` before its forward (eager or a graph's replay), a stage before the last
+sends its output on, and the last stage's first rank samples and answers (the others return
+[]). ``close()`` gives the GPU memory back.
 """
 
 from __future__ import annotations
 
-import collections
 import gc
 import logging
-from typing import Any
-
 import torch
 
 from nvray.cache_dirs import point_compiler_caches
 from nvray.config import EngineConfig
 from nvray.layers.attention import select_backend
-from nvray.layers.moe import expert_load, reset_expert_load
 from nvray.layers.p2p_allreduce import set_up_all_reduce
 from nvray.layers.pp import is_last_stage, pp_size, pp_stage, recv_from_prev, send_to_next
-from nvray.layers.tp import (expert_parallel, set_expert_parallel, tp_rank,
-                             tp_size, use_p2p_all_reduce)
+from nvray.layers.tp import set_expert_parallel, tp_rank, use_p2p_all_reduce
 from nvray.kv_layout import plan_kv_layout
-from nvray.lora.model import LoRAModel
 from nvray.model_config import load_model_config
 from nvray.quantization import check_fp8_device, quant_config_for
 from nvray.quantization.fp8_math import FP8_DTYPE
 from nvray.speculative_methods import refuse_drafter_served
 from nvray.startup_phases import StartupPhases
-from nvray.step_protocol import StepInput, StepOutput
+from nvray.step_protocol import StepInput
 from nvray.worker.cuda_graph import (StepGraphs, graph_capacity, graph_shapes_for,
                                      graphs_possible)
 from nvray.grammar import grammar_compiler
-from nvray.model_facts import ModelFacts
 from nvray.worker.drafter import Drafter
 from nvray.worker.step_profiler import StepProfiler
 from nvray.worker.grammar_masks import GrammarMasks
@@ -59,12 +48,13 @@ from nvray.worker.held_commit import HeldCommit
 from nvray.worker.inputs import GraphShapes, InputBuilder
 from nvray.worker.kv_cache import PagedKV, RankCaches, StateRows
 from nvray.worker.memory import GpuMemoryReport, free_cached_memory, measure_used
-from nvray.worker.sampled_ids import HostIds, SampledIds
-from nvray.worker.step_sampler import Forwarded, StepSampler
+from nvray.worker.sampled_ids import HostIds
+from nvray.worker.step_launcher import StepLauncher
+from nvray.worker.step_sampler import StepSampler
 from nvray.worker.draft_ids import DraftIds
-from nvray.worker.setup import (build_model, enable_torch_compile,
-                                resolve_dtype, resolve_max_model_len, torch_device,
-                                use_triton_kernels)
+from nvray.worker.setup import (build_model, enable_torch_compile, lora_model,
+                                resolve_dtype, resolve_max_model_len, stage_input_buffer,
+                                torch_device, use_triton_kernels)
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +82,12 @@ class ModelRunner:
         graphs_wanted = graphs_possible(self.device, config.enforce_eager, self.backend)
         self.graph_shapes = graph_shapes_for(config) if graphs_wanted else GraphShapes()
         self._set_up_caches()
-        self.stage_input = self._stage_input_buffer()
+        rows = max(config.max_num_batched_tokens, self.inputs.graph_capacity)  # a step's most
+        self.stage_input = stage_input_buffer(self.model, rows, self.hf_config.hidden_size,
+                                              self.dtype, self.device)
         self.drafter = self._drafter(graphs_wanted)  # reads this rank's block tables
-        self.lora = self._lora_model()
+        self.lora = lora_model(self.model, config, self.quant_config is not None, rows,
+                               self.device)
         self._set_up_steps()
 
     def _load_model(self) -> None:
@@ -153,26 +146,26 @@ class ModelRunner:
                                    held_rows=self.held_rows)
 
     def _set_up_steps(self) -> None:
-        """What running steps keeps: graphs (captured at start-up), the steps in flight, the
-        drafter's ids, grammar masks, the sampler, counters, the profiler."""
+        """What running steps keeps: graphs (captured at start-up), the drafter's ids, grammar
+        masks, the sampler, counters, the launcher (``step_launcher.py``)."""
         config, vocab_size = self.config, self.hf_config.vocab_size
         self.step_drafts = DraftIds(self.device)  # the drafter's ids for the step running
-        self.samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
+        samples = tp_rank() == 0 and is_last_stage()  # the rank that samples and answers
         self.graphs: StepGraphs | None = None
         self.memory_report: GpuMemoryReport | None = None
         self.graph_memory = 0
         self.num_graph_replays = 0
         self.num_verify_replays = 0  # of them, verification graphs'
-        self.in_flight: collections.deque[SampledIds] = collections.deque()
-        self.deferred: Forwarded | None = None  # a constrained step's forward, sampled next call
-        self.profiler = StepProfiler(  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
+        profiler = StepProfiler(  # NVRAY_PROFILE_DIR asks for one (step_profiler.py)
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self.grammar_masks = GrammarMasks(  # a step's sampled rows (drafts' too), twice over
             lambda: grammar_compiler(self.model_path, vocab_size), config.max_sampled_rows,
             self.device)
         self.sampler = StepSampler(self.model, self.grammar_masks,
                                    HostIds(config.max_sampled_rows, self.device), self.device,
-                                   self.fused_sampler, self.samples)
+                                   self.fused_sampler, samples)
+        self.steps = StepLauncher(self.forward, self.sampler, self.grammar_masks, self.step_drafts,
+                                  samples, profiler)
 
     def _drafter(self, graphs: bool) -> Drafter | None:
         """The drafter on this rank (``speculative_config`` method ``draft_model``, ``eagle3``
@@ -193,54 +186,6 @@ class ModelRunner:
         self.held_chunks.clear()
         self.inputs.tables.reset()  # the drafter's too: the same
 
-    def _lora_model(self) -> LoRAModel | None:
-        """Adapter slots on every adaptable projection (``enable_lora``), before the memory
-        profile, which counts them."""
-        c = self.config
-        if not c.enable_lora:
-            return None
-        if self.quant_config is not None:
-            raise ValueError("enable_lora needs an unquantized model: this checkpoint's linear "
-                             "layers are FP8 (LoRA on FP8 layers is not supported)")
-        capacity = max(c.max_num_batched_tokens, self.inputs.graph_capacity)
-        return LoRAModel(self.model, c.max_loras, c.max_lora_rank, c.cpu_loras, capacity,
-                         self.device)
-
-    def facts(self) -> ModelFacts:
-        """What the loaded model is (``nvray/model_facts.py``), as this rank found it."""
-        return ModelFacts(self.max_model_len, self.hf_config.vocab_size,
-                          (self.hf_config.architectures or [""])[0], self.dtypes(),
-                          self.kv_layout.group_windows, self.num_state_slots,
-                          self.parallelism(), self.lora_targets())
-
-    def lora_targets(self) -> dict[str, tuple[int, int]]:
-        """The projections adapters may adapt: checkpoint module -> full (in, out)."""
-        return self.lora.targets() if self.lora is not None else {}
-
-    def _stage_input_buffer(self) -> torch.Tensor | None:
-        """A later pipeline stage's input, [tokens, 2, hidden], as large as a step gets (the
-        model reads its first rows, ``DecoderModel.forward``); None on the first stage."""
-        if self.model.model.embed_tokens is not None:
-            return None
-        rows = max(self.config.max_num_batched_tokens, self.inputs.graph_capacity)
-        buffer = torch.zeros(rows, 2, self.hf_config.hidden_size, dtype=self.dtype,
-                             device=self.device)
-        self.model.model.stage_input = buffer
-        return buffer
-
-    def expert_load(self) -> list[int]:
-        """Expert parallel: the (token, expert) pairs each of this rank's experts computed
-        since start-up, over all layers (``layers/moe.expert_load``)."""
-        return expert_load(self.model)
-
-    def reset_expert_load(self) -> None:
-        reset_expert_load(self.model)
-
-    def parallelism(self) -> dict[str, Any]:
-        """How the ranks split the model and talk, for stats and the model card."""
-        return {"tensor_parallel_size": tp_size(), "pipeline_parallel_size": pp_size(),
-                "expert_parallel": expert_parallel(), "all_reduce": self.all_reduce_in_use}
-
     @property
     def graph_sizes(self) -> list[int]:
         """The decode graphs' batch sizes, ascending (empty: no graphs)."""
@@ -249,13 +194,6 @@ class ModelRunner:
     @property
     def prefill_sizes(self) -> list[int]:
         return list(self.graph_shapes.prefill)
-
-    def dtypes(self) -> dict[str, str]:
-        """What the weights and the KV cache are stored in, for stats and the model card."""
-        compute = str(self.dtype).removeprefix("torch.")
-        weights = compute if self.quant_config is None else self.quant_config.describe()
-        kv = compute if self.kv_dtype == self.dtype else "fp8 e4m3 (scale 1)"
-        return {"weights": weights, "compute": compute, "kv_cache": kv}
 
     # ----------------------------------------------------------------- KV cache
     @property
@@ -360,66 +298,3 @@ class ModelRunner:
         logits = self.model.compute_logits(rows[:batch.num_samples]) if batch.num_samples else None
         reads_more = batch.num_scores or batch.num_pools
         return logits, (rows[batch.num_samples:] if reads_more else None)
-
-    @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
-        """Run ``step`` and return its sampled ids and log-probabilities (rank 0; empty
-        elsewhere)."""
-        self.profiler.step()
-        out = self._sample(self._forward_step(step), share_ids=False).result()
-        drafts = self.step_drafts.host()
-        self.step_drafts.clear()
-        if drafts is not None and self.samples:  # what the drafter proposed, for the engine
-            out = out._replace(drafts=drafts)
-        return out
-
-    @torch.inference_mode()
-    def execute_overlapped(self, step: StepInput | None) -> StepOutput | None:
-        """Launch ``step`` (None: nothing new), then return the sampled ids of the step launched
-        before it (None if there is none). The device runs ``step`` while the caller works on
-        the returned ids; ``step`` may hold placeholders for the ids still being sampled.
-
-        A step with constrained rows queues its forward pass only: its sampling is queued at
-        the next call, before the next forward, so that the caller reads the step before and
-        schedules the next one while the grammar masks are filled (``grammar_masks.py``).
-
-        A step to ``answer_now`` (speculation; nothing may be in flight) runs to completion and
-        its own ids come back."""
-        if step is not None and step.answer_now:
-            assert not self.in_flight and self.deferred is None, (
-                "a step to answer at once was handed over while others are in flight")
-            self.sampler.last_sampled = None  # the next step holds no placeholders
-            return self.execute(step)
-        self.profiler.step()
-        if self.deferred is not None:
-            self.in_flight.append(self._sample(self.deferred, share_ids=True))
-            self.deferred = None
-        if step is not None:
-            forwarded = self._forward_step(step)
-            if step.constrained:  # (drafts come in steps to answer now: never deferred)
-                assert not any(s.num_drafts for s in step.seqs), "a deferred step with drafts"
-                self.deferred = forwarded
-            else:
-                self.in_flight.append(self._sample(forwarded, share_ids=True))
-        launched = len(self.in_flight) + (self.deferred is not None)
-        if launched < (2 if step is not None else 1):
-            return None
-        return self.in_flight.popleft().result()
-
-    def discard_in_flight(self) -> None:
-        """Drop launched steps whose ids will never be read (their requests were failed)."""
-        self.in_flight.clear()
-        self.deferred = None
-        self.sampler.last_sampled = None
-        self.grammar_masks.clear()
-
-    def _forward_step(self, step: StepInput) -> Forwarded:
-        """Queue ``step``'s forward pass (and the LM head of its rows to sample)."""
-        logits, read_hidden = self.forward(step)
-        if (step.grammars or step.grammars_done) and self.samples:
-            self.grammar_masks.update(step)
-        return Forwarded(step, logits, read_hidden)
-
-    def _sample(self, forwarded: Forwarded, share_ids: bool) -> SampledIds:
-        """Queue the sampling of a forwarded step on the device (``step_sampler.py``)."""
-        return self.sampler.sample(forwarded, share_ids, self.step_drafts.host)

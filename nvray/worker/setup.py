@@ -4,7 +4,8 @@ Functions of the configuration only, run once when a ``ModelRunner`` is made: wh
 device the rank computes on (``torch_device``: inside a Ray actor ``cuda`` is the one visible
 GPU), the compute dtype, the sequence length limit, and the model built on that device with the
 checkpoint's weights loaded, its fast paths (``torch.compile``d layers, Triton kernels) chosen
-for the device.
+for the device; a later pipeline stage's input buffer and the adapter slots (``enable_lora``)
+on it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from nvray.config import EngineConfig
 from nvray.loader import fill_random, load_model
+from nvray.lora.model import LoRAModel
 from nvray.layers.rotary import rope_max_positions
 from nvray.models import model_class_for
 from nvray.quantization import Fp8Config
@@ -101,3 +103,28 @@ def use_triton_kernels(model: torch.nn.Module) -> bool:
         if hasattr(module, "use_triton_kernels"):
             module.use_triton_kernels()
     return True
+
+
+def stage_input_buffer(model: torch.nn.Module, rows: int, hidden_size: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor | None:
+    """A later pipeline stage's input, [rows, 2, hidden], as large as a step gets (the model
+    reads its first rows, ``DecoderModel.forward``), set on the model; None on the first
+    stage."""
+    if model.model.embed_tokens is not None:
+        return None
+    buffer = torch.zeros(rows, 2, hidden_size, dtype=dtype, device=device)
+    model.model.stage_input = buffer
+    return buffer
+
+
+def lora_model(model: torch.nn.Module, config: EngineConfig, quantized: bool, rows: int,
+               device: torch.device) -> LoRAModel | None:
+    """Adapter slots on every adaptable projection (``enable_lora``) for steps of up to
+    ``rows`` rows, made before the memory profile, which counts them."""
+    if not config.enable_lora:
+        return None
+    if quantized:
+        raise ValueError("enable_lora needs an unquantized model: this checkpoint's linear "
+                         "layers are FP8 (LoRA on FP8 layers is not supported)")
+    return LoRAModel(model, config.max_loras, config.max_lora_rank, config.cpu_loras, rows,
+                     device)

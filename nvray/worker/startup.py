@@ -19,6 +19,7 @@ import logging
 import torch
 
 from nvray.kv_layout import peak_blocks
+from nvray.layers.moe import reset_expert_load
 from nvray.step_protocol import SampleSpec, SeqStep, StepInput
 from nvray.worker.compile_ahead import ahead_threads, compile_ahead
 from nvray.worker.gemm_warmup import warm_gemms
@@ -162,7 +163,7 @@ def warmup(runner: ModelRunner) -> None:
         seqs.append(SeqStep(-1 - i, [0] * n, 0, [0] * (-(-n // block_size) * groups),
                             _WARMUP_SAMPLE, num_drafts=drafts, draft_start=0,
                             draft_tokens=(0,) * n))  # a draft model's feed, as large
-    runner.execute(StepInput(seqs))
+    runner.steps.execute(StepInput(seqs))
     runner.reset_tables()
 
 
@@ -176,7 +177,7 @@ def prepare_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     if runner.graph_sizes:
         with runner.startup.phase("cuda_graphs"):
             capture_graphs(runner)
-    runner.reset_expert_load()  # what the warm-ups and captures routed is no load
+    reset_expert_load(runner.model)  # what the warm-ups and captures routed is no load
 
 
 def capture_graphs(runner: ModelRunner) -> None:
@@ -235,7 +236,7 @@ def warm_kernel_steps(runner: ModelRunner) -> None:
                             spec._replace(temperature=spec.temperature * (1 - i)),
                             draft_start=context - query_len, draft_tokens=(0,) * query_len)
                     for i in range(1 + (query_len == 33))]  # and one step of 2 rows
-            runner.execute(StepInput(seqs))
+            runner.steps.execute(StepInput(seqs))
     runner.reset_tables()
     if runner.held_commit is not None:  # the held rows' commit (recurrent layers)
         runner.held_commit.warm()

@@ -314,14 +314,14 @@ def fail_forward_after(worker, steps: int):  # noqa: ANN001, ANN201 - runs insid
     """Make a rank's forward raise from its ``steps``-th next step on (a fault, injected)."""
 
     def inject(self) -> None:
-        real, calls = self.runner.execute_overlapped, iter(range(10**9))
+        real, calls = self.runner.steps.execute_overlapped, iter(range(10**9))
 
         def faulty(step):  # noqa: ANN001, ANN202
             if next(calls) >= steps:
                 raise RuntimeError("injected forward failure")
             return real(step)
 
-        self.runner.execute_overlapped = faulty
+        self.runner.steps.execute_overlapped = faulty
 
     return worker.__ray_call__.remote(inject)
 
