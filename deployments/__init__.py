@@ -23,9 +23,9 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from deployments.args import AppArgs, parse_args
-from deployments.console import quiet_serve_shutdown_notice
-from deployments.engine_replica import NvrayEngine
-from deployments.server import NvrayServer
+from deployments.ingress.console import quiet_serve_shutdown_notice
+from deployments.routing.engine_replica import NvrayEngine
+from deployments.ingress.server import NvrayServer
 from nvray.config import EngineConfig
 from nvray.runtime.cluster import (hide_token_auth_notice, resolve_device,
                                    skip_a_dead_recorded_head)
@@ -34,7 +34,7 @@ from nvray.runtime.placement import engine_bundles
 
 __all__ = ["AppArgs", "NvrayEngine", "NvrayServer", "app", "build_app"]
 REPLICA_CPUS = 0.1  # a replica mostly relays; an engine's shares bundle 0 with its driver
-_ROUTER = "deployments.prefix_router:PrefixAwareRouter"
+_ROUTER = "deployments.routing.prefix_router:PrefixAwareRouter"
 _INGRESS_QUEUE_MARGIN = 64  # requests an ingress takes beyond what its engines admit
 
 
@@ -70,7 +70,7 @@ def _engine_options(parsed: AppArgs, config: EngineConfig) -> dict[str, Any]:
         "placement_group_bundles": _bundles(config),
         "placement_group_strategy": config.placement_strategy,
         "autoscaling_config": _autoscaling_config(parsed),
-        # a bounded queue is kept by the replica (deployments/admission.py), refusing in JSON
+        # a bounded queue is kept by the replica (routing/admission.py), refusing in JSON
         "max_ongoing_requests": parsed.serve_max_ongoing_requests(),
         "max_queued_requests": -1,
         "health_check_period_s": 10,

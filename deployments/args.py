@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, \
     field_validator
 
-from deployments.admission import AdmissionGate
-from deployments.lora_names import parse_lora_modules
+from deployments.routing.admission import AdmissionGate
+from deployments.ingress.lora_names import parse_lora_modules
 from nvray.config import SERVE_MAX_NUM_BATCHED_TOKENS, EngineConfig, exposed_options
 from nvray.options import Option, options_of
 

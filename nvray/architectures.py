@@ -4,7 +4,7 @@ format and what kind of checkpoint it is.
 
 Plain data (no torch, nothing of ``deployments``): ``nvray.models`` builds its registry from
 it, ``nvray.model_config`` its defaults, ``nvray.pooling`` its backbones and the Serve app's
-tool parsing (``deployments/tools.py``) its per-architecture format. A new architecture is one
+tool parsing (``deployments/apis/tools.py``) its per-architecture format. A new architecture is one
 entry here (and its model module).
 
 ``Architecture`` fields: ``model`` (``"module:Class"``, imported when a rank builds it),

@@ -10,7 +10,7 @@ into the one ``GrammarSpec`` the engine and the ranks compile.
 - ``choice``: the output is one of these strings;
 - ``grammar``: an EBNF grammar (xgrammar's dialect of GBNF, the start rule ``root``);
 - ``structural_tag``: an xgrammar structural tag (a dict or its JSON text): free text with
-  constrained parts, e.g. tool calls (``deployments/tools.py`` builds them).
+  constrained parts, e.g. tool calls (``deployments/apis/tools.py`` builds them).
 
 ``spec()`` gives the ``GrammarSpec`` — ``(kind, source)``, plain strings, canonical (a schema is
 re-serialized with sorted keys, a choice becomes a grammar), so equal constraints share one

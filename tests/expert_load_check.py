@@ -24,7 +24,7 @@ def check_expert_load(stats: dict[str, Any], path: str, num_requests: int) -> No
     assert sum(stats["expert_pairs_by_expert"]) == total
     assert len(stats["expert_pairs_by_expert"]) == cfg.num_experts
     assert stats["expert_load_imbalance"] == round(max(per_rank.values()) / (total / 2), 4)
-    from deployments.metrics import render_metrics  # noqa: PLC0415
+    from deployments.ingress.metrics import render_metrics  # noqa: PLC0415
 
     text = render_metrics({None: stats}, "m")
     for rank, pairs in per_rank.items():

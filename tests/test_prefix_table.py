@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deployments.prefix_router import routing_key
-from deployments.prefix_table import PrefixTable, prefix_hashes
+from deployments.routing.prefix_router import routing_key
+from deployments.routing.prefix_table import PrefixTable, prefix_hashes
 from nvray.chat_template import ChatPrompt
 
 

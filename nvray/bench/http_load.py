@@ -226,8 +226,8 @@ def start_app(app_args: dict[str, Any], port: int, name: str | None = None) -> s
 
 def wait_healthy(url: str, timeout_s: float = 900.0) -> None:
     """Until the app's ``/health`` answers 200: ``serve.run`` returns once its replicas run, and
-    a replica's engine may still be starting (``deployments/server.py``), which a load's first
-    requests would otherwise wait out."""
+    a replica's engine may still be starting (``deployments/ingress/server.py``), which a load's
+    first requests would otherwise wait out."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:

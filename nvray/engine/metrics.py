@@ -5,7 +5,7 @@ parameters, and tokens per step.
 Cumulative Prometheus-style buckets, plain Python, picklable: ``snapshot()`` travels in
 ``LLMEngine.stats()`` (one entry per histogram, keyed by its name without ``vllm:``; nvray's
 own finer-bucketed two keyed ``nvray_...``) and the
-HTTP layer prints it in Prometheus text format (deployments/metrics.py).
+HTTP layer prints it in Prometheus text format (deployments/ingress/metrics.py).
 
 A request's phases, from the engine's clock: it *queues* from arrival until first scheduled,
 is in *prefill* until its first token, in *decode* until its last; *inference* is prefill and

@@ -56,7 +56,7 @@ WEATHER = {"type": "object", "required": ["city", "unit"], "additionalProperties
 def test_tool_calls_at_temperature_1_parse_as_calls_on_qwen3s_vocabulary(qwen3_06b_path, choice):
     """40 seeds at temperature 1 under the tool-call constraint (Qwen3's vocabulary, the GPU
     mask kernel): every complete call is a call whose arguments strict JSON readers accept."""
-    from deployments.tools import NamedToolChoice, Tool, parse_tool_calls, tool_constraint
+    from deployments.apis.tools import NamedToolChoice, Tool, parse_tool_calls, tool_constraint
 
     tools = [Tool.model_validate({"type": "function", "function": {
         "name": "get_weather", "parameters": WEATHER}})]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.auth import bearer_key_matches
+from deployments.ingress.auth import bearer_key_matches
 
 KEY = "s3cret-key"
 

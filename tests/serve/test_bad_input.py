@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from deployments.body_limit import MAX_REQUEST_BODY_BYTES
+from deployments.ingress.body_limit import MAX_REQUEST_BODY_BYTES
 from serve_helpers import MAX_MODEL_LEN, assert_counters_balance, greedy, metric
 
 CANARY = "the canary sings"

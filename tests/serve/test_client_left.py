@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from ray.exceptions import TaskCancelledError
 
-from deployments.client_left import ClientLeft
+from deployments.ingress.client_left import ClientLeft
 
 
 def streaming_app(closed: list[str]) -> FastAPI:
@@ -66,6 +66,6 @@ def test_without_the_middleware_the_cancellation_escapes():  # what the middlewa
 
 
 def test_the_app_serves_through_the_middleware():
-    from deployments.server import api
+    from deployments.ingress.server import api
 
     assert any(m.cls is ClientLeft for m in api.user_middleware)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.console import _without_shutdown_notice
+from deployments.ingress.console import _without_shutdown_notice
 
 NOTICE = ("Task ServeController.graceful_shutdown failed. There are infinite retries remaining, "
           "so the task will be retried. Error: The actor is dead because it was killed by "

@@ -15,8 +15,8 @@ import requests
 from ray import serve
 
 from deployments import build_app
-from deployments.admission import AdmissionGate
-from deployments.body_limit import MAX_REQUEST_BODY_BYTES
+from deployments.routing.admission import AdmissionGate
+from deployments.ingress.body_limit import MAX_REQUEST_BODY_BYTES
 from nvray.sampling_params import MAX_LOGPROBS
 from serve_helpers import greedy
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from deployments.admission import AdmissionGate
-from deployments.engines import Lease
-from deployments.server import end_stream_task
+from deployments.routing.admission import AdmissionGate
+from deployments.routing.engines import Lease
+from deployments.ingress.server import end_stream_task
 
 
 class _Sink:
@@ -83,7 +83,7 @@ class _Replica:
 async def _a_waiter_gets_the_slot_of_a_streaming_response_whose_client_left() -> tuple[int, bool]:
     from types import SimpleNamespace
 
-    from deployments.server import NvrayServer
+    from deployments.ingress.server import NvrayServer
 
     gate, sink = AdmissionGate(max_running=1, max_waiting=1), _Sink()
     body = SimpleNamespace(priority=0, include_usage=False, continuous_usage=False)

@@ -1,7 +1,7 @@
-"""Adapter names looked up under ``lora_path`` (``deployments/lora_names.py``) stay inside it: a
-name that walks out of the directory (``..``, ``../x``, an absolute path, ``<base>:../x``) is an
-unknown model (404), even where an adapter lies at the place it points to; a plain
-subdirectory's name resolves to its adapter."""
+"""Adapter names looked up under ``lora_path`` (``deployments/ingress/lora_names.py``) stay inside
+it: a name that walks out of the directory (``..``, ``../x``, an absolute path,
+``<base>:../x``) is an unknown model (404), even where an adapter lies at the place it points
+to; a plain subdirectory's name resolves to its adapter."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from deployments.errors import OpenAIError
-from deployments.lora_names import LoRANames
+from deployments.ingress.errors import OpenAIError
+from deployments.ingress.lora_names import LoRANames
 
 
 def _adapter(path: str) -> str:

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from deployments.messages_format import MessagesFormat
-from deployments.openai_format import ChatFormat
-from deployments.tools import HERMES
+from deployments.apis.messages_format import MessagesFormat
+from deployments.apis.openai_format import ChatFormat
+from deployments.apis.tools import HERMES
 from nvray.outputs import RequestOutput
 
 TEXT = "Checking both."

@@ -1,6 +1,6 @@
-"""The prefix router's choice against stale loads (``deployments/prefix_router.py``): Serve's
-cached queue lengths still count a burst's requests after they ended, so wherever affinity
-turns on the other replicas' loads the router asks the replicas. The router runs here as Serve
+"""The prefix router's choice against stale loads (``deployments/routing/prefix_router.py``):
+Serve's cached queue lengths still count a burst's requests after they ended, so wherever
+affinity turns on the other replicas' loads the router asks the replicas. The router runs here as Serve
 builds it, over replicas that report their loads, deciding from its own table (no shared index)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-import deployments.prefix_router as prefix_router
-from deployments.prefix_router import PrefixAwareRouter
+import deployments.routing.prefix_router as prefix_router
+from deployments.routing.prefix_router import PrefixAwareRouter
 
 IMBALANCE = 4
 APP = DeploymentID(name="NvrayEngine", app_name="routed")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.response_store import ResponseStore
-from deployments.responses_format import input_items_page
+from deployments.apis.response_store import ResponseStore
+from deployments.apis.responses_format import input_items_page
 
 ITEMS = [{"id": f"msg_{i}", "type": "message"} for i in range(4)]
 

@@ -108,8 +108,8 @@ def test_an_expected_400_is_answered_by_its_handler_with_one_log_line(caplog):
     import uvicorn
     from fastapi import FastAPI
 
-    from deployments.errors import install_error_handlers
-    from deployments.openai_api import UnsupportedParameter
+    from deployments.ingress.errors import install_error_handlers
+    from deployments.apis.openai_api import UnsupportedParameter
 
     app = FastAPI()
     install_error_handlers(app)
@@ -133,6 +133,6 @@ def test_an_expected_400_is_answered_by_its_handler_with_one_log_line(caplog):
         server.should_exit = True
         thread.join(timeout=10)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "response_format"
-    ours = [r for r in caplog.records if r.name == "deployments.errors"]
+    ours = [r for r in caplog.records if r.name == "deployments.ingress.errors"]
     assert len(ours) == 1 and ours[0].exc_info is None
     assert not [r for r in caplog.records if r.exc_info is not None]  # nothing escaped the app

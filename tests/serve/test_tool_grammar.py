@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from deployments.tools import NamedToolChoice, Tool, tool_constraint
+from deployments.apis.tools import NamedToolChoice, Tool, tool_constraint
 from nvray.grammar import grammar_compiler
 from nvray.models.tiny import tiny_model_path
 
@@ -80,7 +80,7 @@ def xml_call(unit: str) -> str:
 @pytest.mark.parametrize("choice", ["required", NAMED, "auto"])
 def test_qwen3_5_xml_calls_are_constrained_to_their_own_format(compiler, choice):
     """What the constraint lets Qwen3.5 write is what its parser reads back as the call."""
-    from deployments.tools import QWEN3_XML, parse_tool_calls
+    from deployments.apis.tools import QWEN3_XML, parse_tool_calls
 
     assert accepts_xml(compiler, choice, xml_call("c"))
     assert not accepts_xml(compiler, choice, xml_call("kelvin"))  # outside the enum

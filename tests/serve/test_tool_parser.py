@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deployments.tools import QWEN3_XML, ToolCallStream, parse_tool_calls
+from deployments.apis.tools import QWEN3_XML, ToolCallStream, parse_tool_calls
 
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_B = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>'
@@ -87,7 +87,7 @@ def test_complete_calls_before_a_cut_one_are_calls_and_only_the_cut_one_is_conte
 
 
 # ----------------------------------------------------------------- Llama 3.1's JSON calls
-from deployments.tools import HERMES, LLAMA3_JSON, tool_parser_for  # noqa: E402
+from deployments.apis.tools import HERMES, LLAMA3_JSON, tool_parser_for  # noqa: E402
 
 LLAMA_A = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 LLAMA_B = '{"name": "get_time", "parameters": {"zone": "UTC"}}'

@@ -26,7 +26,8 @@ from nvray.chat_template import ChatPrompt
 from nvray.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from nvray.structured_outputs import ResponseFormat, StructuredOutputsParams
 
-from deployments.tools import NamedToolChoice, Tool, ToolChoice, template_tools, tool_constraint
+from deployments.apis.tools import (NamedToolChoice, Tool, ToolChoice, template_tools,
+                                    tool_constraint)
 
 TokenIds = list[int]
 # OpenAI's range for temperature, which its API refuses above (vLLM's HTTP API takes any value
@@ -159,7 +160,7 @@ class SamplingFields(StrictModel):
                         ) -> SamplingParams | BeamSearchParams:
         """``reasoning``: the answer may open with a think block that the app's reasoning
         parser takes apart (tool calls are constrained after it); ``tool_format``: the
-        xgrammar name of the model's tool-call format (``deployments/tools.py``)."""
+        xgrammar name of the model's tool-call format (``deployments/apis/tools.py``)."""
         if self.use_beam_search:
             return self.beam_search_params(max_tokens)
         values: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": self.ignore_eos,

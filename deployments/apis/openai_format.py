@@ -25,8 +25,8 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from deployments.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
-from deployments.tools import ToolParser, parse_tool_calls
+from deployments.apis.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
+from deployments.apis.tools import ToolParser, parse_tool_calls
 from nvray.outputs import RequestOutput, TokenLogprobs
 from nvray.reasoning import Delta, ReasoningParser, ReasoningStream
 
@@ -189,7 +189,7 @@ class ChatFormat(OpenAIEvents):
         self.model, self.id, self.created = model, new_id("chatcmpl"), int(time.time())
         self.reasoning = reasoning
         self.texts = texts  # token texts, when the request asked for log-probabilities
-        self.tools = tools  # the answer may hold tool calls of this format (deployments/tools.py)
+        self.tools = tools  # the answer may hold tool calls of this format (tools.py)
         self.tool_schemas = tool_schemas  # each function's parameters schema (XML calls' types)
         self.streams: dict[int, ReasoningStream] = {}  # choice index -> its parser state
         self.calls: dict[int, ToolCallStream] = {}  # choice index -> its tool-call parser

@@ -10,7 +10,7 @@ parser split off, whenever the model thought), ``text``, ``tool_use`` (each pars
 block ``content_block_start`` / ``content_block_delta`` (``thinking_delta``, ``text_delta``,
 ``input_json_delta``) / ``content_block_stop``, then ``message_delta`` (stop reason, output
 tokens) and ``message_stop``; a failure mid-stream is an ``error`` event. Errors on these routes
-come in Anthropic's shape (``deployments/errors.py``).
+come in Anthropic's shape (``deployments/ingress/errors.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deployments.openai_format import ChatFormat, new_id
+from deployments.apis.openai_format import ChatFormat, new_id
 from nvray.outputs import RequestOutput
 
 

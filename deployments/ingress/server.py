@@ -1,10 +1,11 @@
 """NvrayServer: the app's ingress — the OpenAI-compatible HTTP API (FastAPI,
-``deployments/http_app.py``), Anthropic's Messages API on the same chat path
-(``deployments/messages_api.py``), and a Python handle API (``generate``, ``generate_stream``, ``engine_client``) for other Ray tasks. Two route
+``http_app.py``), Anthropic's Messages API on the same chat path
+(``deployments/apis/messages_api.py``), and a Python handle API (``generate``,
+``generate_stream``, ``engine_client``) for other Ray tasks. Two route
 groups live in their own files and are mixed in: the Responses API
-(``deployments/responses_routes.py``) and pooling (``deployments/pooling_routes.py``).
+(``deployments/apis/responses_routes.py``) and pooling (``deployments/apis/pooling_routes.py``).
 
-It finds its engine one of two ways (``deployments/engines.py``):
+It finds its engine one of two ways (``deployments/routing/engines.py``):
 - without prefix routing, each replica is one whole nvray engine: the replica lives in bundle 0
   of its own placement group (``nvray.runtime.placement.engine_bundles``) beside its
   EngineDriver and rank 0, so autoscaling adds and removes whole engines, and ``check_health``
@@ -21,7 +22,7 @@ It finds its engine one of two ways (``deployments/engines.py``):
   503 while no engine replica answers within ``HEALTH_WAIT_S`` (none is up while the app
   deploys).
 
-LoRA adapters (``deployments/lora_names.py``): a generation request's ``model`` may name an
+LoRA adapters (``deployments/ingress/lora_names.py``): a generation request's ``model`` may name an
 adapter (or ``<base>:<adapter>``); its requests then run through it, and the response names it.
 ``/v1/models`` lists the adapters known so far with their parent; ``POST /v1/load_lora_adapter``
 and ``/v1/unload_lora_adapter`` change them with ``allow_runtime_lora_updating``.
@@ -55,25 +56,25 @@ from starlette.background import BackgroundTask
 from ray import serve
 
 from deployments.args import AppArgs, parse_args
-from deployments.messages_api import CountTokensRequest, MessagesRequest
-from deployments.messages_format import MessagesFormat
-from deployments.pooling_routes import PoolingRoutes
-from deployments.response_store import StoredResponses
-from deployments.responses_routes import ResponsesRoutes
-from deployments.auth import bearer_key_matches, header_key_matches
-from deployments.console import quiet_health_polls
-from deployments.engines import EngineStarting, Lease, LeasedEngines, LocalEngine
-from deployments.errors import OpenAIError, to_openai_error
-from deployments.http_app import api
-from deployments.lora_names import LoRANames, parse_lora_modules
-from deployments.metrics import render_metrics
-from deployments.prefix_router import routing_key
-from deployments.tools import tool_parser_for
-from deployments.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  LoadLoRARequest, SamplingFields, TokenizeRequest,
-                                  UnloadLoRARequest)
-from deployments.logprobs_format import TokenTexts
-from deployments.openai_format import ChatFormat, CompletionFormat, StreamFormat, with_usage
+from deployments.apis.messages_api import CountTokensRequest, MessagesRequest
+from deployments.apis.messages_format import MessagesFormat
+from deployments.apis.pooling_routes import PoolingRoutes
+from deployments.apis.response_store import StoredResponses
+from deployments.apis.responses_routes import ResponsesRoutes
+from deployments.ingress.auth import bearer_key_matches, header_key_matches
+from deployments.ingress.console import quiet_health_polls
+from deployments.routing.engines import EngineStarting, Lease, LeasedEngines, LocalEngine
+from deployments.ingress.errors import OpenAIError, to_openai_error
+from deployments.ingress.http_app import api
+from deployments.ingress.lora_names import LoRANames, parse_lora_modules
+from deployments.ingress.metrics import render_metrics
+from deployments.routing.prefix_router import routing_key
+from deployments.apis.tools import tool_parser_for
+from deployments.apis.openai_api import (ChatCompletionRequest, CompletionRequest,
+                                         DetokenizeRequest, LoadLoRARequest, SamplingFields,
+                                         TokenizeRequest, UnloadLoRARequest)
+from deployments.apis.logprobs_format import TokenTexts
+from deployments.apis.openai_format import ChatFormat, CompletionFormat, StreamFormat, with_usage
 from nvray.lora.request import LoRARequest
 from nvray.outputs import RequestOutput
 from nvray.model_config import architecture_of
@@ -368,7 +369,7 @@ class NvrayServer(ResponsesRoutes, PoolingRoutes):
 
     @api.post("/v1/messages")
     async def messages(self, body: MessagesRequest, request: Request) -> Any:
-        """Anthropic's Messages API over the chat machinery (``deployments/messages_api.py``)."""
+        """Anthropic's Messages API over the chat machinery (``apis/messages_api.py``)."""
         chat = self._chat_of_messages(body, request)
         lora = self._adapter(body.model)
         params = chat.sampling_params(chat.output_limit(), reasoning=self.reasoning is not None,

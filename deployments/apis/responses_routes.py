@@ -1,8 +1,8 @@
 """The Responses API's routes (OpenAI's ``/v1/responses``), a route group of NvrayServer
-(``deployments/server.py``): requests are translated to chat completions
-(``deployments/responses_api.py``), answered in the Responses shape
-(``deployments/responses_format.py``) and kept in the app's response store
-(``deployments/response_store.py``), which every replica reaches, so ``previous_response_id``
+(``deployments/ingress/server.py``): requests are translated to chat completions
+(``deployments/apis/responses_api.py``), answered in the Responses shape
+(``deployments/apis/responses_format.py``) and kept in the app's response store
+(``deployments/apis/response_store.py``), which every replica reaches, so ``previous_response_id``
 continues a response whichever replica served it.
 
 A mixin: it uses the server's plumbing (``_authorize``, ``_adapter``, ``_name_for``,
@@ -16,20 +16,20 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from deployments.errors import OpenAIError
-from deployments.http_app import api
-from deployments.openai_api import UnsupportedParameter
-from deployments.openai_format import ChatFormat
-from deployments.responses_api import ResponsesRequest
-from deployments.responses_format import ResponsesFormat, input_items_page
+from deployments.ingress.errors import OpenAIError
+from deployments.ingress.http_app import api
+from deployments.apis.openai_api import UnsupportedParameter
+from deployments.apis.openai_format import ChatFormat
+from deployments.apis.responses_api import ResponsesRequest
+from deployments.apis.responses_format import ResponsesFormat, input_items_page
 from nvray.reasoning import THINK_END
 
 
 class ResponsesRoutes:
     @api.post("/v1/responses")
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
-        """OpenAI's Responses API over the chat machinery (``deployments/responses_api.py``),
-        kept in the app's response store (``deployments/response_store.py``)."""
+        """OpenAI's Responses API over the chat machinery (``deployments/apis/responses_api.py``),
+        kept in the app's response store (``deployments/apis/response_store.py``)."""
         self._authorize(request)
         lora = self._adapter(body.model)
         self._require("generate", request)

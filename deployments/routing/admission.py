@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
-from deployments.errors import OpenAIError
+from deployments.ingress.errors import OpenAIError
 
 _OVERFLOW_MARGIN = 8  # requests Serve may route beyond running + waiting: each refused at once
 

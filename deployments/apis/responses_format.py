@@ -30,8 +30,8 @@ import time
 import uuid
 from typing import Any
 
-from deployments.openai_format import ChatFormat
-from deployments.responses_api import ResponsesRequest
+from deployments.apis.openai_format import ChatFormat
+from deployments.apis.responses_api import ResponsesRequest
 from nvray.outputs import RequestOutput
 
 

@@ -4,7 +4,7 @@ against load.
 
 It runs in the caller's process, one instance per deployment handle: in the nvray app that is
 the ingress replica, which leases an engine replica for each HTTP or handle request with
-``lease(routing_key)`` (``deployments/engines.py``), so HTTP and handle requests are routed
+``lease(routing_key)`` (``deployments/routing/engines.py``), so HTTP and handle requests are routed
 alike. The routing key is the prompt's text (chat messages joined in order), so a
 conversation's next turn, which resends the history, starts with the key of the turn before.
 A request for a LoRA adapter has the adapter's name as its key's whole first block: the
@@ -12,11 +12,11 @@ replicas that served the adapter (and so hold it in a slot and its requests' KV,
 its own requests can reuse) hold that block, and prefix affinity is *adapter affinity*, load
 permitting; a hot adapter spreads to a second replica as a hot prefix does.
 
-The app's routers share one table (``deployments/prefix_index.py``, a small actor per app, since
+The app's routers share one table (``prefix_index.py``, a small actor per app, since
 Serve's proxy spreads a conversation's turns over the ingress replicas): which replicas took a
 request whose key started with each block of ``block_chars`` characters (chained xxh64 hashes
 of the leading blocks, like the engine's prefix cache does with token blocks; an LRU of 200k
-blocks; ``deployments/prefix_table.py``). If the index does not answer within 0.5 s (5 s while
+blocks; ``prefix_table.py``). If the index does not answer within 0.5 s (5 s while
 it starts), a router decides from the requests it routed itself.
 
 A new request goes to the least-loaded of the replicas that hold its longest remembered prefix
@@ -53,8 +53,8 @@ import ray
 import xxhash
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments.prefix_index import get_or_create_index
-from deployments.prefix_table import BLOCK_CHARS, PrefixTable, prefix_hashes
+from deployments.routing.prefix_index import get_or_create_index
+from deployments.routing.prefix_table import BLOCK_CHARS, PrefixTable, prefix_hashes
 from nvray.chat_template import as_chat_prompt, is_chat
 
 MAX_LOAD_IMBALANCE = 4  # ongoing requests above the least-loaded replica that affinity may add

@@ -3,7 +3,7 @@
 A request (``ResponsesRequest``) becomes a ``ChatCompletionRequest`` (``to_chat``): its
 ``instructions`` a system message first (never carried over from a previous response, as
 OpenAI's); then the conversation kept for ``previous_response_id`` (chat messages,
-``deployments/response_store.py``); then ``input``: a string is a user message; items are read
+``deployments/apis/response_store.py``); then ``input``: a string is a user message; items are read
 in order: ``message`` items (roles ``user``, ``system``, ``developer``, ``assistant``; text
 parts ``input_text`` / ``output_text``, a ``refusal`` as its text) chat messages; a
 ``reasoning`` item the ``reasoning_content`` of the assistant turn after it; ``function_call``
@@ -22,7 +22,7 @@ output through the grammar; ``reasoning.effort`` ``none`` turns the chat templat
 ``max_tool_calls`` (it bounds hosted tools' calls: none here) and ``text.verbosity`` are
 accepted; ``background``, ``conversation``, ``prompt`` (stored prompts), ``truncation: auto``
 and ``include: message.output_text.logprobs`` are refused by name. The answer is
-``deployments/responses_format.py``'s.
+``deployments/apis/responses_format.py``'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from deployments.openai_api import ChatCompletionRequest, StrictModel, UnsupportedParameter
+from deployments.apis.openai_api import ChatCompletionRequest, StrictModel, UnsupportedParameter
 
 _SUPPORTED_TOOL = "nvray runs function tools only (type 'function')"
 # the chat request's field names as a Responses client knows them

@@ -1,6 +1,6 @@
-"""Pooling routes, a route group of NvrayServer (``deployments/server.py``): OpenAI's
+"""Pooling routes, a route group of NvrayServer (``deployments/ingress/server.py``): OpenAI's
 ``/v1/embeddings``, Cohere's and Jina's rerank, vLLM's score. Prefill only, batched with whatever
-else the engine runs; request and answer shapes in ``deployments/pooling_api.py``, the
+else the engine runs; request and answer shapes in ``deployments/apis/pooling_api.py``, the
 engine's side in ``nvray/pooling.py``.
 
 A mixin: it uses the server's plumbing (``_authorize``, ``_check_model``, ``_require``,
@@ -11,8 +11,8 @@ No ``from __future__ import annotations`` (FastAPI reads the route annotations).
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from deployments.http_app import api
-from deployments.pooling_api import (EmbeddingRequest, RerankRequest, ScoreRequest,
+from deployments.ingress.http_app import api
+from deployments.apis.pooling_api import (EmbeddingRequest, RerankRequest, ScoreRequest,
                                      embeddings_body, rerank_body, score_body)
 from nvray.outputs import RequestOutput
 from nvray.pooling import (RERANK_TOKENS, embed_params, rerank_token_ids, reranker_prompt,
@@ -22,7 +22,7 @@ from nvray.pooling import (RERANK_TOKENS, embed_params, rerank_token_ids, rerank
 class PoolingRoutes:
     @api.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
-        """OpenAI's embeddings (``deployments/pooling_api.py``): prefill only, batched with
+        """OpenAI's embeddings (``deployments/apis/pooling_api.py``): prefill only, batched with
         whatever else the engine runs."""
         self._authorize(request)
         self._check_model(body.model)

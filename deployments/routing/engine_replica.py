@@ -3,7 +3,7 @@
 The replica lives in bundle 0 of its own placement group (``nvray.runtime.placement``), beside
 its EngineDriver and rank 0, so autoscaling adds and removes whole engines. It serves no HTTP:
 the app's ingress (NvrayServer) leases it per request through the PrefixAwareRouter
-(``deployments/engines.py`` says how a lease works) and reaches its driver directly. Serve's
+(``deployments/routing/engines.py`` says how a lease works) and reaches its driver directly. Serve's
 health check is the engine's.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.args import AppArgs, parse_args
-from deployments.engines import LocalEngine
+from deployments.routing.engines import LocalEngine
 
 
 @serve.deployment

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictInt
 
-from deployments.openai_api import StrictModel, UnsupportedParameter
+from deployments.apis.openai_api import StrictModel, UnsupportedParameter
 from nvray.outputs import RequestOutput
 from nvray.pooling import to_embedding, to_score
 

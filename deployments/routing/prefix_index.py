@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from deployments.prefix_table import TABLE_SIZE, PrefixTable
+from deployments.routing.prefix_table import TABLE_SIZE, PrefixTable
 
 _NAMESPACE = "serve"
 

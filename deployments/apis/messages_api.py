@@ -17,7 +17,7 @@ request's ``user``; ``cache_control``, ``service_tier``, ``speed``, ``inference_
 ``diagnostics``, ``user_profile_id``, ``workspace_id`` accepted, changing nothing. So sampling, the chat template, the
 reasoning and tool parsers and the tool grammar are the ones chat completions use.
 
-The answers, whole and streamed, are ``deployments/messages_format.py``'s. Image blocks are
+The answers, whole and streamed, are ``deployments/apis/messages_format.py``'s. Image blocks are
 refused by name (a 400): nvray serves text.
 """
 
@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from deployments.openai_api import ChatCompletionRequest, StrictModel, UnsupportedParameter
+from deployments.apis.openai_api import ChatCompletionRequest, StrictModel, UnsupportedParameter
 
 # Anthropic's temperature range (OpenAI's is [0, 2])
 MAX_TEMPERATURE = 1.0

@@ -1,6 +1,6 @@
 """Where the app's HTTP and handle requests find an engine: ``LocalEngine`` or ``LeasedEngines``.
 
-Both give the routes (``deployments/server.py``) one interface: ``lease(routing_key, timeout)``
+Both give the routes (``ingress/server.py``) one interface: ``lease(routing_key, timeout)``
 returns a ``Lease`` whose ``router`` (an OutputRouter: one output channel to an engine's driver)
 takes the request and whose ``release()`` ends it; plus the engine facts, tokenizer calls,
 health and stats the routes need.
@@ -33,8 +33,8 @@ from typing import Any, Callable
 import ray
 from ray import serve
 
-from deployments import prefix_index
-from deployments.admission import AdmissionGate
+from deployments.routing import prefix_index
+from deployments.routing.admission import AdmissionGate
 from deployments.args import AppArgs
 from nvray.models.tiny import resolve_model
 from nvray.runtime import start_engine

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from deployments.errors import OpenAIError
+from deployments.ingress.errors import OpenAIError
 from nvray.lora.adapter import CONFIG_FILE, inspect_adapter
 from nvray.lora.request import LoRARequest
 
