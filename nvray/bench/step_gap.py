@@ -6,7 +6,7 @@ oracle drafter of ``bench speculative`` (the plain run's continuation, kept with
 probability that gives ``mean_acceptance_length``; k fixed). During each timed pass the host's
 pieces of a step are timed by wrapping them — the engine's ``step``, the speculator's
 ``propose``, ``schedule``, ``launch_scheduled`` (the step input), ``update_from_output``
-(applying the answer), the runner's ``forward`` and ``_sample`` (queueing the step's kernels)
+(applying the answer), the step launcher's ``forward`` and ``_sample`` (queueing its kernels)
 and the wait for its ids (``SampledIds.result``) — and, on CUDA, each step's span on the device
 by events recorded before its forward is queued and after its sampling is. Medians, in
 microseconds (the span in milliseconds).
@@ -84,7 +84,8 @@ def _timed_pass(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[s
     pieces = [(engine, "step", "step"), (engine.scheduler, "schedule", "schedule"),
               (engine, "launch_scheduled", "step_input"),
               (engine, "update_from_output", "apply_answer"),
-              (runner, "forward", "rank_forward"), (runner, "_sample", "rank_sample"),
+              (runner.steps, "forward", "rank_forward"),
+              (runner.steps, "_sample", "rank_sample"),
               (SampledIds, "result", "wait_for_ids")]
     if engine.speculator is not None:
         pieces.append((engine.speculator, "propose", "propose"))
@@ -136,7 +137,8 @@ def _device_spans(runner: Any, spans: list[tuple[Any, Any]]) -> Iterator[None]:
         return
     import torch  # noqa: PLC0415
 
-    forward, sample = runner.forward, runner._sample
+    steps = runner.steps  # what its launcher calls (worker/step_launcher.py)
+    forward, sample = steps.forward, steps._sample
 
     def marked_forward(*args: Any, **kwargs: Any) -> Any:
         begin = torch.cuda.Event(enable_timing=True)
@@ -151,11 +153,11 @@ def _device_spans(runner: Any, spans: list[tuple[Any, Any]]) -> Iterator[None]:
         spans[-1] = (spans[-1][0], end)
         return out
 
-    runner.forward, runner._sample = marked_forward, marked_sample
+    steps.forward, steps._sample = marked_forward, marked_sample
     try:
         yield
     finally:
-        runner.forward, runner._sample = forward, sample  # (``_timing``'s, undone after this)
+        steps.forward, steps._sample = forward, sample  # (``_timing``'s, undone after this)
         torch.cuda.synchronize()
 
 

@@ -5,11 +5,10 @@ rank's alone, the other rank's partial sums would still move the residual stream
 
 from __future__ import annotations
 
-import operator
-
 from nvray import SamplingParams
 from nvray.bench.engine_here import engine_here, on_ranks
 from nvray.bench.speculative import echo_weights
+from nvray.worker.rank_facts import rank_facts
 
 
 def test_echo_weights_reach_every_rank_of_a_tensor_parallel_engine(ray_cluster) -> None:
@@ -17,8 +16,8 @@ def test_echo_weights_reach_every_rank_of_a_tensor_parallel_engine(ray_cluster) 
     llm = engine_here("tiny", tensor_parallel_size=2, max_model_len=128)
     try:
         assert llm.engine.limits.parallelism["tensor_parallel_size"] == 2
-        seen = on_ranks(llm, operator.methodcaller("parallelism"))  # (it must pickle)
-        assert [facts["tensor_parallel_size"] for facts in seen] == [2, 2]
+        seen = on_ranks(llm, rank_facts)  # (it must pickle)
+        assert [facts.parallelism["tensor_parallel_size"] for facts in seen] == [2, 2]
         prompts = [[11, 12, 13, 14, 15, 16, 17, 18 + i] for i in range(3)]
         random_net = llm.generate(prompts, greedy, use_tqdm=False)
         assert any(list(o.token_ids) != [p[-1]] * 8 for o, p in zip(random_net, prompts))
