@@ -39,6 +39,61 @@ def test_stop_string_is_trimmed_from_the_output(llm):
     kept = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                                                       stop=[stop], include_stop_str_in_output=True))[0]
     assert kept.text == base.text[:base.text.index(stop) + len(stop)]
+    assert out.stop_reason == stop and kept.stop_reason == stop  # the stop string that ended it
+
+
+def test_a_stop_string_the_output_starts_with_leaves_no_text(llm):
+    base = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    stop = base.text[0]
+    out = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                     stop=[stop]))[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, "")
+
+
+def _output_texts(llm, prompt: str, num_tokens: int) -> list[str]:
+    """The greedy output's text after each of its first k tokens, k = 0 .. num_tokens, as far as
+    each is the one before plus whole characters."""
+    ids = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens,
+                                              ignore_eos=True), use_tqdm=False)[0].token_ids
+    texts = [""]
+    for k in range(1, len(ids) + 1):
+        text = llm.tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if not text.startswith(texts[-1]) or "\ufffd" in text:
+            break
+        texts.append(text)
+    return texts
+
+
+def _cut_at_one_character(texts: list[str], min_tokens: int, stop: str) -> str | None:
+    """The text a one-character stop string leaves: the first time a token at or after the
+    ``min_tokens``-th adds it, cut before it (None: it never comes)."""
+    for k in range(min_tokens, len(texts)):
+        added = texts[k][len(texts[k - 1]):]
+        if stop in added:
+            return texts[k - 1] + added[:added.index(stop)]
+    return None
+
+
+def test_a_stop_string_seen_before_min_tokens_stops_only_where_it_comes_again(llm):
+    """The text before ``min_tokens`` is not searched again once stops may end it: a stop
+    string that occurs there, even ending right before the ``min_tokens``-th token, is passed
+    over, and the output ends where it next occurs."""
+    texts = _output_texts(llm, "The engine", 48)
+    cases = [(m, texts[m - 1][-1], cut) for m in range(2, len(texts))
+             if texts[m - 1] and (cut := _cut_at_one_character(texts, m, texts[m - 1][-1]))]
+    assert cases, f"no character of this output recurs after min_tokens: {texts[-1]!r}"
+    m, stop, cut = cases[0]
+    out = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True,
+                                                     stop=[stop], min_tokens=m), use_tqdm=False)[0]
+    assert (out.finish_reason, out.text) == ("stop", cut)
+    assert texts[m - 1].endswith(stop) and len(out.text) >= len(texts[m - 1])
+
+
+def test_a_token_that_adds_the_stop_string_twice_is_cut_at_the_first(llm):
+    [engine] = llm.tokenizer.encode(" engine", add_special_tokens=False)  # one token, two n's
+    out = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                             allowed_token_ids=[engine], stop=["n"]))[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", "n", " e")
 
 
 def test_stop_token_ids_and_min_tokens(llm):
