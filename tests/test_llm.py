@@ -50,11 +50,12 @@ def test_a_stop_string_the_output_starts_with_leaves_no_text(llm):
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, "")
 
 
-def _output_texts(llm, prompt: str, num_tokens: int) -> list[str]:
+def _output_texts(llm, prompt: str, num_tokens: int, **params) -> list[str]:
     """The greedy output's text after each of its first k tokens, k = 0 .. num_tokens, as far as
     each is the one before plus whole characters."""
     ids = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=num_tokens,
-                                              ignore_eos=True), use_tqdm=False)[0].token_ids
+                                              ignore_eos=True, **params),
+                       use_tqdm=False)[0].token_ids
     texts = [""]
     for k in range(1, len(ids) + 1):
         text = llm.tokenizer.decode(ids[:k], skip_special_tokens=True)
@@ -105,6 +106,72 @@ def test_stop_token_ids_and_min_tokens(llm):
     held = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3,
                                                stop_token_ids=[first]))[0]
     assert first not in held.token_ids[:3]
+
+
+def _streamed(llm, prompt: str, params: SamplingParams) -> list:
+    """The outputs of one streaming request, step by step (bounded: 100 steps)."""
+    llm.engine.add_request("streamed", prompt, params, stream=True)
+    outs = []
+    for _ in range(100):
+        outs += [o for o in llm.engine.step() if o.request_id == "streamed"]
+        if outs and outs[-1].finished:
+            return outs
+    raise AssertionError("the streamed request did not finish in 100 steps")
+
+
+@pytest.mark.parametrize("stop_len", [1, 3])
+def test_a_stream_holds_back_what_a_stop_string_could_still_cut_and_ends_whole(llm, stop_len):
+    """With stop strings of up to L characters (none of which comes), a streamed text keeps
+    its last L - 1 characters back until more text shows they are not a stop string's start;
+    the final output sends the rest: the deltas add up to the whole text."""
+    words = [llm.tokenizer.encode(w, add_special_tokens=False)[0]
+             for w in (" engine", " is", " every", " cache", " prompt", " keep")]
+    texts = _output_texts(llm, "The engine", 16, allowed_token_ids=words)  # whole words only
+    assert len(texts) == 17
+    stop = "\x07" * stop_len  # in no output of the tiny model
+    outs = _streamed(llm, "The engine", SamplingParams(temperature=0.0, max_tokens=16,
+                                                       ignore_eos=True, stop=[stop],
+                                                       allowed_token_ids=words))
+    assert "".join(o.delta_text for o in outs) == outs[-1].text == texts[-1]
+    assert outs[-1].finish_reason == "length"
+    emitted, num_tokens, checked = "", 0, 0
+    for out in outs[:-1]:
+        emitted += out.delta_text
+        num_tokens += len(out.delta_token_ids)
+        text = texts[num_tokens]
+        assert emitted == text[:max(0, len(text) - (stop_len - 1))], (num_tokens, emitted)
+        checked += num_tokens > 0
+    assert checked >= 10  # the stream went out token by token
+
+
+def test_an_output_ending_in_half_a_character_keeps_the_text_transformers_decodes(llm, tiny_path):
+    """What the detokenizer holds back for bytes that do not make a whole character comes out
+    when the output ends, by max_tokens or by a stop token after them (whose own text is left
+    out): the text transformers decodes from the same ids."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ids = llm.generate("The engine", greedy, use_tqdm=False)[0].token_ids
+    k = next((k for k in range(1, len(ids)) if hf.decode(ids[:k]).endswith("\ufffd")
+              and ids[k] not in ids[:k]), None)
+    assert k is not None, f"no output token ends in half a character here: {ids}"
+    by_length = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=k,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert by_length.token_ids == ids[:k] and by_length.finish_reason == "length"
+    assert by_length.text == hf.decode(ids[:k], skip_special_tokens=True)
+    by_stop = llm.generate("The engine", SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                        stop_token_ids=[ids[k]]), use_tqdm=False)[0]
+    assert by_stop.token_ids == ids[:k + 1]
+    assert (by_stop.finish_reason, by_stop.stop_reason) == ("stop", ids[k])  # the request's own
+    assert by_stop.text == hf.decode(ids[:k], skip_special_tokens=True)
+
+
+def test_an_output_ended_by_eos_has_no_stop_reason(llm):
+    eos = llm.tokenizer.eos_token_id
+    out = llm.generate("The", SamplingParams(temperature=0.0, max_tokens=4,
+                                             allowed_token_ids=[eos]))[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == ([eos], "stop", None, "")
 
 
 def test_a_stop_string_completed_by_the_min_tokens_th_token_stops_there(llm):
