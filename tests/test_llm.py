@@ -368,3 +368,10 @@ def test_start_up_is_reported_by_phase_and_the_phases_make_up_the_start(tiny_pat
     assert startup["total_s"] >= 0.8 * wall - 0.05  # ... and nearly all of it
     assert abs(sum(phases.values()) + startup["other_s"] - startup["total_s"]) < 0.01
     assert startup["other_s"] <= 0.1 * startup["total_s"] + 0.02  # the phases cover the start
+
+
+def test_an_output_carries_the_prompt_it_was_given(llm):
+    text = llm.generate("The engine", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    ids = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert (text.prompt, ids.prompt) == ("The engine", None)
+    assert ids.prompt_token_ids == [5, 6, 7]
